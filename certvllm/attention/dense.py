@@ -1,0 +1,58 @@
+"""Exact dense attention over the unquantized originals: rungs 3 and 4, and the dense mode.
+
+One function computes it for unpaged K/V; the paged variant gathers a row's shadow pages and calls
+that same function on the same values, so a head recomputed by rung 3/4 is bit-identical to
+``dense_decode`` on the originals.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from certvllm.kv.cache import LayerKVCache
+from certvllm.kv.pagein import PageInEngine
+
+
+def dense_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Exact attention of one query per head over ``T`` tokens, in float32.
+
+    Args:
+        q: ``[H_q, D]``; k, v: ``[T, H_kv, D]`` (float16/bfloat16 originals).
+
+    Returns:
+        ``[H_q, D]`` float32.
+    """
+    qf = q.float().unsqueeze(0).unsqueeze(2)  # (1, H_q, 1, D)
+    kf = k.float().permute(1, 0, 2).unsqueeze(0)  # (1, H_kv, T, D)
+    vf = v.float().permute(1, 0, 2).unsqueeze(0)
+    out = F.scaled_dot_product_attention(qf, kf, vf, scale=scale, enable_gqa=kf.shape[1] != qf.shape[1])
+    return out[0, :, 0]
+
+
+def gather_row_kv(
+    cache: LayerKVCache, block_table: torch.Tensor, seq_len: int, pagein: PageInEngine
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The originals of one row's first ``seq_len`` tokens from the shadow: ``[T, H_kv, D]`` each."""
+    n = cache.layout.block_size
+    nblocks = -(-seq_len // n)
+    blocks = pagein.gather_blocks(cache.shadow, block_table[:nblocks].long())  # (b, H_kv, 2, N, D)
+    kv = blocks.permute(2, 0, 3, 1, 4).reshape(2, nblocks * n, cache.num_kv_heads, -1)
+    return kv[0, :seq_len], kv[1, :seq_len]
+
+
+def dense_paged(
+    q: torch.Tensor,
+    cache: LayerKVCache,
+    block_tables: torch.Tensor,
+    seq_lens: list[int],
+    rows: list[int],
+    scale: float,
+    pagein: PageInEngine,
+) -> torch.Tensor:
+    """Exact attention for the listed rows: ``[len(rows), H_q, D]`` float32."""
+    outs = []
+    for r in rows:
+        k, v = gather_row_kv(cache, block_tables[r], seq_lens[r], pagein)
+        outs.append(dense_decode(q[r], k, v, scale))
+    return torch.stack(outs) if outs else q.new_zeros((0, *q.shape[1:]), dtype=torch.float32)

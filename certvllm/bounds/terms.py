@@ -1,0 +1,107 @@
+"""The terms of the certificate. Every function returns a value that is ≥ the real-number
+quantity it names, even though it is evaluated in float32 (inflated by γ factors).
+
+Shapes: ``R`` rows (one query each), ``K`` KV heads, ``G`` query heads per KV head, ``B`` blocks,
+``D`` head dim. ``q_abs`` is |q·softmax_scale| as float32 ``[R, K, G, D]``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from certvllm.bounds.rounding import GAMMA_SLACK, UNIT_ROUNDOFF, gamma
+from certvllm.formats.keys import P2_RELATIVE_SLACK
+
+
+def _sum_inflation(n_terms: int) -> float:
+    """Factor that turns a float32 sum of n non-negative products into an upper bound."""
+    return (1.0 + gamma(n_terms + 2)) * GAMMA_SLACK
+
+
+def block_delta(q_abs: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+    """Δ_b per query head: the largest score change key quantization can cause in block b.
+
+    Δ_b = Σ_c |q_c|·scale · σ_{b,c}·(1/2 + slack) (the tight per-channel form).
+
+    Args:
+        q_abs: ``[R, K, G, D]`` float32.
+        sigma: ``[R, B, K, D]`` float32 key scales of each row's blocks.
+
+    Returns:
+        ``[R, K, G, B]`` float32.
+    """
+    d = q_abs.shape[-1]
+    raw = torch.einsum("rkgd,rbkd->rkgb", q_abs, sigma)
+    return raw * ((0.5 + P2_RELATIVE_SLACK) * _sum_inflation(d))
+
+
+def score_rounding(q_abs: torch.Tensor, key_mag: torch.Tensor) -> torch.Tensor:
+    """R_b: the float32 rounding of a score in block b (query scaling, key dequantization and
+    the D-term dot product), from per-channel bounds ``key_mag`` ≥ |k|, |k̂|.
+
+    Args:
+        q_abs: ``[R, K, G, D]`` float32.
+        key_mag: ``[R, B, K, D]`` float32.
+
+    Returns:
+        ``[R, K, G, B]`` float32.
+    """
+    d = q_abs.shape[-1]
+    raw = torch.einsum("rkgd,rbkd->rkgb", q_abs, key_mag)
+    return raw * ((gamma(d) + 4 * UNIT_ROUNDOFF) * _sum_inflation(d))
+
+
+def exp_rounding(score_abs_max: torch.Tensor) -> torch.Tensor:
+    """Score-equivalent perturbation of w = exp(s − m) in float32: the subtraction rounds by
+    ≤ u·|s − m| ≤ 2u·max|s| and exp adds ≤ 4 ulp; log(1 + θ) ≤ θ(1 + θ)."""
+    return (2.0 * score_abs_max * UNIT_ROUNDOFF + 4.0 * UNIT_ROUNDOFF) * GAMMA_SLACK * (1 + 2.0**-20)
+
+
+def tail_mass_upper(alpha_observed: torch.Tensor, delta_tail: torch.Tensor, rounding: torch.Tensor) -> torch.Tensor:
+    """ᾱ_T = min(1, e^{2(Δ_T + R)}·α): an upper bound on the exact tail mass from a tail mass α
+    measured under scores that differ from the exact ones by ≤ Δ_T + R on the tail and ≤ R elsewhere."""
+    return torch.clamp(torch.exp(2.0 * (delta_tail + rounding)) * alpha_observed * GAMMA_SLACK, max=1.0)
+
+
+def key_sum_bound(alpha_upper: torch.Tensor, delta_tail: torch.Tensor, rounding: torch.Tensor) -> torch.Tensor:
+    """S ≥ Σ_t |a_t − a''_t| (twice the total-variation distance).
+
+    The least of: 2; the full-sequence form 2·tanh((Δ_T + R)/2); and the tail-restricted form
+    ᾱ_T·((e^{Δ_T} − 1) + (e^{2Δ_T} − 1)) + R.
+    """
+    tail_form = alpha_upper * (torch.expm1(delta_tail) + torch.expm1(2.0 * delta_tail)) + rounding
+    full_form = 2.0 * torch.tanh(0.5 * (delta_tail + rounding))
+    return torch.clamp(torch.minimum(tail_form, full_form) * GAMMA_SLACK, max=2.0)
+
+
+def key_bound(
+    v_max: torch.Tensor, key_sum: torch.Tensor, eta_max: torch.Tensor, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """E_key = V_max·S + E_round. Returns ``(e_key, e_round)``.
+
+    E_round = (2γ_{N+2} + 2u)·(V_max + η_max) covers the float32 per-block weighted sums (N terms
+    each), the float64 combination across blocks and the final division and cast.
+    """
+    round_factor = (2.0 * gamma(block_size + 2) + 2.0 * UNIT_ROUNDOFF) * GAMMA_SLACK
+    e_round = round_factor * (v_max + eta_max)
+    return v_max * key_sum * GAMMA_SLACK + e_round, e_round
+
+
+def value_bound(block_mass: torch.Tensor, eta: torch.Tensor, block_size: int) -> torch.Tensor:
+    """E_val = Σ_b ρ_b η_b over INT4 blocks, with ρ_b the computed block masses of the weights
+    actually applied (inflated for their float32 evaluation).
+
+    Args:
+        block_mass: ``[..., B]`` float64 or float32 computed block masses (0 for FP16-value blocks).
+        eta: ``[..., B]`` η_b (0 where values are FP16).
+    """
+    inflate = (1.0 + 3.0 * gamma(block_size + 2)) * GAMMA_SLACK
+    total = (block_mass.to(torch.float64) * eta.to(torch.float64)).sum(dim=-1)
+    return (total * inflate).to(torch.float32) * (1 + 2.0**-20)
+
+
+def softmax_scale(head_dim: int) -> float:
+    """The default attention scale 1/√D."""
+    return 1.0 / math.sqrt(head_dim)

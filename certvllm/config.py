@@ -1,0 +1,136 @@
+"""``CertConfig``: the one validated object holding every tolerance and switch.
+
+Tolerances (``key_tol``, ``v_tol``, ``bound_tol``) are **relative to V_max**, the largest value
+norm in the head's context: the attention output is a convex combination of values, so
+‖O‖ ≤ V_max and a tolerance of 0.05 means "5 % of the largest possible output norm". The
+reported bounds (``e_key``, ``e_val``) are absolute.
+
+Presets live as YAML in ``configs/`` (shipped as ``certvllm.configs``) and load by name.
+"""
+
+from __future__ import annotations
+
+import math
+from importlib import resources
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+DEFAULT_PRESET = "default"
+
+
+class CertConfigError(ValueError):
+    """A certvllm configuration value is invalid; the message names the field and the fix."""
+
+
+class CertConfig(BaseModel):
+    """Tolerances and switches of certified attention (see ``docs/certification.md``)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True)
+
+    mode: Literal["certified", "naive", "dense"] = Field(
+        "certified",
+        description="certified: the full ladder; naive: INT8 keys and INT4 values everywhere, no "
+        "promotion, checks or fallback (a baseline; bounds are still reported); dense: exact attention.",
+    )
+    value_group_size: Literal[8, 16, 32] = Field(16, description="INT4 value group size g.")
+    tau_cov: float = Field(0.995, gt=0.0, le=1.0, description="Mass coverage target of the FP16-key set.")
+    k_min: int = Field(2, ge=0, description="Fewest key blocks promoted per query head.")
+    k_max: int = Field(128, ge=0, description="Most key blocks promoted per query head before rung 1.")
+    rung1_multiplier: float = Field(2.0, ge=1.0, description="Rung 1 widens K_max by this factor.")
+    rung1_tail_threshold: float = Field(
+        0.02, ge=0.0, le=1.0, description="Rung 1 fires when the estimated tail mass exceeds this."
+    )
+    key_tol: float = Field(
+        math.inf, gt=0.0, description="Rung 1 also fires while the estimated E_key exceeds key_tol·V_max."
+    )
+    v_tol: float = Field(0.05, ge=0.0, description="Rung 2 promotes FP16 values until E_val ≤ v_tol·V_max.")
+    value_k_max: int | None = Field(None, ge=0, description="Most value blocks promoted per head (None: no cap).")
+    rank_check: bool = Field(True, description="Top-r rank-consistency and boundary tests (rung 3).")
+    rank_depth: int = Field(1, ge=1, le=64, description="r: how many top blocks must keep their order.")
+    eps_guard: float = Field(0.01, ge=0.0, description="Log-mass tie tolerance of the rank test.")
+    canary: bool = Field(True, description="Score-consistency canary on promoted blocks (rung 4).")
+    bound_tol: float = Field(
+        math.inf, gt=0.0, description="Rung 3 for any head whose E_key + E_val exceeds bound_tol·V_max."
+    )
+    exploration_rate: float = Field(
+        0.0, ge=0.0, le=1.0, description="Probability of promoting an extra key block (canary coverage)."
+    )
+    prefill: Literal["exact", "certified"] = Field(
+        "exact",
+        description="Queries of a prefill that read cached blocks: exact dense over the originals, or certified.",
+    )
+    host_memory_gb: float | None = Field(
+        None, gt=0.0, description="Host (tier-2) memory budget for shadow pages; None: as much as the device tier."
+    )
+    seed: int = Field(0, ge=0, description="Seed of the exploration draws.")
+
+    @model_validator(mode="after")
+    def _check_relations(self) -> CertConfig:
+        if self.k_min > self.k_max:
+            raise ValueError(
+                f"k_min={self.k_min} must be ≤ k_max={self.k_max}; raise k_max or lower k_min"
+            )
+        return self
+
+
+def _format_errors(err: ValidationError, source: str) -> str:
+    lines = [f"invalid certvllm config ({source}):"]
+    for e in err.errors():
+        field = ".".join(str(p) for p in e["loc"]) or "<config>"
+        allowed = e.get("ctx") or {}
+        detail = e["msg"]
+        if allowed:
+            detail += " (" + ", ".join(f"{k}={v}" for k, v in allowed.items() if k != "error") + ")"
+        given = e.get("input")
+        lines.append(
+            f"  - {field}: {detail}; got {given!r}. Fix it in the preset file or with --cert-{field.replace('_', '-')}."
+        )
+    return "\n".join(lines)
+
+
+def make_config(source: str = "<arguments>", **values: Any) -> CertConfig:
+    """Build a config, turning validation errors into a :class:`CertConfigError`."""
+    try:
+        return CertConfig(**values)
+    except ValidationError as err:
+        raise CertConfigError(_format_errors(err, source)) from None
+
+
+def preset_names() -> list[str]:
+    """Names of the presets shipped in ``certvllm.configs``."""
+    root = resources.files("certvllm.configs")
+    return sorted(p.name[:-5] for p in root.iterdir() if p.name.endswith(".yaml"))
+
+
+def _read_yaml(text: str, source: str) -> dict[str, Any]:
+    data = yaml.safe_load(text) or {}
+    if not isinstance(data, dict):
+        raise CertConfigError(f"{source}: expected a mapping of config fields, got {type(data).__name__}")
+    return data
+
+
+def load_config(preset_or_path: str | Path | None = None, **overrides: Any) -> CertConfig:
+    """Load a preset by name (``paper``, ``default``, ``strict``, ``fast``) or a YAML file, then
+    apply ``overrides`` (field=value). ``None`` loads the default preset."""
+    name = str(preset_or_path) if preset_or_path is not None else DEFAULT_PRESET
+    path = Path(name)
+    if path.suffix in (".yaml", ".yml") or path.exists():
+        if not path.is_file():
+            raise CertConfigError(
+                f"config file {name!r} does not exist; pass a preset name {preset_names()} or a YAML path"
+            )
+        data = _read_yaml(path.read_text(), name)
+        source = str(path)
+    else:
+        entry = resources.files("certvllm.configs") / f"{name}.yaml"
+        if not entry.is_file():
+            raise CertConfigError(
+                f"unknown certvllm preset {name!r}; choose one of {preset_names()} or pass a YAML file path"
+            )
+        data = _read_yaml(entry.read_text(), f"preset {name}")
+        source = f"preset {name}"
+    data.update({k: v for k, v in overrides.items() if v is not None})
+    return make_config(source, **data)

@@ -1,0 +1,67 @@
+"""Page-in engine: the one interface that moves shadow pages (tier 2) to where attention runs.
+
+Promotions (FP16 keys or values of chosen blocks), the trailing partial block, and the exact
+fallbacks (rung 3 for a head, rung 4 for a layer) all gather shadow pages by block id here, so
+the bytes and time they cost are counted in one place. On the CPU the host tier is indexed
+directly; a CUDA engine (zero-copy gather from pinned memory on a side stream) implements the
+same two methods.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class PageInStats:
+    """Cumulative page-in traffic since the last :meth:`PageInEngine.take_stats`."""
+
+    bytes: int = 0
+    seconds: float = 0.0
+    key_blocks: int = 0
+    value_blocks: int = 0
+
+
+class PageInEngine:
+    """Gathers shadow pages by block id onto ``device`` (the attention device)."""
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+        self.stats = PageInStats()
+
+    def take_stats(self) -> PageInStats:
+        stats, self.stats = self.stats, PageInStats()
+        return stats
+
+    def gather_kv(self, shadow: torch.Tensor, block_ids: torch.Tensor, kv_heads: torch.Tensor) -> torch.Tensor:
+        """Keys and values of single (block, KV head) pages.
+
+        Args:
+            shadow: ``[num_blocks, H_kv, 2, N, D]`` host tier of one layer.
+            block_ids, kv_heads: ``[n]`` int64.
+
+        Returns:
+            ``[n, 2, N, D]`` in the shadow dtype, on ``self.device``.
+        """
+        start = time.perf_counter()
+        out = shadow[block_ids.to(shadow.device), kv_heads.to(shadow.device)].to(self.device, non_blocking=True)
+        self._count(out, start)
+        return out
+
+    def gather_blocks(self, shadow: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+        """Whole blocks (all KV heads, keys and values): ``[m, H_kv, 2, N, D]`` on ``self.device``."""
+        start = time.perf_counter()
+        out = shadow[block_ids.to(shadow.device)].to(self.device, non_blocking=True)
+        self._count(out, start)
+        return out
+
+    def count_promotions(self, key_blocks: int, value_blocks: int) -> None:
+        self.stats.key_blocks += key_blocks
+        self.stats.value_blocks += value_blocks
+
+    def _count(self, out: torch.Tensor, start: float) -> None:
+        self.stats.bytes += out.numel() * out.element_size()
+        self.stats.seconds += time.perf_counter() - start

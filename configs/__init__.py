@@ -1,0 +1,1 @@
+"""Preset YAML files, shipped as the ``certvllm.configs`` package (see ``certvllm.config``)."""

@@ -1,0 +1,208 @@
+"""Soundness of certified attention against the float64 exact reference, on random and
+adversarial inputs, plus each rung reached by a constructed input.
+
+Tolerances: for every head with rung ≤ 2, ‖out − exact‖₂ ≤ e_key + e_val with exact computed in
+float64 over the unquantized originals — no slack. For rung ≥ 3, the output must be bit-identical
+to ``dense_decode`` on the same originals.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from certvllm.attention import certified_attention, certified_decode, dense_decode
+from certvllm.config import load_config, make_config
+from certvllm.formats.layout import BLOCK_SIZE
+from certvllm.testing import FAMILIES, check_soundness, exact_attention, make_case, paged_batch
+
+PRESETS = ("default", "paper", "strict", "fast", "naive")
+DTYPES = (torch.float16, torch.bfloat16)
+
+
+@given(
+    family=st.sampled_from(FAMILIES),
+    preset=st.sampled_from(PRESETS),
+    hkv=st.integers(1, 4),
+    ratio=st.sampled_from([1, 3, 4, 8]),
+    d=st.sampled_from([64, 128]),
+    dtype=st.sampled_from(DTYPES),
+    lengths=st.lists(st.integers(1, 600), min_size=1, max_size=6),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_bound_holds_over_shapes_and_families(family, preset, hkv, ratio, d, dtype, lengths, seed):
+    gen = torch.Generator().manual_seed(seed)
+    cases = [make_case(family, t, hkv * ratio, hkv, d, dtype, gen) for t in lengths]
+    res = check_soundness(cases, load_config(preset))
+    assert res.violations == 0, f"error > bound: {(res.error - res.bound).max()}"
+    assert res.dense_mismatch == 0
+
+
+@pytest.mark.slow
+def test_hundred_thousand_head_steps():
+    """≥ 10⁵ head-steps over every family, preset, GQA ratio, D and dtype; zero violations."""
+    gen = torch.Generator().manual_seed(2026)
+    total = violations = mismatches = 0
+    it = 0
+    while total < 100_000:
+        family = FAMILIES[it % len(FAMILIES)]
+        cfg = load_config(PRESETS[(it // len(FAMILIES)) % len(PRESETS)])
+        ratio = (1, 3, 4, 8)[it % 4]
+        hkv = 4 if ratio < 8 else 2
+        d = (64, 128)[(it // 4) % 2]
+        dtype = DTYPES[(it // 8) % 2]
+        lengths = torch.randint(1, 900, (24,), generator=gen).tolist()
+        res = check_soundness([make_case(family, t, hkv * ratio, hkv, d, dtype, gen) for t in lengths], cfg)
+        total += res.rung.numel()
+        violations += res.violations
+        mismatches += res.dense_mismatch
+        it += 1
+    assert violations == 0 and mismatches == 0
+    assert total >= 100_000
+
+
+def _run(cases, cfg):
+    res = check_soundness(cases, cfg)
+    assert res.violations == 0 and res.dense_mismatch == 0
+    return res
+
+
+def test_rung1_widens_coverage_when_the_tail_is_heavy(gen):
+    cfg = make_config(k_min=1, k_max=8, rung1_multiplier=2.0, rung1_tail_threshold=0.02, v_tol=100.0,
+                      rank_check=False, bound_tol=math.inf)  # fmt: skip
+    res = _run([make_case("flat", 64 * BLOCK_SIZE, 4, 2, 64, torch.float16, gen)], cfg)
+    assert (res.rung == 1).all()
+    assert (res.report.k_star == 16).all()
+
+
+def test_rung1_key_tolerance_trigger(gen):
+    base = dict(k_min=1, k_max=4, rung1_tail_threshold=1.0, v_tol=100.0, rank_check=False, rung1_multiplier=8.0)
+    case = make_case("random", 48 * BLOCK_SIZE, 4, 2, 64, torch.float16, gen)
+    loose = _run([case], make_config(**base))
+    tight = _run([case], make_config(**base, key_tol=1e-3))
+    assert (loose.rung == 0).all()
+    assert (tight.rung == 1).all()
+    assert (tight.report.k_star > loose.report.k_star).all()
+    assert (tight.report.e_key <= loose.report.e_key).all()
+
+
+def test_rung2_promotes_values_until_the_value_budget_is_met(gen):
+    case = make_case("random", 40 * BLOCK_SIZE, 8, 2, 64, torch.bfloat16, gen)
+    res = _run([case], make_config(v_tol=0.002, rank_check=False))
+    assert (res.rung == 2).all() and (res.report.v_promoted > 0).all()
+    assert (res.report.e_val <= 0.002 * res.report.v_max * 1.0001).all()
+    none = _run([case], make_config(v_tol=10.0, rank_check=False))
+    assert (none.report.v_promoted == 0).all()
+
+
+def test_rung3_boundary_test_on_duplicated_top_blocks(gen):
+    # two identical blocks: with one block promoted the other ties it, so it may outrank F
+    case = make_case("random", 8 * BLOCK_SIZE, 2, 1, 64, torch.float16, gen)
+    case.k[BLOCK_SIZE : 2 * BLOCK_SIZE] = case.k[:BLOCK_SIZE]
+    case.k[:BLOCK_SIZE] *= 1.0
+    case.q[:] = case.k[:BLOCK_SIZE, 0].float().mean(0).to(case.q.dtype) * 3
+    res = _run([case], make_config(k_min=1, k_max=1, tau_cov=0.5, rung1_tail_threshold=1.0, v_tol=100.0))
+    assert (res.rung == 3).all() and res.report.boundary_fail.all()
+
+
+def test_rung3_rank_check_on_near_tied_blocks():
+    cfg = make_config(k_min=4, k_max=4, eps_guard=0.0, rung1_tail_threshold=1.0, v_tol=100.0)
+    found = 0
+    for seed in range(20):
+        gen = torch.Generator().manual_seed(seed)
+        res = _run([make_case("near_tied_blocks", 20 * BLOCK_SIZE, 8, 2, 64, torch.float16, gen)], cfg)
+        found += int(res.report.rank_fail.sum())
+        assert ((res.rung == 3) | ~res.report.rank_fail).all()
+    assert found > 0
+
+
+def test_rung3_bound_tolerance_recomputes_exactly(gen):
+    case = make_case("random", 300, 8, 2, 128, torch.bfloat16, gen)
+    res = _run([case], make_config(bound_tol=1e-9))
+    assert (res.rung == 3).all() and res.report.bound_fail.all()
+    assert (res.bound == 0).all()
+    dense = dense_decode(case.q, case.k, case.v, 1 / math.sqrt(128))
+    out = certified_decode(case.q, case.k, case.v, make_config(bound_tol=1e-9)).out
+    assert torch.equal(out, dense)
+
+
+def test_rung4_canary_catches_pages_that_disagree_with_their_shadow(gen):
+    cases = [make_case("random", 10 * BLOCK_SIZE, 4, 2, 64, torch.float16, gen) for _ in range(2)]
+    cache, tables, lens = paged_batch(cases)
+    lay = cache.layout
+    corrupted = tables[0, :10]
+    cache.pages[corrupted, :, lay.k_codes : lay.k_codes + BLOCK_SIZE * lay.head_dim] = 255  # stale keys
+    q = torch.stack([c.q for c in cases])
+    res = certified_attention(q, cache, tables, lens, load_config("default"))
+    assert (res.report.rung[0] == 4).all() and res.report.canary_fail[0].all()
+    assert (res.report.rung[1] <= 2).all()
+    assert torch.equal(res.out[0], dense_decode(cases[0].q, cases[0].k, cases[0].v, 1 / 8))
+
+
+def test_rung4_precondition_violation_keys_beyond_float16(gen):
+    case = make_case("random", 5 * BLOCK_SIZE, 4, 2, 64, torch.bfloat16, gen)
+    case.k[3, 1, 0] = -3e5
+    res = _run([case], load_config("default"))
+    assert (res.rung == 4).all() and res.report.precondition.all()
+    naive = check_soundness([case], load_config("naive"))
+    assert torch.isinf(naive.report.e_key).all()  # no fallback, so no finite certificate
+
+
+def test_dense_and_naive_modes_share_the_call(gen):
+    case = make_case("random", 200, 8, 2, 64, torch.float16, gen)
+    dense = certified_decode(case.q, case.k, case.v, load_config("dense"))
+    assert (dense.report.rung == 4).all()
+    assert torch.equal(dense.out, dense_decode(case.q, case.k, case.v, 1 / 8))
+    naive = certified_decode(case.q, case.k, case.v, load_config("naive"))
+    assert (naive.report.rung == 0).all() and (naive.report.k_star == 0).all()
+    assert (naive.report.v_promoted == 0).all()
+
+
+def test_short_sequences_are_exact_up_to_rounding(gen):
+    for t in (1, 7, 15):
+        case = make_case("random", t, 8, 4, 64, torch.float16, gen)
+        res = certified_decode(case.q, case.k, case.v)
+        ref = exact_attention(case.q, case.k, case.v)
+        assert (res.report.k_star == 0).all() and (res.report.rung == 0).all()
+        assert (torch.linalg.vector_norm(res.out.double() - ref, dim=-1) <= res.report.bound.double()).all()
+        assert (res.report.bound < 1e-3 * res.report.v_max).all()
+
+
+def test_batched_rows_match_single_sequence_calls(gen):
+    cases = [make_case("retrieval_peaks", t, 12, 3, 64, torch.float16, gen) for t in (5, 33, 250, 600)]
+    batch = check_soundness(cases, load_config("default"))
+    for i, c in enumerate(cases):
+        single = certified_decode(c.q, c.k, c.v)
+        assert torch.equal(single.report.k_star, batch.report.k_star[i])
+        ref = exact_attention(c.q, c.k, c.v)
+        err = torch.linalg.vector_norm(single.out.double() - ref, dim=-1)
+        assert (err <= single.report.bound.double()).all()
+
+
+def test_multi_token_rows_share_a_block_table(gen):
+    """Prefill-style rows: query p attends to tokens [0, p]; rows share the block table."""
+    case = make_case("sink_and_recency", 130, 8, 2, 64, torch.float16, gen)
+    cache, tables, _ = paged_batch([case])
+    positions = torch.tensor([15, 16, 31, 47, 100, 129])
+    q = torch.randn(len(positions), 8, 64, generator=gen).half()
+    res = certified_attention(q, cache, tables.expand(len(positions), -1), positions + 1, load_config("default"))
+    for i, p in enumerate(positions.tolist()):
+        ref = exact_attention(q[i], case.k[: p + 1], case.v[: p + 1])
+        err = torch.linalg.vector_norm(res.out[i].double() - ref, dim=-1)
+        ok = (err <= res.report.bound[i].double()) | (res.report.rung[i] >= 3)
+        assert ok.all()
+
+
+def test_input_validation_messages():
+    q = torch.randn(6, 64)
+    k = torch.randn(10, 4, 64).half()
+    with pytest.raises(ValueError, match="not a multiple of H_kv"):
+        certified_decode(q, k, k)
+    with pytest.raises(ValueError, match="Invalid shapes"):
+        certified_decode(q, k[:, :, :32], k)
+    with pytest.raises(ValueError, match="float16 or bfloat16"):
+        certified_decode(torch.randn(4, 64), k.float(), k.float())

@@ -1,0 +1,61 @@
+"""CertConfig validation, presets and error messages."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from certvllm.config import CertConfigError, load_config, make_config, preset_names
+
+
+def test_required_presets_exist_and_load():
+    names = preset_names()
+    for name in ("paper", "default", "strict", "fast", "naive", "dense"):
+        assert name in names
+        assert load_config(name).mode in ("certified", "naive", "dense")
+    paper = load_config("paper")
+    assert (paper.tau_cov, paper.k_min, paper.k_max, paper.v_tol, paper.rank_depth) == (0.995, 2, 128, 0.05, 1)
+    assert math.isinf(paper.bound_tol)
+    assert load_config().canary  # rung 4 is on by default
+
+
+def test_overrides_apply_and_yaml_files_load(tmp_path):
+    cfg = load_config("default", v_tol=0.01)
+    assert cfg.v_tol == 0.01
+    f = tmp_path / "mine.yaml"
+    f.write_text("mode: certified\nk_max: 64\nbound_tol: 0.2\n")
+    assert load_config(str(f)).k_max == 64
+
+
+@pytest.mark.parametrize(
+    "field,value,needle",
+    [
+        ("tau_cov", 1.5, "less than or equal to 1"),
+        ("tau_cov", 0.0, "greater than 0"),
+        ("k_max", -1, "greater than or equal to 0"),
+        ("v_tol", -0.1, "greater than or equal to 0"),
+        ("mode", "fp8", "certified"),
+        ("rank_depth", 0, "greater than or equal to 1"),
+    ],
+)
+def test_invalid_values_name_field_range_and_value(field, value, needle):
+    with pytest.raises(CertConfigError) as info:
+        make_config(**{field: value})
+    msg = str(info.value)
+    assert field in msg and needle in msg and repr(value) in msg
+    assert f"--cert-{field.replace('_', '-')}" in msg
+
+
+def test_unknown_field_and_relations():
+    with pytest.raises(CertConfigError, match="k_mx"):
+        make_config(k_mx=3)
+    with pytest.raises(CertConfigError, match="k_min=9 must be ≤ k_max=4"):
+        make_config(k_min=9, k_max=4)
+
+
+def test_unknown_preset_lists_the_choices(tmp_path):
+    with pytest.raises(CertConfigError, match="unknown certvllm preset 'bogus'.*paper"):
+        load_config("bogus")
+    with pytest.raises(CertConfigError, match="does not exist"):
+        load_config(str(tmp_path / "missing.yaml"))
