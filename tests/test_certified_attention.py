@@ -206,3 +206,24 @@ def test_input_validation_messages():
         certified_decode(q, k[:, :, :32], k)
     with pytest.raises(ValueError, match="float16 or bfloat16"):
         certified_decode(torch.randn(4, 64), k.float(), k.float())
+
+
+@pytest.mark.parametrize("t", [10, 40, 200])
+@pytest.mark.parametrize("preset", ["default", "naive"])
+def test_tiny_bf16_values_keep_a_positive_bound(t, preset, gen):
+    """float32 squares of ~1e-25 values underflow; the annotations must not report 0."""
+    case = make_case("random", t, 4, 2, 64, torch.bfloat16, gen)
+    case.v = (case.v.double() * 1e-25).to(torch.bfloat16)
+    res = check_soundness([case], load_config(preset))
+    assert res.violations == 0
+    assert (res.report.v_max > 0).all()
+
+
+@pytest.mark.parametrize("t", [10, 300])
+def test_overflowing_bounds_escalate_instead_of_returning_nan(t, gen):
+    case = make_case("random", t, 4, 2, 64, torch.bfloat16, gen)
+    case.q = (case.q.double() * 1000).to(torch.bfloat16)
+    res = check_soundness([case], load_config("default"))
+    assert res.violations == 0 and res.dense_mismatch == 0
+    certified = res.rung <= 2
+    assert torch.isfinite(res.bound[certified]).all()

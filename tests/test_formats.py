@@ -96,7 +96,7 @@ def test_value_annotations_bound_the_real_errors(scale, seed):
     norms = torch.linalg.vector_norm(v.double(), dim=-1).amax(dim=-1)
     assert (err <= dec.eta.double()).all()
     assert (norms <= dec.nu.double()).all()
-    assert (dec.nu.double() <= norms * (1 + 1e-6)).all()
+    assert (dec.nu.double() <= norms * (1 + 2.0**-12)).all()  # annotations are tight up to NORM_SLACK
     assert torch.equal(dec.values[0, 0, 5, :16], torch.full((16,), 0.75))
     assert torch.isfinite(dec.values).all()
 

@@ -11,7 +11,7 @@ import certvllm
 ROOT = Path(certvllm.__file__).parent
 # lowest first; a module may import its own layer or any layer listed before it
 LAYERS = [
-    ("config", "formats", "bounds"),
+    ("config", "formats", "bounds", "models"),
     ("kv",),
     ("attention", "testing"),
     ("metrics",),

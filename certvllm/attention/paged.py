@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -36,7 +36,6 @@ from certvllm.attention.report import (
 )
 from certvllm.attention.selection import Phase1, select_keys, select_values
 from certvllm.bounds import (
-    UNIT_ROUNDOFF,
     block_delta,
     exp_rounding,
     gamma,
@@ -52,6 +51,7 @@ from certvllm.kv.cache import LayerKVCache
 from certvllm.kv.pagein import PageInEngine
 
 NEG_INF = float("-inf")
+DenseFn = Callable[[list[int]], torch.Tensor]
 ROW_CHUNK_ELEMENTS = 1 << 24
 """Rows are processed in chunks so that the largest intermediate stays near 64 MiB."""
 
@@ -107,6 +107,7 @@ def certified_attention(
     scale: float | None = None,
     pagein: PageInEngine | None = None,
     generator: torch.Generator | None = None,
+    dense_fn: DenseFn | None = None,
 ) -> CertifiedOutput:
     """Certified attention for a batch of rows over one layer's paged cache.
 
@@ -119,6 +120,10 @@ def certified_attention(
         scale: softmax scale, default ``1/√D``.
         pagein: the page-in engine (counts traffic); a CPU one is made if omitted.
         generator: random source for exploration draws.
+        dense_fn: exact attention for a list of row indices → ``[n, H_q, D]`` float32 (rungs 3/4 and
+            the dense mode). An engine passes its own dense kernel run on the shadow tier, so that a
+            recomputed head is exactly what that engine's unquantized cache would give; the default
+            is :func:`certvllm.attention.dense.dense_paged`.
 
     Returns:
         ``out`` ``[R, H_q, D]`` float32 and a ``[R, H_q]`` :class:`CertReport`.
@@ -128,9 +133,15 @@ def certified_attention(
     _validate(q, cache, block_tables, seq_lens)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     pagein = pagein or PageInEngine(cache.pages.device)
+    if dense_fn is None:
+        lens_list = seq_lens.tolist()
+        dense_fn = lambda rows: dense_paged(q, cache, block_tables, lens_list, rows, scale, pagein)  # noqa: E731
     rows = q.shape[0]
     if config.mode == "dense":
-        return _all_dense(q, cache, block_tables, seq_lens, scale, pagein)
+        report = _empty_report(rows, q.shape[1], cache.pages.device)
+        report.rung.fill_(RUNG_LAYER_DENSE)
+        with _exact_float32():
+            return CertifiedOutput(dense_fn(list(range(rows))).float(), report)
 
     outs, reports = [], []
     per_row = max(1, int(seq_lens.max()) // cache.layout.block_size) * cache.layout.head_dim * q.shape[1] * 16
@@ -143,23 +154,8 @@ def certified_attention(
             )
             outs.append(out)
             reports.append(report)
-    out, report = torch.cat(outs), CertReport.cat(reports)
-    _apply_dense_fallbacks(out, report, q, cache, block_tables, seq_lens, scale, pagein)
-    return CertifiedOutput(out, report)
-
-
-def _all_dense(
-    q: torch.Tensor,
-    cache: LayerKVCache,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    pagein: PageInEngine,
-) -> CertifiedOutput:
-    rows, heads = q.shape[:2]
-    out = dense_paged(q, cache, block_tables, seq_lens.tolist(), list(range(rows)), scale, pagein)
-    report = _empty_report(rows, heads, q.device)
-    report.rung.fill_(RUNG_LAYER_DENSE)
+        out, report = torch.cat(outs), CertReport.cat(reports)
+        _apply_dense_fallbacks(out, report, dense_fn)
     return CertifiedOutput(out, report)
 
 
@@ -176,22 +172,13 @@ def _empty_report(rows: int, heads: int, device: torch.device) -> CertReport:
     )  # fmt: skip
 
 
-def _apply_dense_fallbacks(
-    out: torch.Tensor,
-    report: CertReport,
-    q: torch.Tensor,
-    cache: LayerKVCache,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    pagein: PageInEngine,
-) -> None:
+def _apply_dense_fallbacks(out: torch.Tensor, report: CertReport, dense_fn: DenseFn) -> None:
     """Rungs 3/4: replace escalated heads by exact dense attention; their bounds become 0."""
     exact = report.rung >= RUNG_HEAD_DENSE
     rows = exact.any(dim=1).nonzero().flatten().tolist()
     if not rows:
         return
-    dense = dense_paged(q, cache, block_tables, seq_lens.tolist(), rows, scale, pagein)
+    dense = dense_fn(rows).float()
     idx = torch.tensor(rows, device=out.device)
     sel = exact[idx].unsqueeze(-1)
     out[idx] = torch.where(sel, dense.to(out.device), out[idx])
@@ -226,16 +213,19 @@ def _certified_rows(
     # ---- trailing partial block: exact keys and values from the shadow
     has_tail = ntail > 0
     tail_ids = tables.gather(1, nfull.clamp(max=tables.shape[1] - 1).unsqueeze(1)).squeeze(1)
-    tail = torch.zeros(R, K, 2, N, D, device=dev)
+    tail_k = torch.zeros(R, K, N, D, device=dev)
+    tail_v = torch.zeros(R, K, N, D, device=dev)
     if bool(has_tail.any()):
-        tail[has_tail.to(dev)] = pagein.gather_blocks(cache.shadow, tail_ids[has_tail]).float()
+        k_part, v_part = cache.split(pagein.gather_blocks(cache.shadow, tail_ids[has_tail]))
+        tail_k[has_tail.to(dev)] = k_part.float()
+        tail_v[has_tail.to(dev)] = v_part.float()
     tok_valid = (torch.arange(N) < ntail.unsqueeze(1)).to(dev)  # (R, N)
-    tail_k, tail_v = tail[:, :, 0], tail[:, :, 1]
+    live = tok_valid[:, None, :, None]  # stale rows of a reused block must not enter any bound
+    tail_k = torch.where(live, tail_k, torch.zeros_like(tail_k))
+    tail_v = torch.where(live, tail_v, torch.zeros_like(tail_v))
     s_tail = torch.einsum("rkgd,rknd->rkgn", qs, tail_k).masked_fill(~tok_valid[:, None, None, :], NEG_INF)
-    tail_round = torch.einsum("rkgd,rkd->rkg", q_abs, tail_k.abs().amax(dim=2)) * (
-        (gamma(D) + 4 * UNIT_ROUNDOFF) * (1 + gamma(D + 2)) * 1.001
-    )
-    tail_vnorm = torch.linalg.vector_norm(tail_v, dim=-1).amax(dim=-1) * (1 + gamma(D + 2))  # (R, K)
+    tail_round = score_rounding(q_abs, tail_k.abs().amax(dim=2).unsqueeze(1)).squeeze(-1)  # (R, K, G)
+    tail_vnorm = (torch.linalg.vector_norm(tail_v.double(), dim=-1).amax(dim=-1) * (1 + 2.0**-20)).float()
 
     # ---- full blocks: phase 1 on the INT8 keys
     ids = tables[:, :B].clamp(0, cache.num_blocks - 1)
@@ -277,11 +267,12 @@ def _certified_rows(
     r_i, k_i, b_i = union.nonzero(as_tuple=True)
     s2 = s8
     canary_row = torch.zeros(R, dtype=torch.bool, device=dev)
-    items = None
+    items_v = None
     if r_i.numel():
-        items = pagein.gather_kv(cache.shadow, ids[r_i.cpu(), b_i.cpu()], k_i.cpu()).float()  # (n, 2, N, D)
+        items_k, items_v = cache.split(pagein.gather_kv(cache.shadow, ids[r_i.cpu(), b_i.cpu()], k_i.cpu()))
+        items_k, items_v = items_k.float(), items_v.float()  # (n, N, D)
         pagein.count_promotions(int(key_mask.any(2).sum()), int(value_mask.any(2).sum()))
-        s_items = torch.einsum("ngd,nsd->ngs", qs[r_i, k_i], items[:, 0])
+        s_items = torch.einsum("ngd,nsd->ngs", qs[r_i, k_i], items_k)
         s16 = s8.clone()
         s16[r_i, k_i, :, b_i] = s_items
         s2 = torch.where(key_mask.unsqueeze(-1), s16, s8)
@@ -295,9 +286,9 @@ def _certified_rows(
     w_tail = torch.exp(s_tail - m.unsqueeze(-1))
     den_b = w.sum(dim=-1)  # (R, K, G, B)
     num_b = torch.einsum("rkgbn,rbknd->rkgbd", w, dec.values)
-    if items is not None and bool(value_mask.any()):
+    if items_v is not None and bool(value_mask.any()):
         num16 = num_b.clone()
-        num16[r_i, k_i, :, b_i] = torch.einsum("ngs,nsd->ngd", w[r_i, k_i, :, b_i], items[:, 1])
+        num16[r_i, k_i, :, b_i] = torch.einsum("ngs,nsd->ngd", w[r_i, k_i, :, b_i], items_v)
         num_b = torch.where(value_mask.unsqueeze(-1), num16, num_b)
     den_t = w_tail.sum(dim=-1)
     num = num_b.double().sum(dim=-2) + torch.einsum("rkgn,rknd->rkgd", w_tail, tail_v).double()
@@ -330,7 +321,8 @@ def _certified_rows(
         report.rank_fail = flat(rank_fail)
         report.boundary_fail = flat(boundary_fail)
     v_max_h = v_max.expand(R, K, G)
-    bound_fail = (e_key + e_val) > cfg.bound_tol * v_max_h
+    bound = e_key + e_val
+    bound_fail = ~(bound <= cfg.bound_tol * v_max_h) | ~torch.isfinite(bound)  # NaN/inf bounds escalate
     precondition = bad_page.view(R, 1).expand(R, Hq)
 
     report.e_key, report.e_val, report.e_round = flat(e_key), flat(e_val), flat(e_round.expand(R, K, G))
@@ -351,6 +343,7 @@ def _certified_rows(
         rung[report.canary_fail | precondition] = RUNG_LAYER_DENSE
     else:
         # naive mode never falls back; a broken precondition leaves the output without a bound
-        report.e_key = torch.where(precondition, torch.full_like(report.e_key, float("inf")), report.e_key)
+        unbounded = precondition | ~torch.isfinite(report.bound)
+        report.e_key = torch.where(unbounded, torch.full_like(report.e_key, float("inf")), report.e_key)
     report.rung = rung
     return out, report

@@ -11,7 +11,12 @@ from dataclasses import dataclass
 
 import torch
 
+from certvllm.bounds import tail_mass_upper
 from certvllm.config import CertConfig
+
+VALUE_BUDGET_MARGIN = 1.01
+"""Rung 2 aims 1 % under v_tol so the final E_val (computed from phase-2 masses, with its rounding
+inflation) lands at or under v_tol·V_max."""
 
 
 @dataclass
@@ -58,9 +63,9 @@ def key_tail_estimate(ph1: Phase1, alpha_hat: torch.Tensor, delta_suffix: torch.
     """Pre-phase-2 estimate of E_key / V_max for each candidate K (``[..., B + 1]``), from the
     INT8 tail mass ``alpha_hat`` and the largest Δ left in the tail ``delta_suffix``."""
     delta_all = ph1.delta.amax(dim=-1, keepdim=True)
-    ratio = torch.exp(2.0 * (delta_all + ph1.rounding.unsqueeze(-1)))
-    abar = torch.clamp(ratio * alpha_hat, max=1.0)
-    return abar * (torch.expm1(delta_suffix) + torch.expm1(2.0 * delta_suffix))
+    abar = tail_mass_upper(alpha_hat, delta_all, ph1.rounding.unsqueeze(-1))
+    growth = torch.expm1(delta_suffix) + torch.expm1(2.0 * delta_suffix)
+    return torch.where(abar > 0, abar * growth, torch.zeros_like(abar))
 
 
 def select_keys(
@@ -116,12 +121,12 @@ def select_values(ph1: Phase1, key_mask: torch.Tensor, cfg: CertConfig) -> torch
         ``value_mask`` ``[R, K, G, B]`` bool.
     """
     xi = ph1.delta.amax(dim=-1, keepdim=True) + 3.0 * ph1.rounding.unsqueeze(-1)
-    rho_up = torch.clamp(torch.exp(2.0 * xi) * ph1.mass, max=1.0)
+    rho_up = tail_mass_upper(ph1.mass, xi, torch.zeros_like(xi))
     err = torch.where(ph1.valid, rho_up * ph1.eta, torch.zeros_like(rho_up))
     order = torch.argsort(err, dim=-1, descending=True, stable=True)
     sorted_err = err.gather(-1, order)
     remaining = torch.cat((sorted_err.flip(-1).cumsum(-1).flip(-1), torch.zeros_like(sorted_err[..., :1])), -1)
-    budget = (cfg.v_tol * ph1.v_max).unsqueeze(-1)  # [R, K, 1, 1]
+    budget = (cfg.v_tol * ph1.v_max).unsqueeze(-1) / VALUE_BUDGET_MARGIN  # [R, K, 1, 1]
     count = _first_true(remaining <= budget, torch.full_like(remaining[..., 0], err.shape[-1]).long())
     if cfg.value_k_max is not None:
         count = torch.clamp(count, max=cfg.value_k_max)

@@ -7,7 +7,7 @@ T = the blocks still read with INT8 keys, F = the blocks read with unquantized k
     ‖Õ − O‖ ≤ E_key + E_val
     E_val   = Σ_b ρ''_b η_b                         (ρ'' = block masses of a'', INT4 blocks only)
     E_key   = V_max · S + E_round
-    S       = min(2, 2·tanh(Δ_all + R), ᾱ_T·((e^{Δ_T} − 1) + (e^{2Δ_T} − 1)) + 2R)    ≥ Σ_t |a_t − a''_t|
+    S       = min(2, 2·tanh((Δ_T + R)/2), ᾱ_T·((e^{Δ_T} − 1) + (e^{2Δ_T} − 1)) + R)    ≥ Σ_t |a_t − a''_t|
     ᾱ_T     = min(1, e^{2(Δ_T + R)} · α''_T)         ≥ exact tail mass
     E_round = (2γ_{N+2} + 2u) · (V_max + η_max)     (float32 accumulation of the weighted sum)
 """

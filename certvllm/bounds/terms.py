@@ -14,6 +14,12 @@ import torch
 from certvllm.bounds.rounding import GAMMA_SLACK, UNIT_ROUNDOFF, gamma
 from certvllm.formats.keys import P2_RELATIVE_SLACK
 
+SCORE_EXTRA_ROUNDINGS = 6
+"""Roundings per score beyond the dot product's γ_D: the query scale (q·λ, ≤ 2: λ is itself
+rounded to float32), the key dequantization ℓ + c·σ (≤ 2) and 2 of slack."""
+EXP_ROUNDINGS = 8
+"""exp in float32 is trusted to 4 ulp = 8u (2 ulp is what the libraries document)."""
+
 
 def _sum_inflation(n_terms: int) -> float:
     """Factor that turns a float32 sum of n non-negative products into an upper bound."""
@@ -50,19 +56,23 @@ def score_rounding(q_abs: torch.Tensor, key_mag: torch.Tensor) -> torch.Tensor:
     """
     d = q_abs.shape[-1]
     raw = torch.einsum("rkgd,rbkd->rkgb", q_abs, key_mag)
-    return raw * ((gamma(d) + 4 * UNIT_ROUNDOFF) * _sum_inflation(d))
+    return raw * ((gamma(d) + SCORE_EXTRA_ROUNDINGS * UNIT_ROUNDOFF) * _sum_inflation(d))
 
 
 def exp_rounding(score_abs_max: torch.Tensor) -> torch.Tensor:
     """Score-equivalent perturbation of w = exp(s − m) in float32: the subtraction rounds by
-    ≤ u·|s − m| ≤ 2u·max|s| and exp adds ≤ 4 ulp; log(1 + θ) ≤ θ(1 + θ)."""
-    return (2.0 * score_abs_max * UNIT_ROUNDOFF + 4.0 * UNIT_ROUNDOFF) * GAMMA_SLACK * (1 + 2.0**-20)
+    ≤ u·|s − m| ≤ 2u·max|s| and exp adds ≤ 4 ulp (8u; CPU and CUDA libraries promise ≤ 2 ulp);
+    log(1 + θ) ≤ θ(1 + θ). The absolute part (≥ 8u) also absorbs every float32 underflow in the
+    evaluation of Δ and R, which is below 2^-100."""
+    return (2.0 * score_abs_max * UNIT_ROUNDOFF + EXP_ROUNDINGS * UNIT_ROUNDOFF) * GAMMA_SLACK * (1 + 2.0**-20)
 
 
 def tail_mass_upper(alpha_observed: torch.Tensor, delta_tail: torch.Tensor, rounding: torch.Tensor) -> torch.Tensor:
     """ᾱ_T = min(1, e^{2(Δ_T + R)}·α): an upper bound on the exact tail mass from a tail mass α
-    measured under scores that differ from the exact ones by ≤ Δ_T + R on the tail and ≤ R elsewhere."""
-    return torch.clamp(torch.exp(2.0 * (delta_tail + rounding)) * alpha_observed * GAMMA_SLACK, max=1.0)
+    measured under scores that differ from the exact ones by ≤ Δ_T + R on the tail and ≤ R elsewhere.
+    Evaluated in log space so that a huge Δ gives 1, not inf·0 = NaN."""
+    log_alpha = torch.log(alpha_observed * GAMMA_SLACK)
+    return torch.exp(torch.clamp(2.0 * (delta_tail + rounding) + log_alpha, max=0.0))
 
 
 def key_sum_bound(alpha_upper: torch.Tensor, delta_tail: torch.Tensor, rounding: torch.Tensor) -> torch.Tensor:
@@ -72,8 +82,10 @@ def key_sum_bound(alpha_upper: torch.Tensor, delta_tail: torch.Tensor, rounding:
     ᾱ_T·((e^{Δ_T} − 1) + (e^{2Δ_T} − 1)) + R.
     """
     tail_form = alpha_upper * (torch.expm1(delta_tail) + torch.expm1(2.0 * delta_tail)) + rounding
+    tail_form = torch.where(alpha_upper > 0, tail_form, rounding)  # 0·inf would be NaN
     full_form = 2.0 * torch.tanh(0.5 * (delta_tail + rounding))
-    return torch.clamp(torch.minimum(tail_form, full_form) * GAMMA_SLACK, max=2.0)
+    best = torch.fmin(torch.fmin(tail_form, full_form) * GAMMA_SLACK, torch.full_like(tail_form, 2.0))
+    return torch.where(torch.isnan(delta_tail + rounding), torch.full_like(best, float("nan")), best)
 
 
 def key_bound(

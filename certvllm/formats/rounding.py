@@ -8,9 +8,9 @@ _NEG_INF16 = float("-inf")
 
 
 def fp16_round_down(x: torch.Tensor) -> torch.Tensor:
-    """Largest float16 value ``≤ x`` (elementwise); ``x`` is float64. Returns float16."""
+    """Largest float16 value ``≤ x`` (elementwise); ``x`` is float32 or float64. Returns float16."""
     y = x.to(torch.float16)
-    too_big = y.to(torch.float64) > x
+    too_big = y.to(x.dtype) > x
     return torch.where(too_big, torch.nextafter(y, torch.full_like(y, _NEG_INF16)), y)
 
 

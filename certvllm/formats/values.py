@@ -6,7 +6,7 @@ Two codes per byte, the even element in the low nibble.
 
 Block annotations, computed here in float64 and rounded up to float32:
 
-* η_b = max_t ‖V̂_t − V_t‖₂ + u·‖V̂_t‖₂ (absolute; the second term covers the one float32
+* η_b = max_t ‖V̂_t − V_t‖₂ + 2u·‖V̂_t‖₂ (absolute; the second term covers the one float32
   rounding of ``zero + code·scale`` on any read path, u = 2^-24);
 * ν_b = max_t ‖V_t‖₂.
 """
@@ -21,6 +21,7 @@ from certvllm.formats.layout import VALUE_CODE_MAX
 from certvllm.formats.rounding import fp16_round_down, fp16_round_up, fp32_round_up
 
 UNIT_ROUNDOFF_FP32 = 2.0**-24
+NORM_SLACK = 1.0 + 2.0**-13
 
 
 @dataclass
@@ -58,41 +59,40 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_values(v: torch.Tensor, group: int) -> QuantizedValues:
-    """Quantize values ``[..., N, D]`` (float16 or bfloat16) in groups of ``group``."""
+    """Quantize values ``[..., N, D]`` (float16 or bfloat16) in groups of ``group``.
+
+    Codes and v̂ are computed in float32 (exactly as the read path does); the differences v̂ − v are
+    float32 roundings of exact values (relative u), so η and ν, taken as float64 norms, are inflated by
+    NORM_SLACK.
+    """
     shape = v.shape
-    vd = v.to(torch.float64)
-    grouped = vd.reshape(*shape[:-1], shape[-1] // group, group)
+    grouped = v.float().reshape(*shape[:-1], shape[-1] // group, group)
     lo = grouped.amin(dim=-1)
     hi = grouped.amax(dim=-1)
     zero = fp16_round_down(lo)
-    zero64 = zero.to(torch.float64)
-    scale = fp16_round_up(((hi - zero64) / VALUE_CODE_MAX).clamp_min(0.0))
-    scale64 = scale.to(torch.float64)
-    finite = (
-        torch.isfinite(vd).all(dim=-1).all(dim=-1)
-        & torch.isfinite(zero64).all(dim=-1).all(dim=-1)
-        & torch.isfinite(scale64).all(dim=-1).all(dim=-1)
-    )
+    scale = fp16_round_up(((hi.double() - zero.double()) / VALUE_CODE_MAX).clamp_min(0.0))
+    finite = (torch.isfinite(zero) & torch.isfinite(scale) & torch.isfinite(hi)).flatten(-2).all(dim=-1)
     zero = torch.where(torch.isfinite(zero), zero, torch.zeros_like(zero))
     scale = torch.where(torch.isfinite(scale), scale, torch.zeros_like(scale))
-    zero64, scale64 = zero.to(torch.float64), scale.to(torch.float64)
+    zero32, scale32 = zero.float().unsqueeze(-1), scale.float().unsqueeze(-1)
 
-    safe = torch.where(scale64 > 0, scale64, torch.ones_like(scale64)).unsqueeze(-1)
-    q = torch.round((grouped - zero64.unsqueeze(-1)) / safe).clamp(0, VALUE_CODE_MAX)
-    q = torch.where(torch.isfinite(q) & (scale64.unsqueeze(-1) > 0), q, torch.zeros_like(q))
-    vhat = (zero64.unsqueeze(-1) + q * scale64.unsqueeze(-1)).reshape(shape)
+    inv = torch.where(scale32 > 0, scale32, torch.ones_like(scale32))
+    q = torch.round((grouped - zero32) / inv).clamp_(0, VALUE_CODE_MAX)
+    q = torch.nan_to_num_(q, nan=0.0).masked_fill_(scale32 == 0, 0.0)
+    vhat = torch.addcmul(zero32, q, scale32).reshape(shape)  # the read path's arithmetic
 
-    err = torch.linalg.vector_norm(vhat - vd, dim=-1)
-    err = err + UNIT_ROUNDOFF_FP32 * torch.linalg.vector_norm(vhat, dim=-1)
-    err = torch.where(torch.isfinite(err), err, torch.zeros_like(err))
-    norms = torch.linalg.vector_norm(vd, dim=-1)
-    norms = torch.where(torch.isfinite(norms), norms, torch.zeros_like(norms))
+    vf = grouped.reshape(shape)
+    # norms in float64: float32 squares underflow for tiny (bf16) values and would report 0
+    err = torch.linalg.vector_norm((vhat - vf).double(), dim=-1)
+    err = err + 2 * UNIT_ROUNDOFF_FP32 * torch.linalg.vector_norm(vhat.double(), dim=-1)
+    norms = torch.linalg.vector_norm(vf.double(), dim=-1)
+    clean = lambda x: torch.where(torch.isfinite(x), x, torch.zeros_like(x)).amax(dim=-1).double()  # noqa: E731
     return QuantizedValues(
         codes=pack_int4(q.reshape(shape)),
         scale=scale,
         zero=zero,
-        eta=fp32_round_up(err.amax(dim=-1)),
-        nu=fp32_round_up(norms.amax(dim=-1)),
+        eta=fp32_round_up(clean(err) * NORM_SLACK),
+        nu=fp32_round_up(clean(norms) * NORM_SLACK),
         violated=~finite,
     )
 

@@ -7,7 +7,9 @@ is this tensor viewed with the last two dims merged.
 Tier 2 (host): ``shadow`` ``[num_blocks, H_kv, 2, N, D]`` in the model's KV dtype (float16 or
 bfloat16): index 0 holds keys, 1 values; ``shadow[b, h, 0]`` (one block's keys of one head) is one
 contiguous ``N·D·2``-byte run, the unit of a page-in. The shadow holds exactly what an
-unquantized cache would hold.
+unquantized cache would hold. With ``keys_channel_major`` the key half of each (block, head) run is
+stored transposed, ``[D, N]``, which is how vLLM's CPU attention kernel lays out its key cache: the
+shadow is then a valid CPU KV cache and exact fallbacks run vLLM's own kernel on it.
 
 Write rule: every token is written to the shadow at its slot; when a write lands on the last
 slot of a block (offset N − 1) the block is full and its page is encoded from the shadow. A
@@ -34,7 +36,9 @@ class LayerKVCache:
         layout: page layout for ``D``.
     """
 
-    def __init__(self, pages: torch.Tensor, shadow: torch.Tensor, layout: PageLayout) -> None:
+    def __init__(
+        self, pages: torch.Tensor, shadow: torch.Tensor, layout: PageLayout, keys_channel_major: bool = False
+    ) -> None:
         num_blocks, heads, page_bytes = pages.shape
         if pages.dtype != torch.uint8 or page_bytes != layout.page_bytes:
             raise ValueError(
@@ -49,6 +53,7 @@ class LayerKVCache:
         self.pages = pages
         self.shadow = shadow
         self.layout = layout
+        self.keys_channel_major = keys_channel_major
 
     @classmethod
     def allocate(
@@ -67,6 +72,22 @@ class LayerKVCache:
         pages = torch.zeros(num_blocks, num_kv_heads, layout.page_bytes, dtype=torch.uint8, device=device)
         shadow = torch.zeros(num_blocks, num_kv_heads, 2, BLOCK_SIZE, head_dim, dtype=dtype)
         return cls(pages, shadow, layout)
+
+    def split(self, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values ``[..., N, D]`` of shadow pages ``[..., 2, N, D]`` (any leading shape)."""
+        keys = blocks[..., 0, :, :]
+        if self.keys_channel_major:
+            n, d = self.layout.block_size, self.layout.head_dim
+            keys = keys.reshape(*keys.shape[:-2], d, n).transpose(-1, -2)  # gathered copies: reshape is fine
+        return keys, blocks[..., 1, :, :]
+
+    def _shadow_keys(self) -> torch.Tensor:
+        """A writable view of the key half: ``[num_blocks, H_kv, N, D]`` indexed by (block, head, offset)."""
+        keys = self.shadow[:, :, 0]
+        if self.keys_channel_major:
+            nb, h, n, d = keys.shape
+            return keys.view(nb, h, d, n).transpose(-1, -2)  # a view: writes reach the shadow
+        return keys
 
     @property
     def num_blocks(self) -> int:
@@ -99,12 +120,13 @@ class LayerKVCache:
         keep = slots >= 0
         slots = slots[keep]
         block, offset = slots // n, slots % n
-        self.shadow[block, :, 0, offset] = key[keep.to(key.device)].to(self.shadow.device)
+        keys = self._shadow_keys()
+        keys[block, :, offset] = key[keep.to(key.device)].to(self.shadow.device)
         self.shadow[block, :, 1, offset] = value[keep.to(value.device)].to(self.shadow.device)
         full = torch.unique(block[offset == n - 1])
         if full.numel():
-            src = self.shadow[full].to(self.pages.device)
-            self.pages[full.to(self.pages.device)] = encode_pages(src[:, :, 0], src[:, :, 1], self.layout)
+            k, v = self.split(self.shadow[full].to(self.pages.device))
+            self.pages[full.to(self.pages.device)] = encode_pages(k, v, self.layout)
         return full
 
     def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:

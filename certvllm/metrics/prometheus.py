@@ -1,0 +1,168 @@
+"""Every certvllm Prometheus metric, declared in one place.
+
+Metrics are created lazily in the process that records them (the vLLM worker) and, when
+``PROMETHEUS_MULTIPROC_DIR`` is set (``certvllm serve`` sets it), aggregated by the API server's
+``/metrics``. Names follow vLLM's conventions (``vllm:`` prefix, ``_total`` counters, ``_seconds``,
+``_bytes``) and every series carries ``model_name`` and ``engine`` labels so dashboards join with
+vLLM's own metrics. Recording is per attention call: counts are reduced with torch first, then added
+to the counters and histogram buckets in bulk.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from certvllm.attention.report import CertReport
+
+BOUND_BUCKETS = (1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0)
+RELATIVE_BUCKETS = (1e-4, 1e-3, 0.003, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
+SECONDS_BUCKETS = (1e-5, 1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1.0)
+RUNG_NAMES = ("0", "1", "2", "3", "4")
+HEAD_REASONS = ("rank", "boundary", "bound_tol")
+LAYER_REASONS = ("canary", "precondition")
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    name: str
+    kind: str
+    doc: str
+    labels: tuple[str, ...] = ()
+    buckets: tuple[float, ...] = ()
+
+
+SPECS = (
+    MetricSpec("vllm:cert_head_steps_total", "counter",
+               "Query-head decode steps served by certified attention, by the highest fallback rung used "
+               "(0 certified as is, 1 coverage widened, 2 values promoted, 3 head exact, 4 layer exact).",
+               ("rung",)),
+    MetricSpec("vllm:cert_head_fallbacks_total", "counter",
+               "Rung-3 fallbacks (one query head recomputed exactly), by trigger.", ("reason",)),
+    MetricSpec("vllm:cert_layer_fallbacks_total", "counter",
+               "Rung-4 fallbacks (all heads of a layer recomputed exactly for one sequence), by trigger and layer.",
+               ("reason", "layer")),
+    MetricSpec("vllm:cert_canary_violations_total", "counter",
+               "Score-consistency canary violations (a page disagreeing with its shadow); each forces rung 4."),
+    MetricSpec("vllm:cert_e_key", "histogram", "Returned E_key bound per certified head-step (absolute).",
+               buckets=BOUND_BUCKETS),
+    MetricSpec("vllm:cert_e_val", "histogram", "Returned E_val bound per certified head-step (absolute).",
+               buckets=BOUND_BUCKETS),
+    MetricSpec("vllm:cert_bound_relative", "histogram",
+               "Returned certificate (E_key + E_val) / V_max per certified head-step.", buckets=RELATIVE_BUCKETS),
+    MetricSpec("vllm:cert_promoted_key_blocks_total", "counter",
+               "(block, KV head) pages read with unquantized keys, summed over query heads and steps."),
+    MetricSpec("vllm:cert_promoted_value_blocks_total", "counter",
+               "(block, KV head) pages read with unquantized values (rung 2), summed over query heads and steps."),
+    MetricSpec("vllm:cert_page_in_bytes_total", "counter", "Bytes paged in from the host shadow tier."),
+    MetricSpec("vllm:cert_page_in_seconds", "histogram", "Page-in time per attention call.",
+               buckets=SECONDS_BUCKETS),
+    MetricSpec("vllm:cert_exact_tokens_total", "counter",
+               "Query tokens served by exact attention by policy, not by a fallback "
+               "(prefill = no cached context; prefill_cached = prefill reading cached blocks with prefill: exact; "
+               "dense_mode = mode: dense).", ("reason",)),
+    MetricSpec("vllm:cert_host_tier_bytes", "gauge", "Host memory held by shadow pages (tier 2)."),
+)  # fmt: skip
+
+
+def metric_names() -> list[str]:
+    """Names of every series family as exposed (counters get ``_total`` once)."""
+    return [s.name for s in SPECS]
+
+
+class CertMetrics:
+    """Lazily created Prometheus metrics with fixed ``model_name``/``engine`` labels."""
+
+    def __init__(self, model_name: str, engine: str = "0") -> None:
+        self.base = {"model_name": model_name, "engine": engine}
+        self._metrics: dict[str, object] | None = None
+        self._lock = threading.Lock()
+
+    def _get(self) -> dict[str, object]:
+        if self._metrics is None:
+            with self._lock:
+                if self._metrics is None:
+                    self._metrics = self._create()
+        return self._metrics
+
+    def _create(self) -> dict[str, object]:
+        import prometheus_client as prom
+
+        made: dict[str, object] = {}
+        labels = ("model_name", "engine")
+        for spec in SPECS:
+            name = spec.name.removesuffix("_total") if spec.kind == "counter" else spec.name
+            if spec.kind == "counter":
+                made[spec.name] = prom.Counter(name, spec.doc, labels + spec.labels)
+            elif spec.kind == "histogram":
+                made[spec.name] = prom.Histogram(name, spec.doc, labels + spec.labels, buckets=spec.buckets)
+            else:
+                made[spec.name] = prom.Gauge(name, spec.doc, labels + spec.labels, multiprocess_mode="livesum")
+        return made
+
+    def _child(self, name: str, **labels: str):
+        return self._get()[name].labels(**self.base, **labels)
+
+    def set_host_tier_bytes(self, nbytes: int) -> None:
+        self._child("vllm:cert_host_tier_bytes").set(nbytes)
+
+    def count_exact_tokens(self, reason: str, n: int) -> None:
+        if n:
+            self._child("vllm:cert_exact_tokens_total", reason=reason).inc(n)
+
+    def record(self, report: CertReport, layer: int, page_in_bytes: int, page_in_seconds: float) -> None:
+        """Record one attention call's report (``[R, H_q]`` tensors)."""
+        rungs = torch.bincount(report.rung.flatten().long(), minlength=5).tolist()
+        for i, n in enumerate(rungs):
+            if n:
+                self._child("vllm:cert_head_steps_total", rung=RUNG_NAMES[i]).inc(n)
+        head_exact = report.rung == 3
+        for reason, mask in zip(HEAD_REASONS, (report.rank_fail, report.boundary_fail, report.bound_fail),
+                                strict=True):  # fmt: skip
+            n = int((mask & head_exact).sum())
+            if n:
+                self._child("vllm:cert_head_fallbacks_total", reason=reason).inc(n)
+        rows4 = report.rung[:, 0] == 4 if report.rung.numel() else report.rung.new_zeros(0, dtype=torch.bool)
+        for reason, mask in zip(LAYER_REASONS, (report.canary_fail, report.precondition), strict=True):
+            n = int((mask[:, 0] & rows4).sum()) if mask.numel() else 0
+            if n:
+                self._child("vllm:cert_layer_fallbacks_total", reason=reason, layer=str(layer)).inc(n)
+        canary = int(report.canary_fail[:, 0].sum()) if report.canary_fail.numel() else 0
+        if canary:
+            self._child("vllm:cert_canary_violations_total").inc(canary)
+        certified = report.rung <= 2
+        v_max = report.v_max[certified].clamp_min(1e-30)
+        self._observe_many("vllm:cert_e_key", report.e_key[certified], BOUND_BUCKETS)
+        self._observe_many("vllm:cert_e_val", report.e_val[certified], BOUND_BUCKETS)
+        self._observe_many("vllm:cert_bound_relative", report.bound[certified] / v_max, RELATIVE_BUCKETS)
+        keys, values = int(report.k_star.sum()), int(report.v_promoted.sum())
+        if keys:
+            self._child("vllm:cert_promoted_key_blocks_total").inc(keys)
+        if values:
+            self._child("vllm:cert_promoted_value_blocks_total").inc(values)
+        if page_in_bytes:
+            self._child("vllm:cert_page_in_bytes_total").inc(page_in_bytes)
+            self._observe_many("vllm:cert_page_in_seconds", torch.tensor([page_in_seconds]), SECONDS_BUCKETS)
+
+    def _observe_many(self, name: str, values: torch.Tensor, buckets: tuple[float, ...]) -> None:
+        """Add many observations at once (bucket counts are computed with torch)."""
+        if values.numel() == 0:
+            return
+        child = self._child(name)
+        v = values.double().flatten()
+        finite = torch.isfinite(v)
+        edges = torch.tensor(buckets, dtype=torch.float64)
+        idx = torch.bucketize(v[finite], edges, right=False)  # bucket i: v ≤ buckets[i]
+        counts = torch.bincount(idx, minlength=len(buckets) + 1).tolist()
+        counts[-1] += int((~finite).sum())
+        inner = getattr(child, "_buckets", None)
+        if inner is None or len(inner) != len(counts):  # defensive: public API only
+            for x in v.tolist():
+                child.observe(x)
+            return
+        for bucket, n in zip(inner, counts, strict=True):
+            if n:
+                bucket.inc(n)
+        child._sum.inc(float(v[finite].sum()))

