@@ -66,6 +66,11 @@ class CertConfig(BaseModel):
         None, gt=0.0, description="Host (tier-2) memory budget for shadow pages; None: as much as the device tier."
     )
     seed: int = Field(0, ge=0, description="Seed of the exploration draws.")
+    force_fallback: Literal["none", "head", "layer"] = Field(
+        "none",
+        description="Testing and audits: escalate every head to rung 3 (head) or every row to rung 4 (layer) after "
+        "the certified computation, so the exact path can be checked against the dense backend.",
+    )
 
     @model_validator(mode="after")
     def _check_relations(self) -> CertConfig:

@@ -135,7 +135,9 @@ def test_rung4_canary_catches_pages_that_disagree_with_their_shadow(gen):
     cache, tables, lens = paged_batch(cases)
     lay = cache.layout
     corrupted = tables[0, :10]
-    cache.pages[corrupted, :, lay.k_codes : lay.k_codes + BLOCK_SIZE * lay.head_dim] = 255  # stale keys
+    pages = cache.read_pages(corrupted)
+    pages[..., lay.k_codes : lay.k_codes + BLOCK_SIZE * lay.head_dim] = 255  # keys that disagree with the shadow
+    cache.write_pages(corrupted, pages)
     q = torch.stack([c.q for c in cases])
     res = certified_attention(q, cache, tables, lens, load_config("default"))
     assert (res.report.rung[0] == 4).all() and res.report.canary_fail[0].all()

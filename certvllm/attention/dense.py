@@ -36,10 +36,9 @@ def gather_row_kv(
     """The originals of one row's first ``seq_len`` tokens from the shadow: ``[T, H_kv, D]`` each."""
     n = cache.layout.block_size
     nblocks = -(-seq_len // n)
-    k, v = cache.split(pagein.gather_blocks(cache.shadow, block_table[:nblocks].long()))  # (b, H_kv, N, D)
-    k = k.transpose(1, 2).reshape(nblocks * n, cache.num_kv_heads, -1)
-    v = v.transpose(1, 2).reshape(nblocks * n, cache.num_kv_heads, -1)
-    return k[:seq_len], v[:seq_len]
+    blocks = pagein.gather_blocks(cache, block_table[:nblocks].long())  # (b, H_kv, 2, N, D)
+    kv = blocks.permute(2, 0, 3, 1, 4).reshape(2, nblocks * n, cache.num_kv_heads, -1)
+    return kv[0, :seq_len], kv[1, :seq_len]
 
 
 def dense_paged(

@@ -216,9 +216,9 @@ def _certified_rows(
     tail_k = torch.zeros(R, K, N, D, device=dev)
     tail_v = torch.zeros(R, K, N, D, device=dev)
     if bool(has_tail.any()):
-        k_part, v_part = cache.split(pagein.gather_blocks(cache.shadow, tail_ids[has_tail]))
-        tail_k[has_tail.to(dev)] = k_part.float()
-        tail_v[has_tail.to(dev)] = v_part.float()
+        part = pagein.gather_blocks(cache, tail_ids[has_tail]).float()  # (t, H_kv, 2, N, D)
+        tail_k[has_tail.to(dev)] = part[:, :, 0]
+        tail_v[has_tail.to(dev)] = part[:, :, 1]
     tok_valid = (torch.arange(N) < ntail.unsqueeze(1)).to(dev)  # (R, N)
     live = tok_valid[:, None, :, None]  # stale rows of a reused block must not enter any bound
     tail_k = torch.where(live, tail_k, torch.zeros_like(tail_k))
@@ -231,7 +231,7 @@ def _certified_rows(
     ids = tables[:, :B].clamp(0, cache.num_blocks - 1)
     bvalid = (torch.arange(B) < nfull.unsqueeze(1)).to(dev)  # (R, B)
     valid4 = bvalid[:, None, None, :]
-    dec = _reader(cache).decode(cache.pages[ids.to(dev)])  # keys (R, B, K, N, D)
+    dec = _reader(cache).decode(cache.read_pages(ids))  # keys (R, B, K, N, D)
     s8 = torch.einsum("rkgd,rbknd->rkgbn", qs, dec.keys).masked_fill(~valid4.unsqueeze(-1), NEG_INF)
     delta = block_delta(q_abs, dec.sigma).masked_fill(~valid4, 0.0)
     rnd = score_rounding(q_abs, dec.key_mag).masked_fill(~valid4, 0.0)
@@ -269,8 +269,8 @@ def _certified_rows(
     canary_row = torch.zeros(R, dtype=torch.bool, device=dev)
     items_v = None
     if r_i.numel():
-        items_k, items_v = cache.split(pagein.gather_kv(cache.shadow, ids[r_i.cpu(), b_i.cpu()], k_i.cpu()))
-        items_k, items_v = items_k.float(), items_v.float()  # (n, N, D)
+        items = pagein.gather_kv(cache, ids[r_i.cpu(), b_i.cpu()], k_i.cpu()).float()  # (n, 2, N, D)
+        items_k, items_v = items[:, 0], items[:, 1]
         pagein.count_promotions(int(key_mask.any(2).sum()), int(value_mask.any(2).sum()))
         s_items = torch.einsum("ngd,nsd->ngs", qs[r_i, k_i], items_k)
         s16 = s8.clone()
@@ -341,6 +341,8 @@ def _certified_rows(
         head_dense = report.rank_fail | report.boundary_fail | report.bound_fail
         rung[head_dense] = RUNG_HEAD_DENSE
         rung[report.canary_fail | precondition] = RUNG_LAYER_DENSE
+        if cfg.force_fallback != "none":
+            rung.fill_(RUNG_HEAD_DENSE if cfg.force_fallback == "head" else RUNG_LAYER_DENSE)
     else:
         # naive mode never falls back; a broken precondition leaves the output without a bound
         unbounded = precondition | ~torch.isfinite(report.bound)

@@ -1,20 +1,22 @@
 """Tiered KV storage of one attention layer: tier-1 pages and tier-2 shadow pages, by block id.
 
-Tier 1 (device): ``pages`` ``[num_blocks, H_kv, page_bytes]`` uint8, one page per (block, KV head),
-byte layout in ``certvllm.formats.layout``. vLLM's ``[num_blocks, H_kv, N, C]`` uint8 KV tensor
-is this tensor viewed with the last two dims merged.
+Blocks are 16 tokens (``N``): the unit of quantization, selection and page-in. An engine may group
+``m`` of them into one *engine block* of ``m·N`` tokens (vLLM on the CPU uses 128-token blocks); block
+ids here are always 16-token ids, ``engine_block·m + sub`` — token slots are the same in both numberings.
 
-Tier 2 (host): ``shadow`` ``[num_blocks, H_kv, 2, N, D]`` in the model's KV dtype (float16 or
-bfloat16): index 0 holds keys, 1 values; ``shadow[b, h, 0]`` (one block's keys of one head) is one
-contiguous ``N·D·2``-byte run, the unit of a page-in. The shadow holds exactly what an
-unquantized cache would hold. With ``keys_channel_major`` the key half of each (block, head) run is
-stored transposed, ``[D, N]``, which is how vLLM's CPU attention kernel lays out its key cache: the
-shadow is then a valid CPU KV cache and exact fallbacks run vLLM's own kernel on it.
+Tier 1 (device): ``pages`` ``[num_engine_blocks, H_kv, m·page_bytes]`` uint8; the page of (block, head)
+is the ``sub``-th ``page_bytes`` run of ``pages[engine_block, head]``, byte layout in
+``certvllm.formats.layout``. vLLM's ``[num_blocks, H_kv, m·N, C]`` uint8 tensor is this tensor viewed.
 
-Write rule: every token is written to the shadow at its slot; when a write lands on the last
-slot of a block (offset N − 1) the block is full and its page is encoded from the shadow. A
-block's page is therefore valid exactly when the block is full, and it is rewritten whenever a
-reused block fills again.
+Tier 2 (host): ``shadow`` ``[num_engine_blocks, H_kv, 2, m·N, D]`` in the model's KV dtype (float16 or
+bfloat16), index 0 keys and 1 values: exactly what an unquantized cache holds. With
+``keys_channel_major`` the key half of each (engine block, head) is stored transposed, ``[D, m·N]``,
+as vLLM's CPU attention kernel stores its key cache: the shadow is then a valid vLLM CPU KV cache and
+exact attention runs vLLM's own kernel on it.
+
+Write rule: every token is written to the shadow at its slot; when a write lands on the last slot of
+a 16-token block the block is full and its page is encoded from the shadow. A page is therefore valid
+exactly when its block is full, and it is rewritten whenever a reused block fills again.
 """
 
 from __future__ import annotations
@@ -31,21 +33,26 @@ class LayerKVCache:
     """Tier-1 pages and tier-2 shadow of one layer.
 
     Args:
-        pages: ``[num_blocks, H_kv, page_bytes]`` uint8 (device tier).
-        shadow: ``[num_blocks, H_kv, 2, N, D]`` float16/bfloat16 (host tier).
+        pages: ``[num_engine_blocks, H_kv, m·page_bytes]`` uint8 (device tier).
+        shadow: ``[num_engine_blocks, H_kv, 2, m·N, D]`` float16/bfloat16 (host tier).
         layout: page layout for ``D``.
+        keys_channel_major: keys stored ``[D, m·N]`` per (engine block, head).
     """
 
     def __init__(
         self, pages: torch.Tensor, shadow: torch.Tensor, layout: PageLayout, keys_channel_major: bool = False
     ) -> None:
-        num_blocks, heads, page_bytes = pages.shape
-        if pages.dtype != torch.uint8 or page_bytes != layout.page_bytes:
+        engine_blocks, heads, page_run = pages.shape
+        n, d = layout.block_size, layout.head_dim
+        if shadow.dim() != 5 or shadow.shape[3] % n != 0:
+            raise ValueError(f"Invalid shadow: expected [blocks, H_kv, 2, m·{n}, {d}], got {list(shadow.shape)}")
+        self.sub_blocks = shadow.shape[3] // n
+        if pages.dtype != torch.uint8 or page_run != self.sub_blocks * layout.page_bytes:
             raise ValueError(
-                f"Invalid pages: expected uint8 [num_blocks, H_kv, {layout.page_bytes}], got "
+                f"Invalid pages: expected uint8 [blocks, H_kv, {self.sub_blocks * layout.page_bytes}], got "
                 f"{pages.dtype} {list(pages.shape)}"
             )
-        expected = (num_blocks, heads, 2, layout.block_size, layout.head_dim)
+        expected = (engine_blocks, heads, 2, self.sub_blocks * n, d)
         if tuple(shadow.shape) != expected or shadow.dtype not in SUPPORTED_KV_DTYPES:
             raise ValueError(
                 f"Invalid shadow: expected float16/bfloat16 {list(expected)}, got {shadow.dtype} {list(shadow.shape)}"
@@ -65,7 +72,7 @@ class LayerKVCache:
         device: torch.device | str = "cpu",
         value_group: int = 16,
     ) -> LayerKVCache:
-        """Allocate zeroed pages on ``device`` and a zeroed shadow in host memory."""
+        """Allocate zeroed pages for ``num_blocks`` 16-token blocks on ``device`` and a zeroed host shadow."""
         if dtype not in SUPPORTED_KV_DTYPES:
             raise ValueError(f"KV dtype {dtype} is not supported; originals must be float16 or bfloat16")
         layout = PageLayout(head_dim, value_group)
@@ -73,25 +80,10 @@ class LayerKVCache:
         shadow = torch.zeros(num_blocks, num_kv_heads, 2, BLOCK_SIZE, head_dim, dtype=dtype)
         return cls(pages, shadow, layout)
 
-    def split(self, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values ``[..., N, D]`` of shadow pages ``[..., 2, N, D]`` (any leading shape)."""
-        keys = blocks[..., 0, :, :]
-        if self.keys_channel_major:
-            n, d = self.layout.block_size, self.layout.head_dim
-            keys = keys.reshape(*keys.shape[:-2], d, n).transpose(-1, -2)  # gathered copies: reshape is fine
-        return keys, blocks[..., 1, :, :]
-
-    def _shadow_keys(self) -> torch.Tensor:
-        """A writable view of the key half: ``[num_blocks, H_kv, N, D]`` indexed by (block, head, offset)."""
-        keys = self.shadow[:, :, 0]
-        if self.keys_channel_major:
-            nb, h, n, d = keys.shape
-            return keys.view(nb, h, d, n).transpose(-1, -2)  # a view: writes reach the shadow
-        return keys
-
     @property
     def num_blocks(self) -> int:
-        return self.pages.shape[0]
+        """Number of 16-token blocks."""
+        return self.pages.shape[0] * self.sub_blocks
 
     @property
     def num_kv_heads(self) -> int:
@@ -101,6 +93,50 @@ class LayerKVCache:
     def dtype(self) -> torch.dtype:
         return self.shadow.dtype
 
+    # -- tier 1 ----------------------------------------------------------------------------------
+    def _page_view(self) -> torch.Tensor:
+        e, h, _ = self.pages.shape
+        return self.pages.view(e, h, self.sub_blocks, self.layout.page_bytes)
+
+    def read_pages(self, block_ids: torch.Tensor) -> torch.Tensor:
+        """Pages of blocks ``[...]`` → ``[..., H_kv, page_bytes]`` uint8 (a gathered copy)."""
+        ids = block_ids.to(self.pages.device)
+        m = self.sub_blocks
+        return self._page_view()[ids // m, :, ids % m]
+
+    def write_pages(self, block_ids: torch.Tensor, pages: torch.Tensor) -> None:
+        ids = block_ids.to(self.pages.device)
+        m = self.sub_blocks
+        self._page_view()[ids // m, :, ids % m] = pages
+
+    # -- tier 2 ----------------------------------------------------------------------------------
+    def _shadow_views(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Writable views ``[E, H, m, N, D]`` of keys (possibly strided) and values."""
+        e, h, _, _, d = self.shadow.shape
+        m, n = self.sub_blocks, self.layout.block_size
+        keys = self.shadow[:, :, 0]
+        if self.keys_channel_major:
+            keys = keys.view(e, h, d, m, n).permute(0, 1, 3, 4, 2)
+        else:
+            keys = keys.view(e, h, m, n, d)
+        return keys, self.shadow[:, :, 1].view(e, h, m, n, d)
+
+    def shadow_blocks(self, block_ids: torch.Tensor) -> torch.Tensor:
+        """Originals of whole blocks: ``[n, H_kv, 2, N, D]`` token-major (a gathered copy, host)."""
+        ids = block_ids.to(self.shadow.device)
+        keys, values = self._shadow_views()
+        m = self.sub_blocks
+        return torch.stack((keys[ids // m, :, ids % m], values[ids // m, :, ids % m]), dim=2)
+
+    def shadow_pages(self, block_ids: torch.Tensor, kv_heads: torch.Tensor) -> torch.Tensor:
+        """Originals of single (block, KV head) pages: ``[n, 2, N, D]`` token-major (host)."""
+        ids = block_ids.to(self.shadow.device)
+        heads = kv_heads.to(self.shadow.device)
+        keys, values = self._shadow_views()
+        m = self.sub_blocks
+        return torch.stack((keys[ids // m, heads, ids % m], values[ids // m, heads, ids % m]), dim=1)
+
+    # -- write path --------------------------------------------------------------------------------
     def write(self, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """Store new tokens and quantize every block they complete.
 
@@ -109,28 +145,31 @@ class LayerKVCache:
             slots: ``[n]`` int, ``block_id·N + offset``; negative slots are padding and skipped.
 
         Returns:
-            ``[m]`` int64 ids of the blocks whose pages were (re)encoded.
+            ``[k]`` int64 ids of the blocks whose pages were (re)encoded.
         """
         if key.dtype != self.shadow.dtype or value.dtype != self.shadow.dtype:
             raise ValueError(
                 f"KV dtype mismatch: cache holds {self.shadow.dtype}, got keys {key.dtype} / values {value.dtype}"
             )
-        n = self.layout.block_size
+        n, m = self.layout.block_size, self.sub_blocks
         slots = slots.to(device=self.shadow.device, dtype=torch.int64)
         keep = slots >= 0
         slots = slots[keep]
         block, offset = slots // n, slots % n
-        keys = self._shadow_keys()
-        keys[block, :, offset] = key[keep.to(key.device)].to(self.shadow.device)
-        self.shadow[block, :, 1, offset] = value[keep.to(value.device)].to(self.shadow.device)
+        keys, values = self._shadow_views()
+        keys[block // m, :, block % m, offset] = key[keep.to(key.device)].to(self.shadow.device)
+        values[block // m, :, block % m, offset] = value[keep.to(value.device)].to(self.shadow.device)
         full = torch.unique(block[offset == n - 1])
         if full.numel():
-            k, v = self.split(self.shadow[full].to(self.pages.device))
-            self.pages[full.to(self.pages.device)] = encode_pages(k, v, self.layout)
+            src = self.shadow_blocks(full).to(self.pages.device)
+            self.write_pages(full, encode_pages(src[:, :, 0], src[:, :, 1], self.layout))
         return full
 
     def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Copy whole blocks (pages and shadows), e.g. copy-on-write of a shared prefix block."""
-        src_h, dst_h = src.to(self.shadow.device), dst.to(self.shadow.device)
-        self.shadow[dst_h] = self.shadow[src_h]
-        self.pages[dst.to(self.pages.device)] = self.pages[src.to(self.pages.device)]
+        """Copy whole 16-token blocks (pages and shadows), e.g. copy-on-write of a shared prefix block."""
+        keys, values = self._shadow_views()
+        m = self.sub_blocks
+        s, d = src.to(self.shadow.device), dst.to(self.shadow.device)
+        keys[d // m, :, d % m] = keys[s // m, :, s % m]
+        values[d // m, :, d % m] = values[s // m, :, s % m]
+        self.write_pages(dst, self.read_pages(src))

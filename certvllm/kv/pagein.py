@@ -11,8 +11,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from certvllm.kv.cache import LayerKVCache
 
 
 @dataclass
@@ -36,25 +40,25 @@ class PageInEngine:
         stats, self.stats = self.stats, PageInStats()
         return stats
 
-    def gather_kv(self, shadow: torch.Tensor, block_ids: torch.Tensor, kv_heads: torch.Tensor) -> torch.Tensor:
+    def gather_kv(self, cache: LayerKVCache, block_ids: torch.Tensor, kv_heads: torch.Tensor) -> torch.Tensor:
         """Keys and values of single (block, KV head) pages.
 
         Args:
-            shadow: ``[num_blocks, H_kv, 2, N, D]`` host tier of one layer.
+            cache: the layer's tiered cache.
             block_ids, kv_heads: ``[n]`` int64.
 
         Returns:
-            ``[n, 2, N, D]`` in the shadow dtype, on ``self.device``.
+            ``[n, 2, N, D]`` (keys, values; token-major) in the shadow dtype, on ``self.device``.
         """
         start = time.perf_counter()
-        out = shadow[block_ids.to(shadow.device), kv_heads.to(shadow.device)].to(self.device, non_blocking=True)
+        out = cache.shadow_pages(block_ids, kv_heads).to(self.device, non_blocking=True)
         self._count(out, start)
         return out
 
-    def gather_blocks(self, shadow: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    def gather_blocks(self, cache: LayerKVCache, block_ids: torch.Tensor) -> torch.Tensor:
         """Whole blocks (all KV heads, keys and values): ``[m, H_kv, 2, N, D]`` on ``self.device``."""
         start = time.perf_counter()
-        out = shadow[block_ids.to(shadow.device)].to(self.device, non_blocking=True)
+        out = cache.shadow_blocks(block_ids).to(self.device, non_blocking=True)
         self._count(out, start)
         return out
 

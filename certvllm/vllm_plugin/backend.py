@@ -1,0 +1,331 @@
+"""vLLM attention backend for ``--kv-cache-dtype certified``.
+
+KV tensor (per layer, vLLM layout LBHNC): ``[num_blocks, H_kv, B, C]`` uint8 with the vLLM block size
+``B = m·16`` (16 on GPUs; 128, vLLM's default, on the CPU) and ``C = PageLayout(D).bytes_per_token``
+(256 at D = 128, half of FP16). ``kv_cache[b, h]`` holds ``m`` tier-1 pages of 16-token blocks in the byte
+layout of ``certvllm.formats.layout``; the core addresses them as blocks ``b·m + i``. Each block also
+has a shadow page per layer in the worker's host tier (``host_tier.py``), written by
+:meth:`CertifiedAttentionImpl.do_kv_cache_update` at the same slots.
+
+Per step (``CertifiedMetadataBuilder`` splits the batch):
+* decode tokens (one query token per request) → certified attention on the pages;
+* prefill tokens with no cached context → exact attention (from the shadow);
+* prefill tokens that read cached blocks (chunked prefill, prefix-cache hits) → exact attention, or
+  certified per query token with ``prefill: certified``;
+* ``mode: dense`` → everything exact.
+Never an uncertified output: every token is either certified (with its bound recorded in the
+metrics) or exact.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass, field, replace
+from typing import Any, ClassVar
+
+import torch
+from vllm.config import VllmConfig, get_current_vllm_config
+from vllm.v1.attention.backend import (
+    AttentionBackend,
+    AttentionImpl,
+    AttentionMetadataBuilder,
+    AttentionType,
+    CommonAttentionMetadata,
+    MultipleOf,
+)
+from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
+
+from certvllm.attention import certified_attention
+from certvllm.config import CertConfig
+from certvllm.formats.layout import BLOCK_SIZE, PageLayout
+from certvllm.kv.pagein import PageInEngine
+from certvllm.metrics import CertMetrics
+from certvllm.vllm_plugin import settings
+from certvllm.vllm_plugin._compat import KV_CACHE_DTYPE
+from certvllm.vllm_plugin.exact import ExactAttention, ExactPlan
+from certvllm.vllm_plugin.host_tier import worker_host_tier
+
+logger = logging.getLogger("certvllm")
+SUPPORTED_HEAD_SIZES = [32, 64, 80, 96, 112, 128, 160, 192, 224, 256]
+_LAYER_INDEX = re.compile(r"\.(\d+)\.")
+_RUN_VALUE_GROUP = [16]
+
+
+class CertifiedAttentionBackend(AttentionBackend):
+    """INT8-key / INT4-value pages with a host shadow tier and per-head certificates."""
+
+    forward_includes_kv_cache_update: bool = False
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16]
+    supported_kv_cache_dtypes: ClassVar[list[Any]] = [KV_CACHE_DTYPE]
+
+    @staticmethod
+    def get_name() -> str:
+        return "CUSTOM"
+
+    @staticmethod
+    def get_impl_cls() -> type[CertifiedAttentionImpl]:
+        return CertifiedAttentionImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[CertifiedMetadataBuilder]:
+        return CertifiedMetadataBuilder
+
+    @staticmethod
+    def get_supported_kernel_block_sizes(kv_cache_spec: Any = None) -> list[Any]:
+        # any multiple of 16: a vLLM block then holds several 16-token pages and never gets split
+        return [MultipleOf(BLOCK_SIZE)]
+
+    @classmethod
+    def get_supported_head_sizes(cls) -> list[int]:
+        return SUPPORTED_HEAD_SIZES
+
+    @classmethod
+    def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
+        return (KVCacheLayout.LBHNC,)
+
+    @classmethod
+    def supports_attn_type(cls, attn_type: str) -> bool:
+        return attn_type == AttentionType.DECODER
+
+    @classmethod
+    def customize_spec(cls, spec: AttentionSpec) -> AttentionSpec:
+        """Size vLLM's page to ours: ``C`` bytes per token per KV head."""
+        if spec.state_content_bytes is not None:
+            return spec
+        # NOTE: vLLM 0.32 calls this outside set_current_vllm_config; the impls (built with the model,
+        # before KV specs are collected) record the run's value group size for it.
+        return replace(spec, state_content_bytes=PageLayout(spec.head_size, _RUN_VALUE_GROUP[0]).bytes_per_token)
+
+
+@dataclass
+class CertifiedMetadata:
+    """One step's split of the batch (built once per step, shared by every layer).
+
+    Attributes:
+        num_actual_tokens: query tokens in the batch (excluding padding).
+        row_tokens: ``[R]`` int64 query-token index of each certified row.
+        row_block_table: ``[R, max_blocks·m]`` the row's request block table in 16-token block ids.
+        row_engine_table: ``[R, max_blocks]`` the same in vLLM block ids (for the exact kernel).
+        row_seq_lens: ``[R]`` int64 (CPU) tokens the row attends to (its own included).
+        exact_tokens: ``[E]`` int64 query tokens served exactly (None: none; all tokens when ``exact_all``).
+        exact_plan: the exact kernel's plan for those tokens' requests.
+        exact_all: every token is exact and ``exact_plan`` is the batch's own plan.
+        exact_counts: exact tokens by reason, for the metrics.
+    """
+
+    num_actual_tokens: int
+    row_tokens: torch.Tensor
+    row_block_table: torch.Tensor
+    row_engine_table: torch.Tensor
+    row_seq_lens: torch.Tensor
+    exact_tokens: torch.Tensor | None
+    exact_plan: ExactPlan | None
+    exact_all: bool
+    exact_counts: dict[str, int] = field(default_factory=dict)
+
+
+class CertifiedMetadataBuilder(AttentionMetadataBuilder[CertifiedMetadata]):
+    """Splits each step into certified rows and exact tokens (decodes are not reordered)."""
+
+    def __init__(self, kv_cache_spec: AttentionSpec, layer_names: list[str], vllm_config: VllmConfig,
+                 device: torch.device) -> None:  # fmt: skip
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self.config: CertConfig = settings.cert_config(vllm_config)
+        model = vllm_config.model_config
+        num_heads = model.get_num_attention_heads(vllm_config.parallel_config)
+        # plans only: the softmax scale is applied by each layer's impl
+        self.exact = ExactAttention(num_heads, kv_cache_spec.num_kv_heads, kv_cache_spec.head_size, model.dtype,
+                                    1.0, kv_cache_spec.block_size, device.type == "cpu")  # fmt: skip
+
+    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
+              fast_build: bool = False) -> CertifiedMetadata:  # fmt: skip
+        cm = common_attn_metadata
+        qsl = cm.query_start_loc_cpu.to(torch.int64)
+        n_req = cm.num_reqs
+        qsl = qsl[: n_req + 1]
+        seq_lens = cm.seq_lens[:n_req].to("cpu", torch.int64)
+        q_lens = qsl[1:] - qsl[:-1]
+        context = seq_lens - q_lens
+        cfg = self.config
+        block_table = cm.block_table_tensor[:n_req]
+
+        exact_req: list[int] = []
+        counts = {"prefill": 0, "prefill_cached": 0, "dense_mode": 0}
+        row_tok: list[torch.Tensor] = []
+        row_req: list[torch.Tensor] = []
+        row_len: list[torch.Tensor] = []
+        for i in range(n_req):
+            ql, ctx, start = int(q_lens[i]), int(context[i]), int(qsl[i])
+            if ql == 0:
+                continue
+            certified_rows = cfg.mode != "dense" and (ql == 1 or (ctx > 0 and cfg.prefill == "certified"))
+            if certified_rows:
+                row_tok.append(torch.arange(start, start + ql))
+                row_req.append(torch.full((ql,), i))
+                row_len.append(torch.arange(ctx + 1, ctx + ql + 1))
+            else:
+                exact_req.append(i)
+                reason = "dense_mode" if cfg.mode == "dense" else ("prefill" if ctx == 0 else "prefill_cached")
+                counts[reason] += ql
+        cat = lambda xs: torch.cat(xs) if xs else torch.zeros(0, dtype=torch.int64)  # noqa: E731
+        rows_req = cat(row_req)
+        exact_all = len(exact_req) == n_req and n_req > 0
+        exact_tokens, plan = None, None
+        if exact_all:
+            plan = self.exact.plan(qsl.to(torch.int32), seq_lens, block_table)
+            exact_tokens = torch.arange(int(qsl[-1]))
+        elif exact_req:
+            idx = torch.tensor(exact_req)
+            sub_q = q_lens[idx]
+            sub_qsl = torch.cat((torch.zeros(1, dtype=torch.int64), sub_q.cumsum(0)))
+            plan = self.exact.plan(sub_qsl, seq_lens[idx], block_table[idx.to(block_table.device)])
+            exact_tokens = torch.cat([torch.arange(int(qsl[i]), int(qsl[i + 1])) for i in exact_req])
+        sub = self.kv_cache_spec.block_size // BLOCK_SIZE
+        row_table = block_table[rows_req.to(block_table.device)].to(torch.int64)
+        if sub > 1:  # vLLM block ids → 16-token block ids
+            row_table = (row_table.unsqueeze(-1) * sub + torch.arange(sub, device=row_table.device)).flatten(1)
+        return CertifiedMetadata(
+            num_actual_tokens=cm.num_actual_tokens,
+            row_tokens=cat(row_tok),
+            row_block_table=row_table,
+            row_engine_table=block_table[rows_req.to(block_table.device)],
+            row_seq_lens=cat(row_len),
+            exact_tokens=exact_tokens,
+            exact_plan=plan,
+            exact_all=exact_all,
+            exact_counts=counts,
+        )
+
+
+class CertifiedAttentionImpl(AttentionImpl[CertifiedMetadata]):
+    """Write path (pages + shadow) and the certified / exact forward."""
+
+    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int | None = None,
+                 alibi_slopes: list[float] | None = None, sliding_window: int | None = None,
+                 kv_cache_dtype: str = KV_CACHE_DTYPE, logits_soft_cap: float | None = None,
+                 attn_type: str = AttentionType.DECODER, kv_sharing_target_layer_name: str | None = None,
+                 sinks: torch.Tensor | None = None, **kwargs: Any) -> None:  # fmt: skip
+        unsupported = {
+            "ALiBi slopes": alibi_slopes is not None,
+            "a sliding window": sliding_window is not None,
+            "logit soft-capping": bool(logits_soft_cap),
+            "attention sinks": sinks is not None,
+            "cross-layer KV sharing": kv_sharing_target_layer_name is not None,
+            f"attention type {attn_type}": attn_type != AttentionType.DECODER,
+        }
+        bad = [name for name, present in unsupported.items() if present]
+        if bad:
+            raise ValueError(
+                f"--kv-cache-dtype certified does not support {', '.join(bad)}; serve this model with "
+                "--kv-cache-dtype auto."
+            )
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.scale = float(scale)
+        self.num_kv_heads = num_kv_heads or num_heads
+        self.kv_cache_dtype = kv_cache_dtype
+        self.kv_sharing_target_layer_name = None
+        vllm_config = get_current_vllm_config()
+        self.config = settings.cert_config(vllm_config)
+        _RUN_VALUE_GROUP[0] = self.config.value_group_size
+        self.dtype = vllm_config.model_config.dtype
+        self.generator = torch.Generator().manual_seed(self.config.seed)
+        self.metrics = _metrics(vllm_config)
+        self._exact: ExactAttention | None = None
+        self._pagein: PageInEngine | None = None
+        self._layer_index: int | None = None
+
+    # -- write path --------------------------------------------------------------------------------
+    def do_kv_cache_update(self, layer: torch.nn.Module, key: torch.Tensor, value: torch.Tensor,
+                           kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:  # fmt: skip
+        """Store new tokens: originals into the shadow, full blocks quantized into their pages."""
+        cache = self._cache(layer, kv_cache)
+        n = slot_mapping.shape[0]
+        cache.write(key[:n], value[:n], slot_mapping)
+
+    def _cache(self, layer: torch.nn.Module, kv_cache: torch.Tensor):
+        tier = worker_host_tier()
+        before = tier.nbytes
+        cache = tier.layer(layer.layer_name, kv_cache, self.head_size, self.dtype, self.config.value_group_size)
+        if tier.nbytes != before:
+            self.metrics.set_host_tier_bytes(tier.nbytes)
+        return cache
+
+    # -- forward ------------------------------------------------------------------------------------
+    def forward(self, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                kv_cache: torch.Tensor, attn_metadata: CertifiedMetadata | None, output: torch.Tensor,
+                output_scale: torch.Tensor | None = None,
+                output_block_scale: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError("fused output quantization is not supported by the certified backend")
+        if attn_metadata is None:  # profiling / warm-up
+            return output
+        meta = attn_metadata
+        cache = self._cache(layer, kv_cache)
+        q = query.view(-1, self.num_heads, self.head_size)
+        out = output.view(-1, self.num_heads, self.head_size)
+        exact = self._exact_runtime(kv_cache)
+        pagein = self._pagein_engine(kv_cache.device)
+
+        if meta.row_tokens.numel():
+            rows_q = q[meta.row_tokens.to(q.device)]
+
+            def dense_rows(rows: list[int]) -> torch.Tensor:
+                idx = torch.tensor(rows, dtype=torch.int64)
+                lens = meta.row_seq_lens[idx]
+                plan = exact.plan(torch.arange(len(rows) + 1), lens, meta.row_engine_table[idx.to(q.device)])
+                dense = torch.empty(len(rows), self.num_heads, self.head_size, dtype=out.dtype, device=out.device)
+                exact.run(plan, rows_q[idx.to(q.device)].contiguous(), cache, dense, pagein)
+                return dense.float()
+
+            res = certified_attention(rows_q, cache, meta.row_block_table, meta.row_seq_lens, self.config,
+                                      self.scale, pagein, self.generator, dense_fn=dense_rows)  # fmt: skip
+            out[meta.row_tokens.to(out.device)] = res.out.to(out.dtype)
+            stats = pagein.take_stats()
+            self.metrics.record(res.report, self._layer(layer), stats.bytes, stats.seconds)
+
+        if meta.exact_plan is not None:
+            if meta.exact_all:
+                n = meta.num_actual_tokens
+                exact.run(meta.exact_plan, q[:n], cache, out[:n], pagein)
+            else:
+                idx = meta.exact_tokens.to(q.device)
+                part = torch.empty(idx.numel(), self.num_heads, self.head_size, dtype=out.dtype, device=out.device)
+                exact.run(meta.exact_plan, q[idx].contiguous(), cache, part, pagein)
+                out[idx] = part
+            if self._layer(layer) == 0:
+                for reason, count in meta.exact_counts.items():
+                    self.metrics.count_exact_tokens(reason, count)
+            pagein.take_stats()
+        return output
+
+    def _exact_runtime(self, kv_cache: torch.Tensor) -> ExactAttention:
+        if self._exact is None:
+            self._exact = ExactAttention(self.num_heads, self.num_kv_heads, self.head_size, self.dtype, self.scale,
+                                         kv_cache.shape[2], kv_cache.device.type == "cpu")  # fmt: skip
+        return self._exact
+
+    def _pagein_engine(self, device: torch.device) -> PageInEngine:
+        if self._pagein is None:
+            self._pagein = PageInEngine(device)
+        return self._pagein
+
+    def _layer(self, layer: Any) -> int:
+        if self._layer_index is None:
+            match = _LAYER_INDEX.search(getattr(layer, "layer_name", ""))
+            self._layer_index = int(match.group(1)) if match else -1
+        return self._layer_index
+
+
+_METRICS: CertMetrics | None = None
+
+
+def _metrics(vllm_config: VllmConfig) -> CertMetrics:
+    global _METRICS
+    if _METRICS is None:
+        name = vllm_config.model_config.served_model_name
+        name = name[0] if isinstance(name, list | tuple) else name
+        engine = str(vllm_config.parallel_config.data_parallel_rank)
+        _METRICS = CertMetrics(str(name), engine)
+    return _METRICS

@@ -1,0 +1,148 @@
+"""The host tier of a vLLM run: its memory budget (engine side) and its shadow pages (worker side).
+
+Every device block has a shadow page per layer in host memory, ``[H_kv, 2, N, D]`` in the model's
+dtype (pinned with ``cudaHostRegister`` on CUDA, ordinary memory on CPU). The shadow is indexed by
+block id, so it lives exactly as long as the device block: a freed, preempted or aborted request's
+blocks are simply rewritten by their next owner, and nothing is held per request.
+
+Budget: ``host_memory_gb`` (``--cert-host-memory-gb``), or half of the available host memory when
+unset. The KV planner's block count is capped to what the budget can shadow (logged); a budget that
+cannot shadow one full-length request refuses to start, naming the flag.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+import torch
+
+from certvllm.config import CertConfig
+from certvllm.formats.layout import PageLayout
+from certvllm.kv.cache import LayerKVCache
+from certvllm.kv.host import allocate_host
+from certvllm.vllm_plugin import settings
+
+logger = logging.getLogger("certvllm")
+GIB = 1 << 30
+DEFAULT_AVAILABLE_FRACTION = 0.5
+
+
+def shadow_bytes_per_block(vllm_config: Any) -> int:
+    """Host bytes one vLLM block's shadow pages take across all layers of this rank."""
+    model, parallel = vllm_config.model_config, vllm_config.parallel_config
+    layers = model.get_num_layers(parallel)
+    heads = model.get_num_kv_heads(parallel)
+    itemsize = torch.empty((), dtype=model.dtype).element_size()
+    return layers * heads * 2 * vllm_config.cache_config.block_size * model.get_head_size() * itemsize
+
+
+def budget_bytes(cfg: CertConfig) -> int:
+    if cfg.host_memory_gb is not None:
+        return int(cfg.host_memory_gb * GIB)
+    import psutil
+
+    return int(DEFAULT_AVAILABLE_FRACTION * psutil.virtual_memory().available)
+
+
+def min_blocks(vllm_config: Any) -> int:
+    """vLLM blocks one request of ``max_model_len`` tokens needs: the least useful capacity."""
+    return math.ceil(vllm_config.model_config.max_model_len / vllm_config.cache_config.block_size) + 1
+
+
+def _refuse(vllm_config: Any, cfg: CertConfig, capacity: int, per_block: int) -> ValueError:
+    need = min_blocks(vllm_config)
+    return ValueError(
+        f"certvllm: the host tier can shadow only {capacity} blocks ({budget_bytes(cfg) / GIB:.2f} GiB at "
+        f"{per_block / 2**20:.2f} MiB per block), fewer than the {need} blocks one "
+        f"{vllm_config.model_config.max_model_len}-token request needs. Raise --cert-host-memory-gb "
+        f"(now {cfg.host_memory_gb}) to at least "
+        f"{need * per_block / GIB:.2f}, or lower --max-model-len."
+    )
+
+
+def check_minimum(vllm_config: Any, cfg: CertConfig) -> None:
+    """Startup check (before any memory is touched) of an explicit budget."""
+    if cfg.host_memory_gb is None:
+        return
+    per_block = shadow_bytes_per_block(vllm_config)
+    capacity = budget_bytes(cfg) // per_block
+    if capacity < min_blocks(vllm_config):
+        raise _refuse(vllm_config, cfg, capacity, per_block)
+
+
+def cap_blocks(vllm_config: Any, num_blocks: int) -> int:
+    """The KV planner's block count, capped by the host budget (engine-core process)."""
+    cfg = settings.cert_config(vllm_config)
+    per_block = shadow_bytes_per_block(vllm_config)
+    capacity = budget_bytes(cfg) // per_block
+    if capacity < min_blocks(vllm_config):
+        raise _refuse(vllm_config, cfg, capacity, per_block)
+    if num_blocks > capacity:
+        logger.warning(
+            "certvllm: capping the KV cache at %d blocks (%d tokens): the host tier budget of %.2f GiB shadows "
+            "%d MiB per block; the device could hold %d blocks. Raise --cert-host-memory-gb to use them.",
+            capacity, capacity * vllm_config.cache_config.block_size, budget_bytes(cfg) / GIB, per_block >> 20,
+            num_blocks,
+        )  # fmt: skip
+        num_blocks = capacity
+    logger.info(
+        "certvllm: host tier shadows %d blocks = %.2f GiB (%.1f KiB per token, all layers)",
+        num_blocks, num_blocks * per_block / GIB, per_block / vllm_config.cache_config.block_size / 1024,
+    )  # fmt: skip
+    return num_blocks
+
+
+class HostTier:
+    """This worker's shadow pages, one :class:`LayerKVCache` per attention layer."""
+
+    def __init__(self) -> None:
+        self._layers: dict[str, LayerKVCache] = {}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.shadow.numel() * c.shadow.element_size() for c in self._layers.values())
+
+    def layer(
+        self,
+        name: str,
+        kv_cache: torch.Tensor,
+        head_dim: int,
+        dtype: torch.dtype,
+        value_group: int,
+    ) -> LayerKVCache:
+        """The tiered cache of layer ``name`` over vLLM's ``[num_blocks, H_kv, N, C]`` uint8 tensor.
+
+        The shadow is (re)allocated when the device tensor changes (profiling → real cache).
+        """
+        cache = self._layers.get(name)
+        same = cache is not None and cache.pages.data_ptr() == kv_cache.data_ptr()
+        if same and cache.pages.shape[0] == kv_cache.shape[0]:
+            return cache
+        num_blocks, heads, n, c = kv_cache.shape
+        layout = PageLayout(head_dim, value_group)
+        if n % layout.block_size != 0 or c != layout.bytes_per_token:
+            raise ValueError(
+                f"layer {name}: KV tensor {list(kv_cache.shape)} does not match the certified page "
+                f"[*, *, m·{layout.block_size}, {layout.bytes_per_token}]"
+            )
+        pages = kv_cache.view(num_blocks, heads, n * c)
+        on_cpu = kv_cache.device.type == "cpu"
+        shadow = allocate_host((num_blocks, heads, 2, n, head_dim), dtype, pin=not on_cpu)
+        self._layers.pop(name, None)
+        # on the CPU the shadow doubles as a cache for vLLM's own CPU kernel, which stores keys transposed
+        cache = LayerKVCache(pages, shadow, layout, keys_channel_major=on_cpu)
+        self._layers[name] = cache
+        return cache
+
+
+_TIER: HostTier | None = None
+
+
+def worker_host_tier() -> HostTier:
+    """The per-process host tier (created on first use in the worker)."""
+    global _TIER
+    if _TIER is None:
+        _TIER = HostTier()
+    return _TIER

@@ -1,0 +1,178 @@
+"""Patches that route ``--kv-cache-dtype certified`` to our backend and fix its block geometry.
+
+* backend selection: ``certified`` → the CUSTOM slot, with clear errors for layers we cannot serve
+  (MLA, sliding windows, sinks, encoder or cross attention, unsupported head sizes or dtypes);
+* the CPU platform, which otherwise returns its own backend whatever was selected;
+* platform config: block sizes that are multiples of 16, and the checks that must fail at startup
+  (config, prefix-match units, KV connectors, host-tier budget);
+* KV planning: the block count is capped by what the host tier can shadow.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from certvllm.formats.layout import BLOCK_SIZE
+from certvllm.vllm_plugin import settings
+from certvllm.vllm_plugin._compat import KV_CACHE_DTYPE
+
+logger = logging.getLogger("certvllm")
+_MARK = "_certvllm_patched"
+
+
+def _wrap(owner: Any, name: str, make: Any, static: bool = False) -> None:
+    """Replace ``owner.name`` by ``make(original)`` once (idempotent across repeated registration)."""
+    original = getattr(owner, name)
+    if getattr(original, _MARK, False):
+        return
+    patched = make(original)
+    setattr(patched, _MARK, True)
+    setattr(owner, name, staticmethod(patched) if static else patched)
+
+
+def install() -> None:
+    _route_selector()
+    _route_platform()
+    _cap_block_count()
+
+
+def _check_layer(attn_selector_config: Any, backend: Any) -> None:
+    """Refuse, with the fix, any layer the certified path cannot serve."""
+    from vllm.v1.attention.backend import AttentionType
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    from certvllm.vllm_plugin.backend import CertifiedAttentionBackend
+
+    cfg = attn_selector_config
+    problems = []
+    if backend is not None and backend != AttentionBackendEnum.CUSTOM:
+        problems.append(f"--attention-backend {backend.name} was given; certified uses its own backend (drop the flag)")
+    if cfg.use_mla:
+        problems.append("MLA attention (latent KV) is not supported")
+    if cfg.has_sliding_window:
+        problems.append("sliding-window layers are not supported")
+    if cfg.has_sink:
+        problems.append("attention sinks are not supported")
+    if cfg.use_sparse:
+        problems.append("sparse attention is not supported")
+    if cfg.attn_type != AttentionType.DECODER:
+        problems.append(f"attention type {cfg.attn_type!r} is not supported (decoder self-attention only)")
+    if not CertifiedAttentionBackend.supports_head_size(cfg.head_size):
+        sizes = CertifiedAttentionBackend.get_supported_head_sizes()
+        problems.append(f"head size {cfg.head_size} is not supported (supported: {sizes})")
+    if not CertifiedAttentionBackend.supports_dtype(cfg.dtype):
+        problems.append(f"model dtype {cfg.dtype} is not supported (use --dtype bfloat16 or float16)")
+    if problems:
+        raise ValueError(
+            "--kv-cache-dtype certified cannot serve this model: " + "; ".join(problems)
+            + ". Serve it with --kv-cache-dtype auto."
+        )
+
+
+def _route_selector() -> None:
+    import vllm.v1.attention.selector as selector
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    def make(original: Any) -> Any:
+        def routed(backend: Any, attn_selector_config: Any, num_heads: Any = None, **kwargs: Any) -> Any:
+            if attn_selector_config.kv_cache_dtype == KV_CACHE_DTYPE:
+                _check_layer(attn_selector_config, backend)
+                backend = AttentionBackendEnum.CUSTOM
+            return original(backend, attn_selector_config, num_heads, **kwargs)
+
+        return routed
+
+    _wrap(selector, "_cached_get_attn_backend", make)
+
+
+def _route_platform() -> None:
+    from vllm.platforms import current_platform
+
+    from certvllm.vllm_plugin import BACKEND_PATH
+
+    platform_cls = type(current_platform)
+
+    def make_backend(original: Any) -> Any:
+        def get_attn_backend_cls(selected_backend: Any, attn_selector_config: Any, num_heads: Any = None) -> Any:
+            if attn_selector_config.kv_cache_dtype == KV_CACHE_DTYPE:
+                return BACKEND_PATH
+            return original(selected_backend, attn_selector_config, num_heads)
+
+        return get_attn_backend_cls
+
+    def make_config(original: Any) -> Any:
+        def check_and_update_config(vllm_config: Any) -> None:
+            if vllm_config.cache_config.cache_dtype == KV_CACHE_DTYPE:
+                _prepare_certified(vllm_config)
+            original(vllm_config)
+
+        return check_and_update_config
+
+    if current_platform.is_cpu():
+        _wrap(platform_cls, "get_attn_backend_cls", make_backend, static=True)
+    _wrap(platform_cls, "check_and_update_config", make_config, static=True)
+
+
+def _prepare_certified(vllm_config: Any) -> None:
+    """Startup checks and settings for a certified run (API-server / LLM process)."""
+    cache = vllm_config.cache_config
+    cfg = settings.cert_config(vllm_config)  # fails here, at startup, on a bad preset or value
+    if cache.user_specified_block_size and cache.block_size % BLOCK_SIZE != 0:
+        raise ValueError(
+            f"--block-size {cache.block_size} cannot be used with --kv-cache-dtype certified: pages hold "
+            f"{BLOCK_SIZE}-token blocks. Use a multiple of {BLOCK_SIZE} or drop --block-size."
+        )
+    if getattr(cache, "prefix_match_unit", None) not in (None, cache.block_size):
+        raise ValueError(
+            f"--prefix-match-unit {cache.prefix_match_unit} copies partial blocks on write, which would bypass "
+            "the certified write path; drop it with --kv-cache-dtype certified."
+        )
+    transfer = vllm_config.kv_transfer_config
+    if transfer is not None and getattr(transfer, "kv_connector", None):
+        raise ValueError(
+            f"KV connector {transfer.kv_connector!r} writes device pages directly, bypassing the certified "
+            "write path and the host shadow tier; it cannot be combined with --kv-cache-dtype certified."
+        )
+    from certvllm.vllm_plugin import host_tier
+
+    host_tier.check_minimum(vllm_config, cfg)
+    logger.info("certvllm: certified KV cache, preset settings %s", cfg.model_dump(exclude_defaults=True))
+
+
+def _cap_block_count() -> None:
+    from certvllm.vllm_plugin import host_tier
+
+    for module_name in ("vllm.v1.core.kv_cache_planning", "vllm.v1.core.kv_cache_utils"):
+        try:
+            module = __import__(module_name, fromlist=["may_override_num_blocks"])
+        except ImportError:
+            continue
+        if not hasattr(module, "may_override_num_blocks"):
+            continue
+
+        def make(original: Any) -> Any:
+            def may_override_num_blocks(vllm_config: Any, num_blocks: int) -> int:
+                num_blocks = original(vllm_config, num_blocks)
+                if vllm_config.cache_config.cache_dtype != KV_CACHE_DTYPE:
+                    return num_blocks
+                return host_tier.cap_blocks(vllm_config, num_blocks)
+
+            return may_override_num_blocks
+
+        _wrap(module, "may_override_num_blocks", make)
+        return
+
+
+def self_test() -> None:
+    """The CUSTOM slot must resolve to our backend class."""
+    from vllm.utils.import_utils import resolve_obj_by_qualname
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    from certvllm.vllm_plugin import BACKEND_PATH
+
+    if AttentionBackendEnum.CUSTOM.get_path() != BACKEND_PATH:
+        raise RuntimeError(f"certvllm self-test: CUSTOM resolves to {AttentionBackendEnum.CUSTOM.get_path()}")
+    cls = resolve_obj_by_qualname(BACKEND_PATH)
+    if cls.get_name() != "CUSTOM" or not cls.supports_kv_cache_dtype(KV_CACHE_DTYPE):
+        raise RuntimeError("certvllm self-test: the backend does not accept the certified dtype")
