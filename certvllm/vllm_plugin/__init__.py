@@ -13,7 +13,7 @@ import logging
 import os
 import sys
 
-logger = logging.getLogger("certvllm")
+logger = logging.getLogger("vllm.certvllm")  # under "vllm": shares vLLM's log handlers
 
 BACKEND_PATH = "certvllm.vllm_plugin.backend.CertifiedAttentionBackend"
 _registered = False

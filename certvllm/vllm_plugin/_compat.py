@@ -16,7 +16,7 @@ import torch
 
 KV_CACHE_DTYPE = "certified"
 SUPPORTED_MINOR = ((0, 32), (0, 33))
-logger = logging.getLogger("certvllm")
+logger = logging.getLogger("vllm.certvllm")  # under "vllm": shares vLLM's log handlers
 
 
 class UnsupportedVllmError(RuntimeError):

