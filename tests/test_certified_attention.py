@@ -229,3 +229,49 @@ def test_overflowing_bounds_escalate_instead_of_returning_nan(t, gen):
     assert res.violations == 0 and res.dense_mismatch == 0
     certified = res.rung <= 2
     assert torch.isfinite(res.bound[certified]).all()
+
+
+@pytest.fixture(params=["fused", "reference"])
+def cpu_path(request, monkeypatch):
+    """Run a test on the compiled CPU kernel and on the PyTorch reference."""
+    from certvllm.attention import cpu_fused
+
+    if request.param == "reference":
+        monkeypatch.setattr(cpu_fused, "supported", lambda cache, cfg: False)
+    else:
+        assert cpu_fused.cpu_kernel.available(), "the CPU kernel did not build"
+    return request.param
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("preset", PRESETS)
+def test_both_cpu_paths_are_sound(cpu_path, family, preset, gen):
+    cases = [make_case(family, t, 12, 3, 64, torch.bfloat16, gen) for t in (3, 16, 47, 300, 777)]
+    res = check_soundness(cases, load_config(preset))
+    assert res.violations == 0 and res.dense_mismatch == 0
+
+
+def test_fused_kernel_matches_the_reference(monkeypatch, gen):
+    from certvllm.attention import cpu_fused
+
+    assert cpu_fused.cpu_kernel.available()
+    agree = total = 0
+    for family in FAMILIES:
+        cases = [make_case(family, t, 8, 2, 128, torch.float16, gen) for t in (20, 200, 650)]
+        cache, tables, lens = paged_batch(cases)
+        q = torch.stack([c.q for c in cases])
+        cfg = load_config("default")
+        fused = certified_attention(q, cache, tables, lens, cfg)
+        monkeypatch.setattr(cpu_fused, "supported", lambda cache, cfg: False)
+        ref = certified_attention(q, cache, tables, lens, cfg)
+        monkeypatch.undo()
+        same = fused.report.rung == ref.report.rung
+        agree += int(same.sum())
+        total += same.numel()
+        both = same & (ref.report.rung <= 2)
+        scale = ref.report.v_max[both].unsqueeze(-1)
+        assert ((fused.out[both] - ref.out[both]).abs() <= 1e-4 * scale).all()
+        assert torch.allclose(fused.report.e_val[both], ref.report.e_val[both], rtol=1e-3, atol=1e-7)
+        assert torch.allclose(fused.report.e_key[both], ref.report.e_key[both], rtol=1e-3, atol=1e-7)
+        assert torch.equal(fused.report.k_star[both], ref.report.k_star[both])
+    assert agree >= 0.97 * total

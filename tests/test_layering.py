@@ -12,6 +12,7 @@ ROOT = Path(certvllm.__file__).parent
 # lowest first; a module may import its own layer or any layer listed before it
 LAYERS = [
     ("config", "formats", "bounds", "models"),
+    ("kernels",),
     ("kv",),
     ("attention", "testing"),
     ("metrics",),
@@ -25,8 +26,10 @@ def _layer_of(module: str) -> int | None:
     if parts[0] != "certvllm" or len(parts) < 2:
         return None
     name = parts[1]
-    if name in ("configs", "triton_kernels"):
+    if name in ("configs", "csrc"):
         return 0
+    if name == "triton_kernels":
+        name = "kernels"
     for i, names in enumerate(LAYERS):
         if name in names:
             return i

@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from certvllm.attention import cpu_fused
 from certvllm.attention.checks import canary_violations, rank_and_boundary
 from certvllm.attention.dense import dense_paged
 from certvllm.attention.report import (
@@ -36,9 +37,9 @@ from certvllm.attention.report import (
 )
 from certvllm.attention.selection import Phase1, select_keys, select_values
 from certvllm.bounds import (
+    alpha_inflation,
     block_delta,
     exp_rounding,
-    gamma,
     key_bound,
     key_sum_bound,
     score_rounding,
@@ -142,6 +143,12 @@ def certified_attention(
         report.rung.fill_(RUNG_LAYER_DENSE)
         with _exact_float32():
             return CertifiedOutput(dense_fn(list(range(rows))).float(), report)
+
+    if cpu_fused.supported(cache, config):
+        with _exact_float32():
+            out, report = cpu_fused.certified_rows(q, cache, block_tables, seq_lens, config, scale, pagein)
+            _apply_dense_fallbacks(out, report, dense_fn)
+        return CertifiedOutput(out, report)
 
     outs, reports = [], []
     per_row = max(1, int(seq_lens.max()) // cache.layout.block_size) * cache.layout.head_dim * q.shape[1] * 16
@@ -299,7 +306,7 @@ def _certified_rows(
     rho = den_b.double() / den.unsqueeze(-1)
     e_val = value_bound(torch.where(valid4 & ~value_mask, rho, torch.zeros_like(rho)), eta, N)
     in_tail = valid4 & ~key_mask
-    alpha = (torch.where(in_tail, rho, torch.zeros_like(rho)).sum(dim=-1) * (1 + 3 * gamma(N + 2))).float()
+    alpha = (torch.where(in_tail, rho, torch.zeros_like(rho)).sum(dim=-1) * alpha_inflation(N)).float()
     delta_tail = torch.where(in_tail, delta, torch.zeros_like(delta)).amax(dim=-1)
     score_abs2 = torch.maximum(_finite_abs_max(s2, (-1, -2)), _finite_abs_max(s_tail, (-1,)))
     round2 = base_round + exp_rounding(score_abs2)

@@ -14,16 +14,28 @@ T = the blocks still read with INT8 keys, F = the blocks read with unquantized k
 
 from certvllm.bounds.rounding import GAMMA_SLACK, UNIT_ROUNDOFF, gamma
 from certvllm.bounds.terms import (
+    alpha_inflation,
     block_delta,
+    delta_factor,
+    exp_factors,
     exp_rounding,
     key_bound,
     key_sum_bound,
+    round_factor,
+    rounding_factor,
     score_rounding,
     tail_mass_upper,
     value_bound,
+    value_inflation,
 )
 
 __all__ = [
+    "alpha_inflation",
+    "delta_factor",
+    "exp_factors",
+    "round_factor",
+    "rounding_factor",
+    "value_inflation",
     "GAMMA_SLACK",
     "UNIT_ROUNDOFF",
     "block_delta",

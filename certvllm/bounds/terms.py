@@ -26,6 +26,38 @@ def _sum_inflation(n_terms: int) -> float:
     return (1.0 + gamma(n_terms + 2)) * GAMMA_SLACK
 
 
+# -- the constant factors, shared with the compiled kernels (one source of truth) ---------------
+def delta_factor(d: int) -> float:
+    """Δ_b = delta_factor(D) · Σ_c |q_c·λ|·σ_c."""
+    return (0.5 + P2_RELATIVE_SLACK) * _sum_inflation(d)
+
+
+def rounding_factor(d: int) -> float:
+    """R_b = rounding_factor(D) · Σ_c |q_c·λ|·(M_c + σ_c)."""
+    return (gamma(d) + SCORE_EXTRA_ROUNDINGS * UNIT_ROUNDOFF) * _sum_inflation(d)
+
+
+def exp_factors() -> tuple[float, float]:
+    """(c1, c0) with R_exp = c1·max|s| + c0."""
+    scale = GAMMA_SLACK * (1 + 2.0**-20)
+    return 2.0 * UNIT_ROUNDOFF * scale, EXP_ROUNDINGS * UNIT_ROUNDOFF * scale
+
+
+def round_factor(block_size: int) -> float:
+    """E_round = round_factor(N) · (V_max + η_max)."""
+    return (2.0 * gamma(block_size + 2) + 2.0 * UNIT_ROUNDOFF) * GAMMA_SLACK
+
+
+def value_inflation(block_size: int) -> float:
+    """E_val = value_inflation(N) · Σ_b ρ_b η_b (computed masses of N-term float32 sums)."""
+    return (1.0 + 3.0 * gamma(block_size + 2)) * GAMMA_SLACK
+
+
+def alpha_inflation(block_size: int) -> float:
+    """Upper bound on the tail mass from computed per-block sums."""
+    return 1.0 + 3.0 * gamma(block_size + 2)
+
+
 def block_delta(q_abs: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
     """Δ_b per query head: the largest score change key quantization can cause in block b.
 
@@ -38,9 +70,8 @@ def block_delta(q_abs: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
     Returns:
         ``[R, K, G, B]`` float32.
     """
-    d = q_abs.shape[-1]
     raw = torch.einsum("rkgd,rbkd->rkgb", q_abs, sigma)
-    return raw * ((0.5 + P2_RELATIVE_SLACK) * _sum_inflation(d))
+    return raw * delta_factor(q_abs.shape[-1])
 
 
 def score_rounding(q_abs: torch.Tensor, key_mag: torch.Tensor) -> torch.Tensor:
@@ -54,9 +85,8 @@ def score_rounding(q_abs: torch.Tensor, key_mag: torch.Tensor) -> torch.Tensor:
     Returns:
         ``[R, K, G, B]`` float32.
     """
-    d = q_abs.shape[-1]
     raw = torch.einsum("rkgd,rbkd->rkgb", q_abs, key_mag)
-    return raw * ((gamma(d) + SCORE_EXTRA_ROUNDINGS * UNIT_ROUNDOFF) * _sum_inflation(d))
+    return raw * rounding_factor(q_abs.shape[-1])
 
 
 def exp_rounding(score_abs_max: torch.Tensor) -> torch.Tensor:
@@ -64,7 +94,8 @@ def exp_rounding(score_abs_max: torch.Tensor) -> torch.Tensor:
     ≤ u·|s − m| ≤ 2u·max|s| and exp adds ≤ 4 ulp (8u; CPU and CUDA libraries promise ≤ 2 ulp);
     log(1 + θ) ≤ θ(1 + θ). The absolute part (≥ 8u) also absorbs every float32 underflow in the
     evaluation of Δ and R, which is below 2^-100."""
-    return (2.0 * score_abs_max * UNIT_ROUNDOFF + EXP_ROUNDINGS * UNIT_ROUNDOFF) * GAMMA_SLACK * (1 + 2.0**-20)
+    c1, c0 = exp_factors()
+    return score_abs_max * c1 + c0
 
 
 def tail_mass_upper(alpha_observed: torch.Tensor, delta_tail: torch.Tensor, rounding: torch.Tensor) -> torch.Tensor:
@@ -96,8 +127,7 @@ def key_bound(
     E_round = (2γ_{N+2} + 2u)·(V_max + η_max) covers the float32 per-block weighted sums (N terms
     each), the float64 combination across blocks and the final division and cast.
     """
-    round_factor = (2.0 * gamma(block_size + 2) + 2.0 * UNIT_ROUNDOFF) * GAMMA_SLACK
-    e_round = round_factor * (v_max + eta_max)
+    e_round = round_factor(block_size) * (v_max + eta_max)
     return v_max * key_sum * GAMMA_SLACK + e_round, e_round
 
 
@@ -109,9 +139,8 @@ def value_bound(block_mass: torch.Tensor, eta: torch.Tensor, block_size: int) ->
         block_mass: ``[..., B]`` float64 or float32 computed block masses (0 for FP16-value blocks).
         eta: ``[..., B]`` η_b (0 where values are FP16).
     """
-    inflate = (1.0 + 3.0 * gamma(block_size + 2)) * GAMMA_SLACK
     total = (block_mass.to(torch.float64) * eta.to(torch.float64)).sum(dim=-1)
-    return (total * inflate).to(torch.float32) * (1 + 2.0**-20)
+    return (total * value_inflation(block_size)).to(torch.float32) * (1 + 2.0**-20)
 
 
 def softmax_scale(head_dim: int) -> float:

@@ -1,0 +1,97 @@
+"""Certified rows through the compiled CPU kernel (``csrc/cpu/certified_decode.cpp``).
+
+Same algorithm, same certificate and same report as :func:`certvllm.attention.paged._certified_rows`,
+fused into one pass per (row, KV head) in C++. Used on the CPU when the kernel is built and the
+configuration needs no random exploration draws; the PyTorch path is the reference it is tested against.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from certvllm.attention.report import RUNG_HEAD_DENSE, RUNG_LAYER_DENSE, CertReport
+from certvllm.attention.selection import VALUE_BUDGET_MARGIN
+from certvllm.bounds import (
+    GAMMA_SLACK,
+    alpha_inflation,
+    delta_factor,
+    exp_factors,
+    round_factor,
+    rounding_factor,
+    value_inflation,
+)
+from certvllm.config import CertConfig
+from certvllm.formats.layout import key_scale_lut
+from certvllm.kernels import cpu as cpu_kernel
+from certvllm.kv.cache import LayerKVCache
+from certvllm.kv.pagein import PageInEngine
+
+_LUT = key_scale_lut()
+
+
+def supported(cache: LayerKVCache, cfg: CertConfig) -> bool:
+    """The fused kernel serves CPU pages in certified/naive mode without exploration draws."""
+    return (
+        cache.pages.device.type == "cpu"
+        and cfg.mode in ("certified", "naive")
+        and cfg.exploration_rate == 0
+        and cpu_kernel.available()
+    )
+
+
+def certified_rows(
+    q: torch.Tensor,
+    cache: LayerKVCache,
+    tables: torch.Tensor,
+    lens: torch.Tensor,
+    cfg: CertConfig,
+    scale: float,
+    pagein: PageInEngine,
+) -> tuple[torch.Tensor, CertReport]:
+    """Rows ``q`` ``[R, H_q, D]`` → ``(out [R, H_q, D] float32, report [R, H_q])`` (fallbacks not applied)."""
+    R, Hq, D = q.shape
+    K = cache.num_kv_heads
+    lay = cache.layout
+    n = lay.block_size
+    qs = (q.float() * scale).view(R, K, Hq // K, D).contiguous()
+    layout = [lay.page_bytes, lay.v_codes, lay.v_scale, lay.v_zero, lay.k_offset, lay.k_scale_code, lay.header,
+              lay.groups]  # fmt: skip
+    c1, c0 = exp_factors()
+    consts = [
+        delta_factor(D), rounding_factor(D), c0, c1, GAMMA_SLACK, round_factor(n),
+        value_inflation(n) * (1 + 2.0**-20), alpha_inflation(n), 1 + 2.0**-20, VALUE_BUDGET_MARGIN,
+        cfg.tau_cov, cfg.rung1_tail_threshold, cfg.key_tol, cfg.v_tol, cfg.bound_tol, cfg.eps_guard,
+    ]  # fmt: skip
+    certified = cfg.mode == "certified"
+    policy = [
+        int(certified), int(cfg.rank_check), int(cfg.canary), cfg.k_min, cfg.k_max,
+        math.ceil(cfg.rung1_multiplier * cfg.k_max), -1 if cfg.value_k_max is None else cfg.value_k_max,
+        cfg.rank_depth, 0,
+    ]  # fmt: skip
+    res = cpu_kernel.load().certified_decode_cpu(
+        qs, cache.pages, cache.shadow, cache.keys_channel_major, tables.contiguous(), lens.contiguous(), _LUT,
+        layout, consts, policy,
+    )  # fmt: skip
+    out, rung, e_key, e_val, e_round, k_star, v_prom, v_max, d_tail, a_tail = res[:10]
+    rank, boundary, bound, flags, counters = res[10:]
+    precondition = flags[:, 0:1].expand(R, Hq).clone()
+    canary = flags[:, 1:2].expand(R, Hq).clone()
+    pages_in, key_pages, value_pages = counters.tolist()
+    pagein.stats.bytes += pages_in * 2 * n * D * cache.shadow.element_size()
+    pagein.count_promotions(key_pages, value_pages)
+    if certified:
+        rung[canary | precondition] = RUNG_LAYER_DENSE
+        if cfg.force_fallback != "none":
+            rung.fill_(RUNG_HEAD_DENSE if cfg.force_fallback == "head" else RUNG_LAYER_DENSE)
+    else:
+        canary = torch.zeros_like(canary)
+        unbounded = precondition | ~torch.isfinite(e_key + e_val)
+        e_key = torch.where(unbounded, torch.full_like(e_key, float("inf")), e_key)
+    report = CertReport(
+        rung=rung, e_key=e_key, e_val=e_val, e_round=e_round, k_star=k_star, v_promoted=v_prom, v_max=v_max,
+        delta_tail=d_tail, alpha_tail=a_tail, rank_fail=rank, boundary_fail=boundary, bound_fail=bound,
+        canary_fail=canary, precondition=precondition,
+    )  # fmt: skip
+    return out, report
