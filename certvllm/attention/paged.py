@@ -129,6 +129,10 @@ def certified_attention(
     Returns:
         ``out`` ``[R, H_q, D]`` float32 and a ``[R, H_q]`` :class:`CertReport`.
     """
+    if cache.pages.device.type == "cuda":  # Triton kernels, no host synchronisation: certvllm.attention.gpu
+        from certvllm.attention.gpu import certified_attention_gpu
+
+        return certified_attention_gpu(q, cache, block_tables, seq_lens, config, scale, pagein, generator, dense_fn)
     seq_lens = seq_lens.to("cpu", torch.int64)
     block_tables = block_tables.to("cpu", torch.int64)
     _validate(q, cache, block_tables, seq_lens)

@@ -16,15 +16,27 @@ from pathlib import Path
 from types import ModuleType
 
 logger = logging.getLogger("certvllm")
-_NAME = "certvllm_cpu_v1"
+_NAME = "certvllm_cpu_v3"
 _lock = threading.Lock()
 _module: ModuleType | None = None
 _failed: str | None = None
 
 
+def arch_flags() -> list[str]:
+    """Vector ISA flags for this machine (``CERTVLLM_CPU_ARCH_FLAGS`` overrides, e.g. for images)."""
+    override = os.environ.get("CERTVLLM_CPU_ARCH_FLAGS")
+    if override is not None:
+        return override.split()
+    try:
+        flags = set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        return []
+    return ["-mavx2", "-mfma"] if {"avx2", "fma"} <= flags else []
+
+
 def build_dir() -> Path:
     root = os.environ.get("CERTVLLM_EXT_DIR") or Path.home() / ".cache" / "certvllm" / "extensions"
-    path = Path(root) / _NAME
+    path = Path(root) / (_NAME + ("-" + "".join(f.strip("-m") for f in arch_flags()) if arch_flags() else ""))
     path.mkdir(parents=True, exist_ok=True)
     return path
 
@@ -46,7 +58,7 @@ def load() -> ModuleType:
             _module = load_extension(
                 name=_NAME,
                 sources=[str(source)],
-                extra_cflags=["-O3", "-fopenmp", "-fopenmp-simd"],
+                extra_cflags=["-O3", "-fopenmp", "-fopenmp-simd", *arch_flags()],
                 extra_ldflags=["-fopenmp"],
                 build_directory=str(build_dir()),
                 verbose=False,

@@ -154,12 +154,23 @@ class LayerKVCache:
         n, m = self.layout.block_size, self.sub_blocks
         slots = slots.to(device=self.shadow.device, dtype=torch.int64)
         keep = slots >= 0
-        slots = slots[keep]
-        block, offset = slots // n, slots % n
+        live = slots[keep]
+        block, offset = live // n, live % n
         keys, values = self._shadow_views()
         keys[block // m, :, block % m, offset] = key[keep.to(key.device)].to(self.shadow.device)
         values[block // m, :, block % m, offset] = value[keep.to(value.device)].to(self.shadow.device)
-        full = torch.unique(block[offset == n - 1])
+        return self.encode_completed(slots)
+
+    def encode_completed(self, slots: torch.Tensor) -> torch.Tensor:
+        """Encode the pages of every block whose last slot is among ``slots`` (the shadow must
+        already hold the block's tokens). Returns the ``[k]`` int64 ids of the encoded blocks.
+
+        An engine with its own fast shadow writer calls this after writing the shadow itself.
+        """
+        n = self.layout.block_size
+        slots = slots.to(device="cpu", dtype=torch.int64)
+        last = slots[(slots >= 0) & (slots % n == n - 1)]
+        full = torch.unique(last // n)
         if full.numel():
             src = self.shadow_blocks(full).to(self.pages.device)
             self.write_pages(full, encode_pages(src[:, :, 0], src[:, :, 1], self.layout))

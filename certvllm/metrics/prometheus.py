@@ -11,6 +11,7 @@ to the counters and histogram buckets in bulk.
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass
 
 import torch
@@ -73,12 +74,20 @@ def metric_names() -> list[str]:
 
 
 class CertMetrics:
-    """Lazily created Prometheus metrics with fixed ``model_name``/``engine`` labels."""
+    """Lazily created Prometheus metrics with fixed ``model_name``/``engine`` labels.
 
-    def __init__(self, model_name: str, engine: str = "0") -> None:
+    :meth:`record` only queues a call's report (the decode step is hot); a daemon thread folds the
+    queue into the Prometheus series every ``flush_seconds``, and :meth:`flush` does it on demand.
+    """
+
+    def __init__(self, model_name: str, engine: str = "0", flush_seconds: float = 0.25) -> None:
         self.base = {"model_name": model_name, "engine": engine}
         self._metrics: dict[str, object] | None = None
         self._lock = threading.Lock()
+        self._pending: list[tuple[CertReport, int, int, float]] = []
+        self._pending_lock = threading.Lock()
+        self._flush_seconds = flush_seconds
+        self._flusher: threading.Thread | None = None
 
     def _get(self) -> dict[str, object]:
         if self._metrics is None:
@@ -113,7 +122,30 @@ class CertMetrics:
             self._child("vllm:cert_exact_tokens_total", reason=reason).inc(n)
 
     def record(self, report: CertReport, layer: int, page_in_bytes: int, page_in_seconds: float) -> None:
-        """Record one attention call's report (``[R, H_q]`` tensors)."""
+        """Queue one attention call's report (``[R, H_q]`` tensors) for the next flush."""
+        with self._pending_lock:
+            self._pending.append((report, layer, page_in_bytes, page_in_seconds))
+        if self._flusher is None:
+            self._flusher = threading.Thread(target=self._flush_loop, name="certvllm-metrics", daemon=True)
+            self._flusher.start()
+
+    def _flush_loop(self) -> None:
+        while True:
+            time.sleep(self._flush_seconds)
+            self.flush()
+
+    def flush(self) -> None:
+        """Fold every queued report into the Prometheus series (one batch per layer)."""
+        with self._pending_lock:
+            pending, self._pending = self._pending, []
+        by_layer: dict[int, list[tuple[CertReport, int, float]]] = {}
+        for report, layer, nbytes, seconds in pending:
+            by_layer.setdefault(layer, []).append((report, nbytes, seconds))
+        for layer, items in by_layer.items():
+            report = CertReport.cat([r for r, _, _ in items])
+            self._record_now(report, layer, sum(b for _, b, _ in items), [s for _, b, s in items if b])
+
+    def _record_now(self, report: CertReport, layer: int, page_in_bytes: int, page_in_seconds: list[float]) -> None:
         rungs = torch.bincount(report.rung.flatten().long(), minlength=5).tolist()
         for i, n in enumerate(rungs):
             if n:
@@ -144,7 +176,8 @@ class CertMetrics:
             self._child("vllm:cert_promoted_value_blocks_total").inc(values)
         if page_in_bytes:
             self._child("vllm:cert_page_in_bytes_total").inc(page_in_bytes)
-            self._observe_many("vllm:cert_page_in_seconds", torch.tensor([page_in_seconds]), SECONDS_BUCKETS)
+        if page_in_seconds:
+            self._observe_many("vllm:cert_page_in_seconds", torch.tensor(page_in_seconds), SECONDS_BUCKETS)
 
     def _observe_many(self, name: str, values: torch.Tensor, buckets: tuple[float, ...]) -> None:
         """Add many observations at once (bucket counts are computed with torch)."""

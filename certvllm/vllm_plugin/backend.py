@@ -242,7 +242,18 @@ class CertifiedAttentionImpl(AttentionImpl[CertifiedMetadata]):
         """Store new tokens: originals into the shadow, full blocks quantized into their pages."""
         cache = self._cache(layer, kv_cache)
         n = slot_mapping.shape[0]
-        cache.write(key[:n], value[:n], slot_mapping)
+        if cache.keys_channel_major:
+            # the CPU shadow is vLLM's own CPU cache layout: write it with vLLM's kernel, exactly as
+            # --kv-cache-dtype auto writes its cache, then quantize the blocks this write completed
+            from vllm import _custom_ops as ops
+
+            e, h, _, block, d = cache.shadow.shape
+            key_cache, value_cache = cache.shadow.view(e, h, 2 * block, d).chunk(2, dim=2)
+            ops.cpu_attn_reshape_and_cache(key[:n], value[:n], key_cache, value_cache, slot_mapping,
+                                           self._exact_runtime(kv_cache).isa)  # fmt: skip
+            cache.encode_completed(slot_mapping)
+        else:
+            cache.write(key[:n], value[:n], slot_mapping)
 
     def _cache(self, layer: torch.nn.Module, kv_cache: torch.Tensor):
         tier = worker_host_tier()

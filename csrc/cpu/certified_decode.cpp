@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <numeric>
 #include <vector>
 
@@ -73,13 +74,18 @@ struct Shadow {
   const scalar_t* base;
   int64_t heads, sub, d;
   bool channel_major;
-  // element (block, head, which = 0 key / 1 value, token t, channel c)
-  inline float at(int64_t block, int64_t head, int which, int t, int c) const {
+  // copy the 16 tokens of (block, head, which = 0 key / 1 value) into dst[t * d + c] as float
+  inline void load(int64_t block, int64_t head, int which, int64_t ntok, float* dst) const {
     int64_t e = block / sub, s = block % sub, run = sub * kN;
     const scalar_t* p = base + ((e * heads + head) * 2 + which) * run * d;
-    int64_t tok = s * kN + t;
-    if (which == 0 && channel_major) return to_f(p[c * run + tok]);
-    return to_f(p[tok * d + c]);
+    if (which == 0 && channel_major) {
+      p += s * kN;  // [d][run]: channel c of token t at p[c * run + t]
+      for (int64_t c = 0; c < d; ++c)
+        for (int64_t t = 0; t < ntok; ++t) dst[t * d + c] = to_f(p[c * run + t]);
+    } else {
+      p += s * kN * d;
+      for (int64_t i = 0; i < ntok * d; ++i) dst[i] = to_f(p[i]);
+    }
   }
 };
 
@@ -117,13 +123,14 @@ void certify_row_head(int64_t r, int64_t kh, const float* qs, int64_t G, int64_t
     uint8_t flags = hdr[9];
     if (!(flags & 1) || (flags & 2)) row.precondition = true;
     const uint16_t* off16 = reinterpret_cast<const uint16_t*>(pg + lay.k_offset);
+    const float pow2 = std::ldexp(1.0f, exponent);
     const uint8_t* scode = pg + lay.k_scale_code;
     for (int64_t c = 0; c < D; ++c) {
-      float sg = std::ldexp(lut[scode[c]], exponent);
+      float sg = lut[scode[c]] * pow2;  // exact: a power of two
       float of = half_to_float(off16[c]);
       sigma[c] = sg;
       mag[c] = std::max(std::fabs(of), std::fabs(of + 255.0f * sg)) + sg;
-      for (int t = 0; t < kN; ++t) khat[t * D + c] = std::fma(static_cast<float>(pg[t * D + c]), sg, of);
+      for (int t = 0; t < kN; ++t) khat[t * D + c] = static_cast<float>(pg[t * D + c]) * sg + of;
     }
     for (int64_t g = 0; g < G; ++g) {
       const float* qv = qs + g * D;
@@ -154,14 +161,13 @@ void certify_row_head(int64_t r, int64_t kh, const float* qs, int64_t G, int64_t
   std::vector<float> kt(nt * D), vt(nt * D);
   int64_t tail_bid = nt > 0 ? table[nf] : -1;
   double tail_vnorm = 0;
+  if (nt > 0) {
+    shadow.load(tail_bid, kh, 0, nt, kt.data());
+    shadow.load(tail_bid, kh, 1, nt, vt.data());
+  }
   for (int64_t t = 0; t < nt; ++t) {
     double nrm = 0;
-    for (int64_t c = 0; c < D; ++c) {
-      kt[t * D + c] = shadow.at(tail_bid, kh, 0, t, c);
-      float v = shadow.at(tail_bid, kh, 1, t, c);
-      vt[t * D + c] = v;
-      nrm += static_cast<double>(v) * v;
-    }
+    for (int64_t c = 0; c < D; ++c) nrm += static_cast<double>(vt[t * D + c]) * vt[t * D + c];
     tail_vnorm = std::max(tail_vnorm, std::sqrt(nrm));
   }
   if (nt > 0) row.pagein_pages += 1;
@@ -267,8 +273,16 @@ void certify_row_head(int64_t r, int64_t kh, const float* qs, int64_t G, int64_t
   }
 
   // ---------------- page-in (union over the group's heads) and phase 2
-  std::vector<float> k16(B > 0 ? B * kN * D : 0), v16(B > 0 ? B * kN * D : 0);
   std::vector<uint8_t> has16(B, 0);
+  std::vector<int64_t> slot16(B, -1);
+  int64_t n_union = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    bool u = false;
+    for (int64_t g = 0; g < G; ++g) u |= key_mask[g * B + b] || value_mask[g * B + b];
+    if (u) slot16[b] = n_union++;
+  }
+  std::unique_ptr<float[]> k16(new float[std::max<int64_t>(n_union, 1) * kN * D]);
+  std::unique_ptr<float[]> v16(new float[std::max<int64_t>(n_union, 1) * kN * D]);
   for (int64_t b = 0; b < B; ++b) {
     bool any = false, anyk = false, anyv = false;
     for (int64_t g = 0; g < G; ++g) {
@@ -279,11 +293,8 @@ void certify_row_head(int64_t r, int64_t kh, const float* qs, int64_t G, int64_t
     if (!any) continue;
     has16[b] = 1;
     row.pagein_pages += 1;
-    for (int t = 0; t < kN; ++t)
-      for (int64_t c = 0; c < D; ++c) {
-        k16[(b * kN + t) * D + c] = shadow.at(table[b], kh, 0, t, c);
-        v16[(b * kN + t) * D + c] = shadow.at(table[b], kh, 1, t, c);
-      }
+    shadow.load(table[b], kh, 0, kN, k16.get() + slot16[b] * kN * D);
+    shadow.load(table[b], kh, 1, kN, v16.get() + slot16[b] * kN * D);
   }
   for (int64_t g = 0; g < G; ++g)
     for (int64_t b = 0; b < B; ++b) {
@@ -291,8 +302,29 @@ void certify_row_head(int64_t r, int64_t kh, const float* qs, int64_t G, int64_t
       row.value_pages += value_mask[g * B + b];
     }
 
-  // dequantized values of INT4 blocks, decoded once per block on demand
-  std::vector<float> vhat(kN * D);
+  // dequantized values of the blocks some head reads as INT4, decoded once per block
+  std::unique_ptr<float[]> vhat(new float[std::max<int64_t>(B, 1) * kN * D]);
+  std::vector<uint8_t> need_int4(B, 0);
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t b = 0; b < B; ++b) need_int4[b] |= !value_mask[g * B + b];
+  for (int64_t b = 0; b < B; ++b) {
+    if (!need_int4[b]) continue;
+    const uint8_t* pg = page_of[b];
+    const uint8_t* vc = pg + lay.v_codes;
+    const uint16_t* vs = reinterpret_cast<const uint16_t*>(pg + lay.v_scale);
+    const uint16_t* vz = reinterpret_cast<const uint16_t*>(pg + lay.v_zero);
+    const int64_t gs = D / lay.groups;
+    float* dst = vhat.get() + b * kN * D;
+    for (int t = 0; t < kN; ++t)
+      for (int64_t grp = 0; grp < lay.groups; ++grp) {
+        const float scl = half_to_float(vs[t * lay.groups + grp]), zer = half_to_float(vz[t * lay.groups + grp]);
+        for (int64_t c = grp * gs; c < (grp + 1) * gs; ++c) {
+          const uint8_t byte = vc[t * (D / 2) + c / 2];
+          const float code = static_cast<float>((c & 1) ? (byte >> 4) : (byte & 0x0F));
+          dst[t * D + c] = code * scl + zer;  // code·scale is exact: one rounding
+        }
+      }
+  }
   std::vector<double> rho(G * B), den_b_d(G * B);
   std::vector<float> lm_exact(G * B, kNegInf);
   for (int64_t g = 0; g < G; ++g) {
@@ -307,7 +339,7 @@ void certify_row_head(int64_t r, int64_t kh, const float* qs, int64_t G, int64_t
         float s = s8v;
         if (has16[b]) {
           float se = 0.f;
-          const float* kk = k16.data() + (b * kN + t) * D;
+          const float* kk = k16.get() + (slot16[b] * kN + t) * D;
 #pragma omp simd reduction(+ : se)
           for (int64_t c = 0; c < D; ++c) se += qv[c] * kk[c];
           if (k.certified && k.canary) {  // every paged-in block carries both scores
@@ -330,24 +362,7 @@ void certify_row_head(int64_t r, int64_t kh, const float* qs, int64_t G, int64_t
     double den = 0.0;
     std::vector<float> den_b(B), nb(D);
     for (int64_t b = 0; b < B; ++b) {
-      const float* vals;
-      if (value_mask[g * B + b]) {
-        vals = v16.data() + b * kN * D;
-      } else {
-        const uint8_t* pg = page_of[b];
-        const uint8_t* vc = pg + lay.v_codes;
-        const uint16_t* vs = reinterpret_cast<const uint16_t*>(pg + lay.v_scale);
-        const uint16_t* vz = reinterpret_cast<const uint16_t*>(pg + lay.v_zero);
-        int64_t gs = D / lay.groups;
-        for (int t = 0; t < kN; ++t)
-          for (int64_t c = 0; c < D; ++c) {
-            uint8_t byte = vc[t * (D / 2) + c / 2];
-            float code = static_cast<float>((c & 1) ? (byte >> 4) : (byte & 0x0F));
-            int64_t grp = c / gs;
-            vhat[t * D + c] = std::fma(code, half_to_float(vs[t * lay.groups + grp]), half_to_float(vz[t * lay.groups + grp]));
-          }
-        vals = vhat.data();
-      }
+      const float* vals = value_mask[g * B + b] ? v16.get() + slot16[b] * kN * D : vhat.get() + b * kN * D;
       float db = 0.f;
       std::fill(nb.begin(), nb.end(), 0.f);
       for (int t = 0; t < kN; ++t) {

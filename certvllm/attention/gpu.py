@@ -1,0 +1,403 @@
+"""Certified attention on CUDA: Triton kernels for the heavy passes, batched torch for selection and
+bounds, and no host synchronisation between them.
+
+Same algorithm, same certificate and same report as :func:`certvllm.attention.paged._certified_rows`
+(read that first); what differs is where each step runs:
+
+1. trailing partial block: gathered zero-copy from the pinned shadow (``CudaPageInEngine``, side stream)
+   and scored in torch exactly as the reference does;
+2. phase 1 (``triton_kernels.phase1``): INT8 scores, ℓ⁸_b, Δ_b, R_b, η_b, ν_b, page flags — split-K;
+3. selection (``selection.select_keys``/``select_values``, batched torch on the device; exploration draws
+   on the device), rank/boundary tests (``checks.rank_and_boundary``);
+4. phase 2 (``triton_kernels.phase2``): promotion pass (exact scores of promoted blocks read zero-copy
+   from the shadow, canary), then one attend pass mixing unquantized and INT8/INT4 blocks with float64
+   accumulation across blocks and splits, plus the bound accumulators;
+5. bounds (``certvllm.bounds``) and checks on device tensors; the report is assembled with ``where``
+   (no boolean-mask indexing, which would synchronise);
+6. rungs 3/4: ``fallback="sdpa"`` (default) recomputes escalated rows with ``dense_fn`` (default
+   ``dense_paged``: torch SDPA over the originals, bit-identical to ``dense_decode``), which needs the
+   row list on the host: one synchronisation at the end of the layer call. ``fallback="device"`` instead
+   re-runs the phase-2 kernels with every block of the escalated (row, KV head) groups unquantized:
+   exact float32 attention over the originals with the reference's summation structure, and the whole
+   call stays free of host synchronisation (CUDA-graph capturable).
+
+The number of blocks per row is taken from the block table's width, never from the lengths, so the host
+does not need to read ``seq_lens``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable
+
+import torch
+
+from certvllm.attention.checks import rank_and_boundary
+from certvllm.attention.dense import dense_paged
+from certvllm.attention.report import (
+    RUNG_HEAD_DENSE,
+    RUNG_LAYER_DENSE,
+    RUNG_VALUES,
+    RUNG_WIDEN,
+    CertifiedOutput,
+    CertReport,
+)
+from certvllm.attention.selection import Phase1, select_keys, select_values
+from certvllm.bounds import (
+    GAMMA_SLACK,
+    UNIT_ROUNDOFF,
+    exp_rounding,
+    gamma,
+    key_bound,
+    key_sum_bound,
+    score_rounding,
+    tail_mass_upper,
+    value_bound,
+)
+from certvllm.bounds.terms import SCORE_EXTRA_ROUNDINGS
+from certvllm.config import CertConfig
+from certvllm.formats.keys import P2_RELATIVE_SLACK
+from certvllm.formats.layout import key_scale_lut
+from certvllm.kv.cache import LayerKVCache
+from certvllm.kv.cuda_pagein import CudaPageInEngine, ensure_device_readable
+from certvllm.kv.pagein import PageInEngine
+from certvllm.triton_kernels.common import split_plan
+from certvllm.triton_kernels.phase1 import phase1
+from certvllm.triton_kernels.phase2 import Phase2Geometry, attend, promote
+
+NEG_INF = float("-inf")
+DenseFn = Callable[[list[int]], torch.Tensor]
+FALLBACKS = ("sdpa", "device")
+_LUTS: dict[torch.device, torch.Tensor] = {}
+
+
+def _lut(device: torch.device) -> torch.Tensor:
+    if device not in _LUTS:
+        _LUTS[device] = key_scale_lut().to(device)
+    return _LUTS[device]
+
+
+def _sum_inflation(n_terms: int) -> float:
+    return (1.0 + gamma(n_terms + 2)) * GAMMA_SLACK
+
+
+def delta_factor(d: int) -> float:
+    """Δ_b = delta_factor(D)·Σ_c |q_c·λ|·σ_c — the factor of ``bounds.block_delta``."""
+    return (0.5 + P2_RELATIVE_SLACK) * _sum_inflation(d)
+
+
+def rounding_factor(d: int) -> float:
+    """R_b = rounding_factor(D)·Σ_c |q_c·λ|·(M_c + σ_c) — the factor of ``bounds.score_rounding``."""
+    return (gamma(d) + SCORE_EXTRA_ROUNDINGS * UNIT_ROUNDOFF) * _sum_inflation(d)
+
+
+def _finite_abs_max(x: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
+    return torch.where(torch.isfinite(x), x.abs(), torch.zeros_like(x)).amax(dim=dims)
+
+
+def _mark(timings: dict[str, list] | None, name: str) -> None:
+    if timings is not None:
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        timings.setdefault("_events", []).append((name, ev))
+
+
+def stage_times(timings: dict) -> dict[str, float]:
+    """Milliseconds between consecutive marks recorded by ``certified_attention_gpu(timings=...)``
+    (call after synchronising)."""
+    evs = timings.get("_events", [])
+    return {evs[i][0]: evs[i - 1][1].elapsed_time(evs[i][1]) for i in range(1, len(evs))}
+
+
+def _validate(q: torch.Tensor, cache: LayerKVCache, block_tables: torch.Tensor, seq_lens: torch.Tensor) -> None:
+    """Shape checks only: value checks (lengths ≥ 1, enough columns) would read device memory."""
+    if q.dim() != 3 or q.shape[-1] != cache.layout.head_dim:
+        raise ValueError(f"Invalid shape of q: expected [R, H_q, {cache.layout.head_dim}], got {list(q.shape)}")
+    if q.shape[1] % cache.num_kv_heads != 0:
+        raise ValueError(f"H_q={q.shape[1]} is not a multiple of H_kv={cache.num_kv_heads}; GQA needs whole groups")
+    if block_tables.dim() != 2 or block_tables.shape[0] != q.shape[0] or seq_lens.shape != (q.shape[0],):
+        raise ValueError(
+            f"Invalid block_tables {list(block_tables.shape)} / seq_lens {list(seq_lens.shape)} for {q.shape[0]} rows"
+        )
+    if 2 * (q.shape[1] // cache.num_kv_heads) > 31:
+        raise ValueError("the CUDA path supports at most 15 query heads per KV head (int32 promotion bitmask)")
+
+
+def _report(rows: int, heads: int, device: torch.device) -> CertReport:
+    def z(dtype: torch.dtype) -> torch.Tensor:
+        return torch.zeros(rows, heads, dtype=dtype, device=device)
+
+    return CertReport(
+        rung=z(torch.int8), e_key=z(torch.float32), e_val=z(torch.float32), e_round=z(torch.float32),
+        k_star=z(torch.int32), v_promoted=z(torch.int32), v_max=z(torch.float32),
+        delta_tail=z(torch.float32), alpha_tail=z(torch.float32), rank_fail=z(torch.bool),
+        boundary_fail=z(torch.bool), bound_fail=z(torch.bool), canary_fail=z(torch.bool),
+        precondition=z(torch.bool),
+    )  # fmt: skip
+
+
+def certified_attention_gpu(
+    q: torch.Tensor,
+    cache: LayerKVCache,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    config: CertConfig,
+    scale: float | None = None,
+    pagein: PageInEngine | None = None,
+    generator: torch.Generator | None = None,
+    dense_fn: DenseFn | None = None,
+    *,
+    fallback: str | None = None,
+    blocks_per_split: int | None = None,
+    timings: dict | None = None,
+) -> CertifiedOutput:
+    """Certified attention for a batch of rows over one layer's paged cache, on the pages' device.
+
+    Arguments and result as :func:`certvllm.attention.paged.certified_attention` (which dispatches
+    here when the pages are on CUDA), plus:
+
+    Args:
+        fallback: ``"sdpa"`` or ``"device"`` (see the module docstring); default from the environment
+            variable ``CERTVLLM_GPU_FALLBACK``, else ``"sdpa"``. A given ``dense_fn`` always takes the
+            ``"sdpa"`` route, since it needs the row list.
+        blocks_per_split: override the split-K plan (tests).
+        timings: if a dict, CUDA events are recorded at stage boundaries (read with :func:`stage_times`).
+
+    Runs on CPU tensors too when ``TRITON_INTERPRET=1`` (how the test-suite checks it without a GPU).
+    """
+    _validate(q, cache, block_tables, seq_lens)
+    dev = cache.pages.device
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    fallback = fallback or os.environ.get("CERTVLLM_GPU_FALLBACK", "sdpa")
+    if fallback not in FALLBACKS:
+        raise ValueError(f"fallback={fallback!r}: choose one of {FALLBACKS}")
+    if pagein is None:
+        pagein = CudaPageInEngine(dev)
+    ensure_device_readable(cache)
+    R, Hq, D = q.shape
+    if config.mode == "dense":
+        report = _report(R, Hq, dev)
+        report.rung.fill_(RUNG_LAYER_DENSE)
+        fn = dense_fn or _default_dense(q, cache, block_tables, seq_lens, scale, pagein)
+        return CertifiedOutput(fn(list(range(R))).float().to(dev), report)
+
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")  # the rounding terms assume full float32 products
+    try:
+        out, report, ctx = _certified_rows(q, cache, block_tables, seq_lens, config, scale, pagein, generator,
+                                           blocks_per_split, timings)  # fmt: skip
+        exact = report.rung >= RUNG_HEAD_DENSE
+        if dense_fn is not None or fallback == "sdpa":
+            rows = exact.any(dim=1).nonzero().flatten().tolist()  # the one synchronisation (end of the call)
+            if rows:
+                fn = dense_fn or _default_dense(q, cache, block_tables, seq_lens, scale, pagein)
+                dense = fn(rows).float().to(dev)
+                idx = torch.tensor(rows, device=dev)
+                out[idx] = torch.where(exact[idx].unsqueeze(-1), dense, out[idx])
+        else:
+            exact_out = _exact_rerun(ctx, exact)
+            out = torch.where(exact.unsqueeze(-1), exact_out, out)
+        for t in (report.e_key, report.e_val, report.e_round):
+            t.masked_fill_(exact, 0.0)
+        _mark(timings, "fallback")
+    finally:
+        torch.set_float32_matmul_precision(previous)
+    return CertifiedOutput(out, report)
+
+
+def _default_dense(q, cache, block_tables, seq_lens, scale, pagein) -> DenseFn:
+    lens = seq_lens.tolist()
+    tables = block_tables.to(cache.pages.device, torch.int64)
+    return lambda rows: dense_paged(q.to(cache.pages.device), cache, tables, lens, rows, scale, pagein)
+
+
+class _Ctx:
+    """What the device fallback re-run needs from the main pass."""
+
+    def __init__(self, **kw) -> None:
+        self.__dict__.update(kw)
+
+
+def _certified_rows(q, cache, block_tables, seq_lens, cfg, scale, pagein, generator, blocks_per_split, timings):
+    R, Hq, D = q.shape
+    K = cache.num_kv_heads
+    G = Hq // K
+    N = cache.layout.block_size
+    dev = cache.pages.device
+    certified = cfg.mode == "certified"
+    _mark(timings, "start")
+
+    lens = seq_lens.to(dev, torch.int64)
+    tables = block_tables.to(dev, torch.int64).contiguous()
+    B = tables.shape[1]
+    nfull = lens // N
+    ntail = lens % N
+    qs = (q.to(dev).float() * scale).contiguous()  # fl(q·λ), as the reference
+    qs4 = qs.view(R, K, G, D)
+    q_abs = qs4.abs()
+
+    # ---- trailing partial block: zero-copy gather on the side stream, overlapping phase 1
+    tail_ids = tables.gather(1, nfull.clamp(max=B - 1).unsqueeze(1)).squeeze(1).clamp(0, cache.num_blocks - 1)
+    if isinstance(pagein, CudaPageInEngine):
+        tail_raw, tail_event = pagein.gather_blocks_async(cache, tail_ids)
+    else:
+        tail_raw, tail_event = pagein.gather_blocks(cache, tail_ids.cpu()).to(dev), None
+
+    # ---- phase 1
+    splits, bps = split_plan(B, R * K, blocks_per_split)
+    p1 = phase1(qs, cache.pages, tables, nfull, _lut(dev), cache.layout, K, cache.sub_blocks,
+                delta_factor(D), rounding_factor(D), splits, bps)  # fmt: skip
+    _mark(timings, "phase1")
+
+    CudaPageInEngine.wait(tail_event)
+    tok_valid = torch.arange(N, device=dev) < ntail.unsqueeze(1)  # (R, N)
+    live = tok_valid[:, None, :, None]
+    tail_k = torch.where(live, tail_raw[:, :, 0].float(), 0.0)
+    tail_v = torch.where(live, tail_raw[:, :, 1].float(), 0.0)
+    s_tail = torch.einsum("rkgd,rknd->rkgn", qs4, tail_k).masked_fill(~tok_valid[:, None, None, :], NEG_INF)
+    tail_round = score_rounding(q_abs, tail_k.abs().amax(dim=2).unsqueeze(1)).squeeze(-1)  # (R, K, G)
+    tail_vnorm = (torch.linalg.vector_norm(tail_v.double(), dim=-1).amax(dim=-1) * (1 + 2.0**-20)).float()
+    has_tail = ntail > 0
+
+    bvalid = torch.arange(B, device=dev) < nfull.unsqueeze(1)  # (R, B)
+    valid4 = bvalid[:, None, None, :]
+    l8 = p1.l8
+    eta = p1.eta.unsqueeze(2)  # (R, K, 1, B)
+    v_max = torch.maximum(p1.nu.amax(dim=-1), tail_vnorm).unsqueeze(-1)  # (R, K, 1)
+    eta_max = eta.amax(dim=-1)
+    score_abs1 = torch.maximum(p1.amax.amax(dim=-1), _finite_abs_max(s_tail, (-1,)))
+    base_round = torch.maximum(p1.rmax.amax(dim=-1), tail_round)
+    round1 = base_round + exp_rounding(score_abs1)
+    bad_page = p1.bad.amax(dim=(1, 2)) > 0  # (R,)
+    l_tail = torch.logsumexp(s_tail, dim=-1)
+    lse = torch.logsumexp(torch.cat((l8, l_tail.unsqueeze(-1)), dim=-1), dim=-1, keepdim=True)
+    ph1 = Phase1(
+        log_mass=l8, mass=torch.exp(l8 - lse), delta=p1.delta, rounding=round1, valid=valid4,
+        num_full=nfull.view(R, 1, 1), v_max=v_max, eta=eta,
+    )  # fmt: skip
+
+    # ---- selection (rungs 1 and 2), on the device
+    if certified:
+        key_mask, widened = select_keys(ph1, cfg.model_copy(update={"exploration_rate": 0.0}), None)
+        if cfg.exploration_rate > 0:
+            draw = torch.rand(key_mask.shape, generator=generator if _on(generator, dev) else None, device=dev)
+            key_mask = key_mask | ((draw < cfg.exploration_rate) & valid4)
+        value_mask = select_values(ph1, key_mask, cfg)
+    else:
+        key_mask = torch.zeros(R, K, G, B, dtype=torch.bool, device=dev)
+        value_mask = key_mask
+        widened = key_mask[..., 0]
+    shifts = torch.arange(G, device=dev, dtype=torch.int32).view(1, 1, G, 1)
+    bits = ((key_mask.to(torch.int32) << shifts) | (value_mask.to(torch.int32) << (shifts + G))).sum(dim=2)
+    bits = bits.to(torch.int32).contiguous()  # (R, K, B)
+    _mark(timings, "selection")
+
+    # ---- phase 2: promotion pass (zero-copy keys, canary), global max, attend pass
+    geo = Phase2Geometry(cache.layout, K, G, cache.sub_blocks, cache.num_blocks, splits, bps, cache.keys_channel_major)
+    shadow = cache.shadow
+    active = torch.ones(R, K, dtype=torch.int32, device=dev)
+    canary = torch.zeros(R, dtype=torch.int32, device=dev)
+    run_canary = certified and cfg.canary
+    smax, sabs = promote(geo, qs, shadow, tables, nfull, bits, active, p1.scores, p1.m8, p1.delta,
+                         round1.contiguous(), canary, run_canary)  # fmt: skip
+    m = torch.maximum(smax.amax(dim=-1), s_tail.amax(dim=-1)).contiguous()  # (R, K, G)
+    exact_lm = torch.empty(R, K, G, B, dtype=torch.float32, device=dev)
+    _mark(timings, "promote")
+    parts = attend(geo, p1.scores, m, shadow, cache.pages, tables, nfull, bits, active, exact_lm)
+    _mark(timings, "attend")
+    w_tail = torch.exp(s_tail - m.unsqueeze(-1))
+    den_t = w_tail.sum(dim=-1)
+    num = parts.acc.sum(dim=2) + torch.einsum("rkgn,rknd->rkgd", w_tail, tail_v).double()
+    den = parts.den.sum(dim=2) + den_t.double()
+    out = (num / den.unsqueeze(-1)).float().reshape(R, Hq, D)
+
+    if isinstance(pagein, CudaPageInEngine):
+        key_loads = (bits != 0) if run_canary else ((bits & ((1 << G) - 1)) != 0)
+        value_loads = (bits >> G) != 0
+        page_half = N * D * cache.shadow.element_size()
+        pagein.add_device_counts(key_mask.any(dim=2).sum(), value_mask.any(dim=2).sum(),
+                                 (key_loads.sum() + value_loads.sum()) * page_half)  # fmt: skip
+
+    # ---- bounds on the output actually computed
+    e_val = value_bound((parts.aval.sum(dim=2) / den).unsqueeze(-1), torch.ones_like(den).unsqueeze(-1), N)
+    in_tail = valid4 & ~key_mask
+    alpha = ((parts.atail.sum(dim=2) / den) * (1 + 3 * gamma(N + 2))).float()
+    delta_tail = torch.where(in_tail, p1.delta, 0.0).amax(dim=-1)
+    # max |s| over phase-2 scores: the INT8 ones (phase 1), the exact ones and the tail; an upper bound
+    # of the reference's value, and the exp term grows with it
+    score_abs2 = torch.maximum(torch.maximum(score_abs1, sabs.amax(dim=-1)), _finite_abs_max(s_tail, (-1,)))
+    round2 = base_round + exp_rounding(score_abs2)
+    alpha_up = tail_mass_upper(alpha, delta_tail, round2)
+    e_key, e_round = key_bound(v_max, key_sum_bound(alpha_up, delta_tail, round2), eta_max, N)
+
+    # ---- checks and report
+    report = _report(R, Hq, dev)
+    flat = lambda x: x.reshape(R, Hq)  # noqa: E731
+    if certified and cfg.rank_check:
+        exact_all = torch.cat((exact_lm, (m + torch.log(den_t)).unsqueeze(-1)), -1)
+        int8_lm = torch.cat((l8, l_tail.unsqueeze(-1)), dim=-1)
+        tail_col = has_tail[:, None, None, None]
+        in_f = torch.cat((key_mask, tail_col.expand(R, K, G, 1)), dim=-1)
+        rank_fail, boundary_fail = rank_and_boundary(
+            int8_lm, exact_all, in_f, torch.cat((valid4, tail_col), dim=-1),
+            torch.cat((p1.delta, torch.zeros_like(p1.delta[..., :1])), dim=-1), round2, cfg.rank_depth, cfg.eps_guard,
+        )  # fmt: skip
+        report.rank_fail = flat(rank_fail)
+        report.boundary_fail = flat(boundary_fail)
+    v_max_h = v_max.expand(R, K, G)
+    bound = e_key + e_val
+    bound_fail = ~(bound <= cfg.bound_tol * v_max_h) | ~torch.isfinite(bound)
+    precondition = bad_page.view(R, 1).expand(R, Hq)
+    report.e_key, report.e_val, report.e_round = flat(e_key), flat(e_val), flat(e_round.expand(R, K, G)).contiguous()
+    report.k_star = flat(key_mask.sum(dim=-1).to(torch.int32))
+    report.v_promoted = flat(value_mask.sum(dim=-1).to(torch.int32))
+    report.v_max = flat(v_max_h).contiguous()
+    report.delta_tail = flat(delta_tail)
+    report.alpha_tail = flat(alpha_up)
+    report.precondition = precondition.clone()
+    rung = torch.zeros(R, Hq, dtype=torch.int8, device=dev)
+    rung = torch.where(flat(widened), RUNG_WIDEN, rung)
+    rung = torch.where(report.v_promoted > 0, RUNG_VALUES, rung)
+    if certified:
+        report.bound_fail = flat(bound_fail)
+        report.canary_fail = (canary > 0).view(R, 1).expand(R, Hq).clone()
+        head_dense = report.rank_fail | report.boundary_fail | report.bound_fail
+        rung = torch.where(head_dense, RUNG_HEAD_DENSE, rung)
+        rung = torch.where(report.canary_fail | precondition, RUNG_LAYER_DENSE, rung)
+        if cfg.force_fallback != "none":
+            rung.fill_(RUNG_HEAD_DENSE if cfg.force_fallback == "head" else RUNG_LAYER_DENSE)
+    else:
+        unbounded = precondition | ~torch.isfinite(report.bound)
+        report.e_key = torch.where(unbounded, float("inf"), report.e_key)
+    report.rung = rung.to(torch.int8)
+    _mark(timings, "bounds")
+    ctx = _Ctx(geo=geo, qs=qs, shadow=shadow, tables=tables, nfull=nfull, bvalid=bvalid, scores=p1.scores,
+               m8=p1.m8, delta=p1.delta, round1=round1, pages=cache.pages, s_tail=s_tail, tail_v=tail_v,
+               shape=(R, K, G, B, D))  # fmt: skip
+    return out, report, ctx
+
+
+def _on(generator: torch.Generator | None, dev: torch.device) -> bool:
+    return generator is not None and generator.device.type == dev.type
+
+
+def _exact_rerun(ctx: _Ctx, exact: torch.Tensor) -> torch.Tensor:
+    """Rungs 3/4 on the device: phase 2 again with every block of the escalated (row, KV head) groups read
+    unquantized (keys and values); returns ``[R, H_q, D]`` (meaningful on the escalated heads)."""
+    R, K, G, B, D = ctx.shape
+    dev = ctx.qs.device
+    active = exact.view(R, K, G).any(dim=-1)
+    full = (1 << (2 * G)) - 1
+    bits = torch.where(active[:, :, None] & ctx.bvalid[:, None, :], full, 0).to(torch.int32).contiguous()
+    active_i = active.to(torch.int32).contiguous()
+    canary = torch.zeros(R, dtype=torch.int32, device=dev)
+    smax, _ = promote(ctx.geo, ctx.qs, ctx.shadow, ctx.tables, ctx.nfull, bits, active_i, ctx.scores, ctx.m8,
+                      ctx.delta, ctx.round1.contiguous(), canary, False)  # fmt: skip
+    m = torch.maximum(smax.amax(dim=-1), ctx.s_tail.amax(dim=-1)).contiguous()
+    exact_lm = torch.empty(R, K, G, B, dtype=torch.float32, device=dev)
+    parts = attend(ctx.geo, ctx.scores, m, ctx.shadow, ctx.pages, ctx.tables, ctx.nfull, bits, active_i, exact_lm)
+    w_tail = torch.exp(ctx.s_tail - m.unsqueeze(-1))
+    num = parts.acc.sum(dim=2) + torch.einsum("rkgn,rknd->rkgd", w_tail, ctx.tail_v).double()
+    den = parts.den.sum(dim=2) + w_tail.sum(dim=-1).double()
+    return (num / den.unsqueeze(-1)).float().reshape(R, K * G, D)
