@@ -1,0 +1,321 @@
+"""Decode-attention benchmark on a CUDA GPU: one attention layer at LLaMA-3.1-8B shapes.
+
+Usage: python benchmarks/bench_decode.py [--contexts 8192 32768 65536 131072] [--batches 1 8]
+                                         [--iters 30] [--out runs/decode.json]
+
+Per (batch, context) and method — dense SDPA over FP16 K/V in device memory, naive INT8-K/INT4-V, and
+certified attention with the ``paper`` and ``default`` presets — it prints the median ms per layer call
+(CUDA events; CUDA-graph replays, plus eager for dense and for the certified default with the SDPA
+fallback, whose one end-of-layer synchronisation a graph cannot hold), the ratio to dense, bytes moved
+against the floor, the page-in traffic and rate, the rung histogram and the device bytes per token,
+and writes everything to JSON.
+
+Synthetic K/V (``synthetic_kv``), per sequence and KV head, with the structure real decode attention
+has: a direction u (unit, random) that the group's queries share; keys k_t = n_t + c_t·u with n_t ~ N(0, I)
+and four outlier channels scaled ×6 (queries are small there, ×0.1, as in real models); logit offsets c_t
+for an attention sink (the first 4 tokens), a recency ramp over the last 256 tokens and 5 retrieval peaks
+at random positions; query q_g = √D·(u + 0.5·ε_g) with a per-head unit ε_g, so the diffuse part of the
+scores has standard deviation ≈ 1.1 and the heads of a group disagree on it. The offsets are solved so that
+a fraction ``diffuse_mass`` (default 2 %) of the attention stays on the diffuse tokens and the rest splits
+50/30/20 over sink, recency and peaks. Values are N(0, 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+HQ, HKV, D = 32, 8, 128
+PRESETS = ("naive", "paper", "default")
+
+
+# ----------------------------------------------------------------------------------------------- data
+def _solve_ramp(target: float, n: int) -> float:
+    """A with Σ_{i<n} exp(A·i/(n−1)) = target (bisection)."""
+    lo, hi = 0.0, 60.0
+    i = torch.arange(n, dtype=torch.float64) / max(1, n - 1)
+    for _ in range(80):
+        mid = 0.5 * (lo + hi)
+        if float(torch.exp(mid * i).sum()) < target:
+            lo = mid
+        else:
+            hi = mid
+    return 0.5 * (lo + hi)
+
+
+def synthetic_kv(
+    batch: int,
+    t: int,
+    hq: int = HQ,
+    hkv: int = HKV,
+    d: int = D,
+    diffuse_mass: float = 0.02,
+    dtype: torch.dtype = torch.float16,
+    device: str | torch.device = "cuda",
+    seed: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Queries ``[batch, hq, d]`` and keys/values ``[batch, t, hkv, d]`` (see the module docstring)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    group = hq // hkv
+    u = torch.randn(batch, hkv, d, generator=g, device=device)
+    u = u / u.norm(dim=-1, keepdim=True)
+    eps = torch.randn(batch, hkv, group, d, generator=g, device=device)
+    eps = eps / eps.norm(dim=-1, keepdim=True)
+    q = math.sqrt(d) * (u.unsqueeze(2) + 0.5 * eps)
+    outliers = torch.arange(4, device=device) * (d // 4) + 3
+    q[..., outliers] *= 0.1
+    z_diffuse = t * math.exp(0.5 * 1.25)
+    z_struct = z_diffuse * (1.0 - diffuse_mass) / diffuse_mass
+    c = torch.zeros(batch, t, device=device)
+    c[:, : min(4, t)] = math.log(0.5 * z_struct / min(4, t))
+    nrec = min(256, t)
+    a_rec = _solve_ramp(0.3 * z_struct, nrec)
+    c[:, t - nrec :] = torch.maximum(c[:, t - nrec :], a_rec * torch.linspace(0, 1, nrec, device=device))
+    peaks = torch.randint(4, max(5, t - nrec), (batch, 5), generator=g, device=device)
+    c.scatter_(1, peaks.clamp(max=t - 1), math.log(0.2 * z_struct / 5))
+    k = torch.randn(batch, t, hkv, d, generator=g, device=device)
+    k[..., outliers] *= 6.0
+    k = k + c[:, :, None, None] * u[:, None]
+    v = torch.randn(batch, t, hkv, d, generator=g, device=device)
+    return q.reshape(batch, hq, d).to(dtype), k.to(dtype), v.to(dtype)
+
+
+def build_cache(k: torch.Tensor, v: torch.Tensor, lens: list[int], seed: int = 0):
+    """A paged cache holding the first ``lens[b]`` tokens of each sequence: pages on the device (written by
+    the Triton write kernel), shadow in pinned host memory; blocks in shuffled order, block 0 unused.
+
+    Returns ``(cache, block_tables [batch, nb] int64 on the device)``."""
+    from certvllm.triton_kernels.encode import encode_into
+
+    from certvllm.formats.layout import BLOCK_SIZE, PageLayout
+    from certvllm.kv.cache import LayerKVCache
+    from certvllm.kv.host import allocate_host
+
+    batch, t, hkv, d = k.shape
+    dev = k.device
+    nb = -(-max(lens) // BLOCK_SIZE)
+    lay = PageLayout(d)
+    e = batch * nb + 1
+    perm = torch.randperm(batch * nb, generator=torch.Generator().manual_seed(seed)) + 1
+    tables = perm.view(batch, nb).to(dev)
+    pad = nb * BLOCK_SIZE - t
+    kk = F.pad(k, (0, 0, 0, 0, 0, pad)) if pad > 0 else k[:, : nb * BLOCK_SIZE]
+    vv = F.pad(v, (0, 0, 0, 0, 0, pad)) if pad > 0 else v[:, : nb * BLOCK_SIZE]
+    staging = torch.zeros(e, hkv, 2, BLOCK_SIZE, d, dtype=k.dtype, device=dev)
+    blocks_k = kk.view(batch, nb, BLOCK_SIZE, hkv, d).permute(0, 1, 3, 2, 4).reshape(batch * nb, hkv, BLOCK_SIZE, d)
+    blocks_v = vv.view(batch, nb, BLOCK_SIZE, hkv, d).permute(0, 1, 3, 2, 4).reshape(batch * nb, hkv, BLOCK_SIZE, d)
+    ids = tables.reshape(-1)
+    staging[ids, :, 0] = blocks_k
+    staging[ids, :, 1] = blocks_v
+    for b, n in enumerate(lens):  # tokens past a row's length are not part of its context
+        tail = n % BLOCK_SIZE
+        if tail:
+            staging[tables[b, n // BLOCK_SIZE], :, :, tail:] = 0
+    shadow = allocate_host((e, hkv, 2, BLOCK_SIZE, d), k.dtype, pin=True)  # cudaHostRegister: exact size
+    shadow.copy_(staging)
+    pages = torch.zeros(e, hkv, lay.page_bytes, dtype=torch.uint8, device=dev)
+    full = torch.cat([tables[b, : n // BLOCK_SIZE] for b, n in enumerate(lens)])
+    item = full.repeat_interleave(hkv)
+    heads = torch.arange(hkv, device=dev).repeat(full.numel())
+    run = BLOCK_SIZE * d
+    base = ((item * hkv + heads) * 2) * run
+    encode_into(pages, (item * hkv + heads) * lay.page_bytes, staging, base, staging, base + run, lay)
+    del staging
+    return LayerKVCache(pages, shadow, lay), tables
+
+
+def release_cache(cache) -> None:
+    """Unregister the pinned shadow before it is freed (the allocator may hand its address out again)."""
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaHostUnregister(cache.shadow.data_ptr())
+
+
+# ----------------------------------------------------------------------------------------------- timing
+def _median_ms(run, iters: int) -> float:
+    times = []
+    for _ in range(iters):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        run()
+        e1.record()
+        e1.synchronize()
+        times.append(e0.elapsed_time(e1))
+    return statistics.median(times)
+
+
+def time_eager(fn, iters: int) -> float:
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    return _median_ms(fn, iters)
+
+
+def time_graph(fn, iters: int) -> float | None:
+    """Median ms of CUDA-graph replays of ``fn`` (None if it cannot be captured)."""
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            fn()
+    except Exception as err:  # noqa: BLE001 - report and fall back to eager numbers
+        print(f"    (graph capture failed: {type(err).__name__}: {str(err)[:160]})", flush=True)
+        torch.cuda.synchronize()
+        return None
+    graph.replay()
+    torch.cuda.synchronize()
+    ms = _median_ms(graph.replay, iters)
+    del graph
+    return ms
+
+
+# ----------------------------------------------------------------------------------------------- main
+def run_point(batch: int, ctx: int, args, results: list[dict]) -> None:
+    from certvllm.triton_kernels.gather import gather_pages
+
+    from certvllm.attention.gpu import certified_attention_gpu, stage_times
+    from certvllm.config import load_config
+    from certvllm.kv.cuda_pagein import CudaPageInEngine
+
+    dev = torch.device("cuda")
+    t0 = time.time()
+    q, k, v = synthetic_kv(batch, ctx, diffuse_mass=args.diffuse_mass, seed=ctx + batch)
+    lens = [ctx - 7] * batch  # a 9-token partial block at the end of every row
+    cache, tables = build_cache(k, v, lens)
+    seq_lens = torch.tensor(lens, device=dev)
+    kd = k[:, : lens[0]].permute(0, 2, 1, 3).contiguous()
+    vd = v[:, : lens[0]].permute(0, 2, 1, 3).contiguous()
+    qd = q.unsqueeze(2)
+    scale = 1.0 / math.sqrt(D)
+    setup_s = time.time() - t0
+    tokens = batch * lens[0]
+    fp16_bytes = tokens * HKV * D * 2 * 2
+    page_bytes = batch * (lens[0] // 16) * HKV * cache.layout.page_bytes
+    rec: dict = {"batch": batch, "context": ctx, "seq_len": lens[0], "setup_s": round(setup_s, 2)}
+
+    def dense():
+        return F.scaled_dot_product_attention(qd, kd, vd, scale=scale, enable_gqa=True)
+
+    rec["dense_eager_ms"] = time_eager(dense, args.iters)
+    rec["dense_ms"] = time_graph(dense, args.iters) or rec["dense_eager_ms"]
+    rec["dense_GBps"] = fp16_bytes / (rec["dense_ms"] * 1e-3) / 1e9
+    rec["fp16_bytes"] = fp16_bytes
+    rec["page_bytes"] = page_bytes
+    print(f"  b={batch} ctx={ctx}: setup {setup_s:.1f}s, dense {rec['dense_ms']:.3f} ms "
+          f"(eager {rec['dense_eager_ms']:.3f})", flush=True)  # fmt: skip
+
+    for preset in PRESETS:
+        cfg = load_config(preset)
+        eng = CudaPageInEngine(dev)
+
+        def call(fallback="device", cfg=cfg, eng=eng):
+            return certified_attention_gpu(q, cache, tables, seq_lens, cfg, scale, eng, fallback=fallback)
+
+        timings: dict = {}
+        torch.cuda.reset_peak_memory_stats()
+        base_mem = torch.cuda.memory_allocated()
+        res = certified_attention_gpu(q, cache, tables, seq_lens, cfg, scale, eng, fallback="device", timings=timings)
+        torch.cuda.synchronize()
+        workspace = torch.cuda.max_memory_allocated() - base_mem
+        stages = stage_times(timings)
+        stats = eng.take_stats()
+        r = {"preset": preset}
+        r["eager_ms"] = time_eager(call, args.iters)
+        r["graph_ms"] = time_graph(call, args.iters)
+        r["ms"] = r["graph_ms"] or r["eager_ms"]
+        if preset == "default":
+            r["eager_sdpa_fallback_ms"] = time_eager(lambda: call("sdpa"), max(5, args.iters // 3))
+        r["ratio_to_dense"] = r["ms"] / rec["dense_ms"]
+        r["stages_ms"] = {k_: round(v_, 4) for k_, v_ in stages.items()}
+        rungs = torch.bincount(res.report.rung.flatten().long().cpu(), minlength=5)
+        r["rung_histogram"] = [int(x) for x in rungs]
+        r["k_star_mean"] = float(res.report.k_star.float().mean())
+        r["v_promoted_mean"] = float(res.report.v_promoted.float().mean())
+        cert = res.report.rung <= 2
+        rel = (res.report.bound / res.report.v_max)[cert]
+        r["bound_over_vmax_median"] = float(rel.median()) if rel.numel() else None
+        r["pagein_bytes"] = int(stats.bytes)  # fused promotions + the trailing partial block
+        r["pagein_key_blocks"] = int(stats.key_blocks)
+        ph2 = stages.get("promote", 0.0) + stages.get("attend", 0.0)
+        r["pagein_GBps_fused"] = stats.bytes / (ph2 * 1e-3) / 1e9 if ph2 > 0 else None
+        r["workspace_bytes"] = int(workspace)
+        r["workspace_bytes_per_token"] = workspace / max(1, tokens) / HKV
+        # modeled HBM traffic of the kernels (bytes per (block, KV head) page): phase 1 reads the key part
+        # and writes scores + per-block terms, the promotion pass reads bits and block maxima, the attend
+        # pass reads scores and the value part
+        g = HQ // HKV
+        per_page = (2048 + 256 + 128 + 16) + (g * 64 + 3 * g * 4 + 8) + (4 + g * 4) + (g * 64 + 1024 + 512 + 8)
+        r["hbm_bytes_model"] = per_page * (page_bytes // cache.layout.page_bytes)
+        r["hbm_over_page_floor"] = r["hbm_bytes_model"] / page_bytes
+        rec[preset] = r
+        gms = f"{r['graph_ms']:.3f}" if r["graph_ms"] else "n/a"
+        print(f"    {preset:8s} graph {gms} ms, eager {r['eager_ms']:.3f} ms, ×{r['ratio_to_dense']:.2f} dense, "
+              f"K* {r['k_star_mean']:.0f}, rungs {r['rung_histogram']}, page-in {stats.bytes / 1e6:.1f} MB, "
+              f"stages {r['stages_ms']}", flush=True)  # fmt: skip
+        del res
+
+    # zero-copy gather rate for as many pages as the default preset promoted (at least 4096)
+    npages = max(4096, rec["default"]["pagein_bytes"] // (2 * 16 * D * 2))
+    ids = torch.randint(1, cache.num_blocks, (npages,), device=dev)
+    heads = torch.randint(0, HKV, (npages,), device=dev)
+    out = torch.empty(npages, 2, 16, D, dtype=cache.shadow.dtype, device=dev)
+    ms = time_eager(lambda: gather_pages(cache.shadow, ids, heads, dev, out=out), 10)
+    rec["zero_copy_gather_GBps"] = out.numel() * 2 / (ms * 1e-3) / 1e9
+    rec["device_bytes_per_token_ratio"] = cache.layout.page_bytes / 16 / cache.layout.fp16_bytes_per_token()
+    results.append(rec)
+    release_cache(cache)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--contexts", type=int, nargs="+", default=[8192, 32768, 65536, 131072])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--diffuse-mass", type=float, default=0.02)
+    ap.add_argument("--out", type=Path, default=Path("runs/decode.json"))
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_decode needs a CUDA GPU")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    results: list[dict] = []
+    t0 = time.time()
+    for batch in args.batches:
+        for ctx in args.contexts:
+            run_point(batch, ctx, args, results)
+            torch.cuda.empty_cache()
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps({"results": results}, indent=1))
+    meta = {
+        "device": torch.cuda.get_device_name(), "torch": torch.__version__, "python": platform.python_version(),
+        "shapes": {"H_q": HQ, "H_kv": HKV, "D": D}, "iters": args.iters, "diffuse_mass": args.diffuse_mass,
+        "wall_s": round(time.time() - t0, 1),
+    }  # fmt: skip
+    try:
+        import triton
+
+        meta["triton"] = triton.__version__
+    except ImportError:
+        pass
+    args.out.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    print("\n| batch | context | dense ms | naive ms (×) | paper ms (×) | default ms (×) | default K* | rungs 0-4 "
+          "(default) | page-in MB | gather GB/s |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in results:
+        cells = [f"{r[p]['ms']:.3f} ({r[p]['ratio_to_dense']:.2f}×)" for p in PRESETS]
+        print(f"| {r['batch']} | {r['context'] // 1024}K | {r['dense_ms']:.3f} | {' | '.join(cells)} | "
+              f"{r['default']['k_star_mean']:.0f} | {r['default']['rung_histogram']} | "
+              f"{r['default']['pagein_bytes'] / 1e6:.1f} | {r['zero_copy_gather_GBps']:.1f} |")  # fmt: skip
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

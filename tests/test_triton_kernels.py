@@ -1,0 +1,170 @@
+"""The Triton kernels against the PyTorch reference, at tiny shapes.
+
+Without a GPU they run in Triton's interpreter (``TRITON_INTERPRET=1``, set here before any kernel is
+defined); on a CUDA machine the same tests run the compiled kernels on the device. Full shapes, the
+soundness sweep on the GPU and the timing live in ``tests/test_gpu.py`` (``pytest -m gpu``).
+
+Tolerances: the write kernel must reproduce ``encode_pages`` bit for bit on finite inputs; the certified
+GPU path must satisfy ‖out − exact‖₂ ≤ e_key + e_val on every head with rung ≤ 2 (float64 exact
+reference, no slack), return ``dense_decode`` bit for bit on rung 3/4 heads with the SDPA fallback, and
+agree with the CPU reference path on selection, rungs and (to float32 rounding) the output.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
+pytest.importorskip("triton", reason="triton is not installed: the Triton kernels cannot be tested")
+
+from certvllm.triton_kernels.encode import encode_pages_triton  # noqa: E402
+
+from certvllm.attention import certified_attention, dense_decode  # noqa: E402
+from certvllm.attention.gpu import certified_attention_gpu  # noqa: E402
+from certvllm.config import load_config, make_config  # noqa: E402
+from certvllm.formats.keys import P2_RELATIVE_SLACK  # noqa: E402
+from certvllm.formats.layout import BLOCK_SIZE, FLAG_PRECONDITION, PageLayout  # noqa: E402
+from certvllm.formats.pages import PageReader, encode_pages  # noqa: E402
+from certvllm.kv.cache import LayerKVCache  # noqa: E402
+from certvllm.kv.cuda_pagein import CudaPageInEngine, encode_blocks_from_shadow  # noqa: E402
+from certvllm.testing import exact_attention, make_case, paged_batch  # noqa: E402
+
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _to_device(cache: LayerKVCache) -> LayerKVCache:
+    """The same cache with its pages on ``DEV`` (the shadow stays on the host)."""
+    return LayerKVCache(cache.pages.to(DEV), cache.shadow, cache.layout, cache.keys_channel_major)
+
+
+def _check(cases, cfg, fallback="sdpa", blocks_per_split=None):
+    cache, tables, lens = paged_batch(cases, cfg.value_group_size)
+    q = torch.stack([c.q for c in cases])
+    scale = 1 / math.sqrt(q.shape[-1])
+    res = certified_attention_gpu(q.to(DEV), _to_device(cache), tables.to(DEV), lens.to(DEV), cfg,
+                                  fallback=fallback, blocks_per_split=blocks_per_split)  # fmt: skip
+    out, rung, bound = res.out.cpu(), res.report.rung.cpu(), res.report.bound.cpu().double()
+    for i, c in enumerate(cases):
+        err = torch.linalg.vector_norm(out[i].double() - exact_attention(c.q, c.k, c.v, scale), dim=-1)
+        certified = rung[i] <= 2
+        assert (err[certified] <= bound[i][certified]).all(), f"error > bound: {(err - bound[i]).max()}"
+        exact = rung[i] >= 3
+        if exact.any():
+            dense = dense_decode(c.q.to(DEV), c.k.to(DEV), c.v.to(DEV), scale).cpu()
+            if fallback == "sdpa":
+                assert torch.equal(dense[exact], out[i][exact])
+            else:
+                torch.testing.assert_close(out[i][exact], dense[exact], rtol=1e-5, atol=1e-5 * float(c.v.abs().max()))
+    return res, (cache, tables, lens, q)
+
+
+@pytest.mark.parametrize(
+    "d,g,dtype", [(64, 16, torch.float16), (128, 16, torch.bfloat16), (64, 8, torch.bfloat16), (128, 32, torch.float16)]
+)
+def test_encode_kernel_is_bit_identical_to_the_reference(d, g, dtype, gen):
+    lay = PageLayout(d, g)
+    k = (torch.randn(10, BLOCK_SIZE, d, generator=gen) * torch.rand(10, 1, d, generator=gen) * 5).to(dtype)
+    v = (torch.randn(10, BLOCK_SIZE, d, generator=gen) * 3).to(dtype)
+    k[1, :, 3] = 0.7  # constant channel: σ = 0
+    v[2] = 1.0  # constant groups: scale 0
+    k[3] *= 1e-3
+    v[4] *= 1e-20 if dtype == torch.bfloat16 else 1e-3
+    k[5, :, :8] *= 100.0  # outlier channels
+    v[6, 3] = -60000.0
+    got = encode_pages_triton(k.to(DEV), v.to(DEV), lay).cpu()
+    assert torch.equal(got, encode_pages(k, v, lay))
+
+
+def test_encode_kernel_flags_and_guarantees_on_hostile_inputs(gen):
+    lay = PageLayout(64)
+    k = torch.randn(5, BLOCK_SIZE, 64, generator=gen).bfloat16()
+    v = torch.randn(5, BLOCK_SIZE, 64, generator=gen).bfloat16()
+    k[0, 2, 5] = float("nan")
+    v[1, 0, 0] = float("inf")
+    k[2, 4, 1] = -3e5  # below the float16 range: the offset cannot be stored
+    v[3, 7, 9] = 1e6
+    pages = encode_pages_triton(k.to(DEV), v.to(DEV), lay).cpu()
+    flags = pages[:, lay.header + 9]
+    assert ((flags[:4] & FLAG_PRECONDITION) != 0).all() and (flags[4] & FLAG_PRECONDITION) == 0
+    dec = PageReader(lay).decode(pages[4:])
+    kk, vv = k[4:].double(), v[4:].double()
+    assert ((dec.keys.double() - kk).abs() <= dec.sigma.double().unsqueeze(-2) * (0.5 + P2_RELATIVE_SLACK)).all()
+    assert (torch.linalg.vector_norm(dec.values.double() - vv, dim=-1).amax(-1) <= dec.eta.double()).all()
+    assert (torch.linalg.vector_norm(vv, dim=-1).amax(-1) <= dec.nu.double()).all()
+
+
+@pytest.mark.parametrize("sub,channel_major", [(1, False), (4, False), (4, True)])
+def test_gather_and_in_place_encode_from_the_shadow(sub, channel_major, gen):
+    lay = PageLayout(64)
+    pages = torch.zeros(5, 3, sub * lay.page_bytes, dtype=torch.uint8, device=DEV)
+    shadow = torch.randn(5, 3, 2, sub * BLOCK_SIZE, 64, generator=gen).bfloat16()
+    cache = LayerKVCache(pages, shadow, lay, keys_channel_major=channel_major)
+    eng = CudaPageInEngine(DEV)
+    ids = torch.tensor([0, 3, 5 * sub - 2, 5 * sub - 1])
+    heads = torch.tensor([2, 0, 1, 1])
+    assert torch.equal(eng.gather_kv(cache, ids, heads).cpu(), cache.shadow_pages(ids, heads))
+    assert torch.equal(eng.gather_blocks(cache, ids).cpu(), cache.shadow_blocks(ids))
+    assert eng.take_stats().bytes == 4 * 2 * BLOCK_SIZE * 64 * 2 * 4
+    encode_blocks_from_shadow(cache, ids.to(DEV))
+    src = cache.shadow_blocks(ids)
+    assert torch.equal(cache.read_pages(ids.to(DEV)).cpu(), encode_pages(src[:, :, 0], src[:, :, 1], lay))
+
+
+@pytest.mark.parametrize(
+    "family,preset",
+    [("random", "default"), ("sink_and_recency", "strict"), ("retrieval_peaks", "fast"), ("outlier_channels", "naive")],
+)
+def test_gpu_path_matches_the_reference_and_is_sound(family, preset, gen):
+    cases = [make_case(family, t, 8, 2, 64, torch.float16, gen) for t in (5, 37, 130, 200)]
+    cfg = load_config(preset)
+    res, (cache, tables, lens, q) = _check(cases, cfg, blocks_per_split=3)
+    ref = certified_attention(q, cache, tables, lens, cfg)
+    assert torch.equal(res.report.k_star.cpu(), ref.report.k_star)
+    assert torch.equal(res.report.v_promoted.cpu(), ref.report.v_promoted)
+    assert torch.equal(res.report.rung.cpu(), ref.report.rung)
+    torch.testing.assert_close(res.out.cpu(), ref.out, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(res.report.bound.cpu(), ref.report.bound, rtol=1e-3, atol=1e-12)
+
+
+@pytest.mark.parametrize("fallback", ["sdpa", "device"])
+def test_gpu_rungs_3_and_4_are_exact(fallback, gen):
+    # rung 3 for every head (bound tolerance) on one row, rung 4 (keys beyond float16) on the other
+    cases = [make_case("random", t, 4, 2, 64, torch.bfloat16, gen) for t in (70, 90)]
+    cases[1].k[20, 1, 0] = -3e5
+    res, _ = _check(cases, make_config(bound_tol=1e-9), fallback=fallback)
+    assert (res.report.rung[0] == 3).all() and (res.report.rung[1] == 4).all()
+    assert res.report.precondition[1].all() and (res.report.bound == 0).all()
+
+
+def test_gpu_canary_catches_pages_that_disagree_with_their_shadow(gen):
+    cases = [make_case("random", 10 * BLOCK_SIZE, 4, 2, 64, torch.float16, gen) for _ in range(2)]
+    cache, tables, lens = paged_batch(cases)
+    lay = cache.layout
+    pages = cache.read_pages(tables[0, :10])
+    pages[..., lay.k_codes : lay.k_codes + BLOCK_SIZE * lay.head_dim] = 255
+    cache.write_pages(tables[0, :10], pages)
+    q = torch.stack([c.q for c in cases])
+    res = certified_attention_gpu(q.to(DEV), _to_device(cache), tables.to(DEV), lens.to(DEV), load_config("default"))
+    assert (res.report.rung[0] == 4).all() and res.report.canary_fail[0].all()
+    assert (res.report.rung[1] <= 2).all()
+    assert torch.equal(res.out[0].cpu(), dense_decode(cases[0].q, cases[0].k, cases[0].v, 1 / 8))
+
+
+def test_split_plans_agree(gen):
+    cases = [make_case("sink_and_recency", t, 6, 2, 64, torch.bfloat16, gen) for t in (100, 250)]
+    cfg = load_config("default")
+    one, _ = _check(cases, cfg, blocks_per_split=1)
+    many, _ = _check(cases, cfg, blocks_per_split=16)
+    assert torch.equal(one.report.rung, many.report.rung)
+    torch.testing.assert_close(one.out, many.out, rtol=1e-6, atol=1e-7)
+
+
+def test_paper_preset_exploration_draws_on_the_device(gen):
+    cases = [make_case("retrieval_peaks", t, 8, 2, 64, torch.float16, gen) for t in (300, 17)]
+    res, _ = _check(cases, load_config("paper", exploration_rate=0.3))
+    assert (res.report.k_star[0] > 2).all()

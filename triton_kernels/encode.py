@@ -1,0 +1,268 @@
+"""Write path: quantize full 16-token blocks into tier-1 pages, one Triton program per (block, KV head).
+
+The kernel computes the function of ``certvllm.formats.pages.encode_pages`` field for field: the key
+offset/scale metadata in float64 with the same directed roundings, codes in float32 with IEEE division
+and ties-to-even rounding, INT4 value groups with float16 zero/scale rounded down/up, and the η/ν
+annotations as float64 norms inflated by ``NORM_SLACK`` and rounded up to float32. Codes, metadata and
+flags are bit-identical to the reference; η and ν are float64 sums in another order (relative
+difference ~1e-16, far inside the 2^-13 of ``NORM_SLACK``), so every guarantee of the reference holds
+(P2 with ``P2_RELATIVE_SLACK``, η ≥ ‖V̂ − V‖ + 2u‖V̂‖, ν ≥ max ‖V‖, the precondition flag).
+
+Two deliberate differences, both where the reference is itself at an edge: ⌈log₂ max need⌉ is taken from
+the float64 bits (the reference's ``log2`` can round a value just above a power of two down onto it), and
+NaN inputs are detected explicitly (GPU min/max ignore NaN); both only matter for pages that are
+flagged anyway or that the reference would mis-scale.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from certvllm.formats.keys import KEY_CODE_MAX
+from certvllm.formats.layout import FLAG_PRECONDITION, FLAG_VALID, PageLayout, key_scale_lut
+from certvllm.formats.values import NORM_SLACK, UNIT_ROUNDOFF_FP32, VALUE_CODE_MAX
+
+from .common import (
+    ceil_log2_f64,
+    fp16_round_down,
+    fp16_round_up,
+    fp32_round_up_nonneg,
+    launch_device_ok,
+    next_pow2,
+    pow2_f64,
+    precise,
+    rint,
+)
+
+
+@triton.jit
+def _encode_pages_kernel(
+    k_ptr,  # keys of the source blocks (float16/bfloat16); element (t, d) of item i at k_ptr + k_off[i] + t*K_ST + d*K_SC
+    v_ptr,  # values (same dtype), token-major; element (t, d) of item i at v_ptr + v_off[i] + t*D + d
+    k_off,  # [P] int64 element offset of each item's key block
+    v_off,  # [P] int64 element offset of each item's value block
+    dst_off,  # [P] int64 byte offset of each item's page in the output
+    out_u8,  # the page storage viewed as uint8
+    out_f16,  # the same storage viewed as float16 (byte offsets / 2)
+    out_f32,  # the same storage viewed as float32 (byte offsets / 4)
+    lut64,  # [256] float64 key-scale mantissas (key_scale_lut() in float64)
+    K_ST: tl.constexpr,  # key token stride (elements): D token-major, 1 channel-major
+    K_SC: tl.constexpr,  # key channel stride (elements): 1 token-major, m·N channel-major
+    D: tl.constexpr,  # head dim
+    DP: tl.constexpr,  # next power of two ≥ D
+    GRP: tl.constexpr,  # value group size g
+    NG: tl.constexpr,  # groups per token D/g
+    NGP: tl.constexpr,  # next power of two ≥ NG
+    V_CODES: tl.constexpr,  # byte offsets of the page fields (PageLayout)
+    V_SCALE: tl.constexpr,
+    V_ZERO: tl.constexpr,
+    K_OFFSET: tl.constexpr,
+    K_SCODE: tl.constexpr,
+    HEADER: tl.constexpr,
+    PAGE_BYTES: tl.constexpr,
+    PADP: tl.constexpr,  # next power of two ≥ PAGE_BYTES − HEADER − 10 (reserved header bytes + padding)
+    PRECISE: tl.constexpr,  # libdevice rint (compiled) or the 2^23 trick (interpreter)
+):
+    N: tl.constexpr = 16
+    HALF: tl.constexpr = GRP // 2
+    pid = tl.program_id(0)
+    koff = tl.load(k_off + pid)
+    voff = tl.load(v_off + pid)
+    dst = tl.load(dst_off + pid)
+    t = tl.arange(0, N)
+    d = tl.arange(0, DP)
+    dm = d < D
+
+    # ---------------- keys: per-channel offset and log-coded scale, INT8 codes
+    k = tl.load(k_ptr + koff + t[:, None] * K_ST + d[None, :] * K_SC, mask=dm[None, :], other=0.0).to(tl.float32)
+    k_nan = tl.max(tl.where(k != k, 1, 0), axis=0) > 0  # [DP]
+    lo = tl.min(tl.where(dm[None, :], k, float("inf")), axis=0)
+    hi = tl.max(tl.where(dm[None, :], k, float("-inf")), axis=0)
+    lo = tl.where(dm, lo, 0.0)
+    hi = tl.where(dm, hi, 0.0)
+    off16 = fp16_round_down(lo)
+    off32 = off16.to(tl.float32)
+    need = (hi.to(tl.float64) - off32.to(tl.float64)) / 255.0
+    fin = (need == need) & (tl.abs(need) < float("inf")) & ~k_nan
+    need = tl.where(fin, tl.maximum(need, 0.0), 0.0)
+    keys_finite = tl.min(tl.where(dm & ~fin, 0, 1), axis=0) > 0
+    smax = tl.max(tl.where(dm, need, 0.0), axis=0)
+    expo = ceil_log2_f64(tl.maximum(smax, 1.1754943508222875e-38))  # 2^-126
+    in_range = (expo >= -128) & (expo <= 127)
+    expo = tl.minimum(tl.maximum(expo, -128), 127)
+    ratio = need / pow2_f64(expo)  # exact: a power-of-two scaling
+    c_lo = tl.full([DP], 1, tl.int32)
+    c_hi = tl.full([DP], 255, tl.int32)
+    for _ in tl.static_range(8):  # smallest c ≥ 1 with LUT[c]·2^E ≥ need (255 if none)
+        mid = (c_lo + c_hi) >> 1
+        ge = tl.load(lut64 + mid) >= ratio
+        c_hi = tl.where(ge, mid, c_hi)
+        c_lo = tl.where(ge, c_lo, mid + 1)
+    code = tl.where(need > 0, c_lo, 0)
+    sigma = (tl.load(lut64 + code) * pow2_f64(expo)).to(tl.float32)
+    inv = tl.where(sigma > 0, sigma, 1.0)
+    x = tl.math.div_rn(k - off32[None, :], inv[None, :])
+    qk = rint(tl.minimum(tl.maximum(x, 0.0), 255.0), PRECISE)
+    qk = tl.where(x != x, 0.0, qk)
+    tl.store(out_u8 + dst + t[:, None] * D + d[None, :], qk.to(tl.uint8), mask=dm[None, :])
+    off_clean = tl.where(tl.abs(off32) < float("inf"), off16, 0.0)
+    tl.store(out_f16 + (dst + K_OFFSET) // 2 + d, off_clean.to(tl.float16), mask=dm)
+    tl.store(out_u8 + dst + K_SCODE + d, code.to(tl.uint8), mask=dm)
+
+    # ---------------- values: INT4 per token and group; elements split into even / odd (the two nibbles)
+    grp = tl.arange(0, NGP)
+    j = tl.arange(0, HALF)
+    gm = grp < NG
+    col = grp[None, :, None] * GRP + 2 * j[None, None, :]  # [1, NGP, HALF] even element of each pair
+    vmask = gm[None, :, None] & (t[:, None, None] >= 0)
+    vbase = v_ptr + voff + t[:, None, None] * D + col
+    ve = tl.load(vbase, mask=vmask, other=0.0).to(tl.float32)  # [N, NGP, HALF]
+    vo = tl.load(vbase + 1, mask=vmask, other=0.0).to(tl.float32)
+    v_nan = tl.max(tl.max(tl.where((ve != ve) | (vo != vo), 1, 0), axis=2), axis=1) > 0  # [N]
+    glo = tl.minimum(
+        tl.min(tl.where(vmask, ve, float("inf")), axis=2), tl.min(tl.where(vmask, vo, float("inf")), axis=2)
+    )
+    ghi = tl.maximum(
+        tl.max(tl.where(vmask, ve, float("-inf")), axis=2), tl.max(tl.where(vmask, vo, float("-inf")), axis=2)
+    )
+    gm2 = gm[None, :] & (t[:, None] >= 0)
+    glo = tl.where(gm2, glo, 0.0)
+    ghi = tl.where(gm2, ghi, 0.0)
+    zero16 = fp16_round_down(glo)  # [N, NGP]
+    z64 = zero16.to(tl.float64)
+    sneed = (ghi.to(tl.float64) - z64) / 15.0
+    sneed = tl.where(sneed < 0, 0.0, sneed)  # clamp_min(0), NaN kept
+    scale16 = fp16_round_up(sneed)
+    z_ok = tl.abs(zero16.to(tl.float32)) < float("inf")
+    s_ok = tl.abs(scale16.to(tl.float32)) < float("inf")
+    h_ok = tl.abs(ghi) < float("inf")
+    v_fin = tl.min(tl.min(tl.where(gm2 & ~(z_ok & s_ok & h_ok), 0, 1), axis=1), axis=0) > 0
+    v_fin = v_fin & (tl.max(tl.where(v_nan, 1, 0), axis=0) == 0)
+    zero16 = tl.where(z_ok, zero16, 0.0).to(tl.float16)
+    scale16 = tl.where(s_ok, scale16, 0.0).to(tl.float16)
+    z32 = zero16.to(tl.float32)[:, :, None]
+    s32 = scale16.to(tl.float32)[:, :, None]
+    vinv = tl.where(s32 > 0, s32, 1.0)
+    xe = tl.math.div_rn(ve - z32, vinv)
+    xo = tl.math.div_rn(vo - z32, vinv)
+    qe = rint(tl.minimum(tl.maximum(xe, 0.0), 15.0), PRECISE)
+    qo = rint(tl.minimum(tl.maximum(xo, 0.0), 15.0), PRECISE)
+    qe = tl.where((xe != xe) | (s32 == 0), 0.0, qe)
+    qo = tl.where((xo != xo) | (s32 == 0), 0.0, qo)
+    he = z32 + qe * s32  # v̂ as the read path forms it (code·scale is exact, one rounding)
+    ho = z32 + qo * s32
+    packed = qe.to(tl.int32) | (qo.to(tl.int32) << 4)
+    tl.store(
+        out_u8 + dst + V_CODES + t[:, None, None] * (D // 2) + grp[None, :, None] * HALF + j[None, None, :],
+        packed.to(tl.uint8),
+        mask=vmask,
+    )
+    tl.store(out_f16 + (dst + V_SCALE) // 2 + t[:, None] * NG + grp[None, :], scale16, mask=gm2)
+    tl.store(out_f16 + (dst + V_ZERO) // 2 + t[:, None] * NG + grp[None, :], zero16, mask=gm2)
+
+    # η, ν: float64 norms per token, max over the block, inflated and rounded up
+    de = tl.where(vmask, (he - ve).to(tl.float64), 0.0)
+    do = tl.where(vmask, (ho - vo).to(tl.float64), 0.0)
+    err2 = tl.sum(tl.sum(de * de + do * do, axis=2), axis=1)
+    he64 = tl.where(vmask, he.to(tl.float64), 0.0)
+    ho64 = tl.where(vmask, ho.to(tl.float64), 0.0)
+    hat2 = tl.sum(tl.sum(he64 * he64 + ho64 * ho64, axis=2), axis=1)
+    ve64 = tl.where(vmask, ve.to(tl.float64), 0.0)
+    vo64 = tl.where(vmask, vo.to(tl.float64), 0.0)
+    nrm2 = tl.sum(tl.sum(ve64 * ve64 + vo64 * vo64, axis=2), axis=1)
+    err = tl.sqrt(err2) + 2 * 5.9604644775390625e-08 * tl.sqrt(hat2)  # 2u·‖V̂‖, u = 2^-24
+    nrm = tl.sqrt(nrm2)
+    err = tl.where(tl.abs(err) < float("inf"), err, 0.0)  # NaN and inf → 0, as the reference's clean()
+    nrm = tl.where(tl.abs(nrm) < float("inf"), nrm, 0.0)
+    eta = fp32_round_up_nonneg(tl.max(err, axis=0) * 1.0001220703125)  # NORM_SLACK = 1 + 2^-13
+    nu = fp32_round_up_nonneg(tl.max(nrm, axis=0) * 1.0001220703125)
+
+    # ---------------- header (η, ν, E, flags), reserved bytes and padding zeroed
+    tl.store(out_f32 + (dst + HEADER) // 4, eta)
+    tl.store(out_f32 + (dst + HEADER) // 4 + 1, nu)
+    tl.store(out_u8 + dst + HEADER + 8, (expo & 255).to(tl.uint8))
+    violated = ~(keys_finite & in_range & v_fin)
+    flags = tl.where(violated, 3, 1)  # FLAG_VALID | FLAG_PRECONDITION
+    tl.store(out_u8 + dst + HEADER + 9, flags.to(tl.uint8))
+    pad = tl.arange(0, PADP)
+    tl.store(out_u8 + dst + HEADER + 10 + pad, tl.zeros([PADP], tl.uint8), mask=pad < PAGE_BYTES - HEADER - 10)
+
+
+_LUT64: dict[torch.device, torch.Tensor] = {}
+
+
+def _lut64(device: torch.device) -> torch.Tensor:
+    if device not in _LUT64:
+        _LUT64[device] = key_scale_lut().to(torch.float64).to(device)
+    return _LUT64[device]
+
+
+def encode_into(
+    pages: torch.Tensor,
+    dst_offsets: torch.Tensor,
+    k_src: torch.Tensor,
+    k_offsets: torch.Tensor,
+    v_src: torch.Tensor,
+    v_offsets: torch.Tensor,
+    layout: PageLayout,
+    keys_channel_major_stride: int | None = None,
+) -> None:
+    """Encode ``P`` full blocks into pages in place.
+
+    Args:
+        pages: uint8 storage (any shape, contiguous) that receives the pages.
+        dst_offsets: ``[P]`` int64 byte offset of each page inside ``pages``.
+        k_src, v_src: float16/bfloat16 storage holding the originals (may be pinned host memory that the
+            device reads through its unified address; on CPU under the interpreter, any tensor).
+        k_offsets, v_offsets: ``[P]`` int64 element offsets of each block's keys / values (token-major
+            ``[N, D]`` runs, keys channel-major ``[D, ·]`` with token stride 1 and channel stride
+            ``keys_channel_major_stride`` when that is given).
+        layout: the page layout.
+    """
+    p = dst_offsets.numel()
+    if p == 0:
+        return
+    launch_device_ok(pages)
+    d = layout.head_dim
+    g = layout.value_group
+    if keys_channel_major_stride is None:
+        k_st, k_sc = d, 1
+    else:
+        k_st, k_sc = 1, int(keys_channel_major_stride)
+    pad = layout.page_bytes - layout.header - 10
+    _encode_pages_kernel[(p,)](
+        k_src, v_src, k_offsets, v_offsets, dst_offsets,
+        pages, pages.view(torch.float16), pages.view(torch.float32), _lut64(pages.device),
+        K_ST=k_st, K_SC=k_sc, D=d, DP=next_pow2(d), GRP=g, NG=layout.groups, NGP=next_pow2(layout.groups),
+        V_CODES=layout.v_codes, V_SCALE=layout.v_scale, V_ZERO=layout.v_zero, K_OFFSET=layout.k_offset,
+        K_SCODE=layout.k_scale_code, HEADER=layout.header, PAGE_BYTES=layout.page_bytes, PADP=next_pow2(pad),
+        PRECISE=precise(), num_warps=4,
+    )  # fmt: skip
+
+
+def encode_pages_triton(k: torch.Tensor, v: torch.Tensor, layout: PageLayout) -> torch.Tensor:
+    """Triton counterpart of :func:`certvllm.formats.pages.encode_pages`.
+
+    Args:
+        k, v: ``[..., N, D]`` float16/bfloat16 keys (post-RoPE) and values.
+
+    Returns:
+        ``[..., page_bytes]`` uint8 pages.
+    """
+    lead = k.shape[:-2]
+    n, d = layout.block_size, layout.head_dim
+    kk = k.reshape(-1, n, d).contiguous()
+    vv = v.reshape(-1, n, d).contiguous()
+    p = kk.shape[0]
+    pages = torch.empty(p, layout.page_bytes, dtype=torch.uint8, device=k.device)
+    idx = torch.arange(p, device=k.device, dtype=torch.int64)
+    encode_into(pages, idx * layout.page_bytes, kk, idx * (n * d), vv, idx * (n * d), layout)
+    return pages.view(*lead, layout.page_bytes)
+
+
+# constants the kernel hard-codes, checked against their sources
+assert KEY_CODE_MAX == 255 and VALUE_CODE_MAX == 15
+assert NORM_SLACK == 1.0001220703125 and UNIT_ROUNDOFF_FP32 == 5.9604644775390625e-08
+assert FLAG_VALID == 1 and FLAG_PRECONDITION == 2

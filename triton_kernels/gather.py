@@ -1,0 +1,79 @@
+"""Zero-copy page-in: gather shadow pages (tier 2) by 16-token block id into a device buffer.
+
+The shadow ``[E, H_kv, 2, m·N, D]`` lives in host memory registered with CUDA (``cudaHostRegister``),
+so its address is valid on the device (unified addressing) and Triton's launcher resolves it like
+any device pointer: the kernel reads host memory over PCIe directly, with no staging copy. Many
+pages in flight at once are what reach the link's bandwidth, so callers batch page-ins.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import launch_device_ok, next_pow2
+
+
+@triton.jit
+def _gather_pages_kernel(
+    src,  # shadow storage [E, H, 2, m*N, D] (float16/bfloat16), host-pinned or device
+    out,  # [n, 2, N, D] output (same dtype), device
+    block_ids,  # [n] int64 16-token block ids
+    heads,  # [n] int64 KV heads
+    H: tl.constexpr,  # KV heads of the shadow
+    M: tl.constexpr,  # 16-token blocks per engine block (m)
+    D: tl.constexpr,  # head dim
+    DP: tl.constexpr,  # next power of two ≥ D
+    CHANNEL_MAJOR: tl.constexpr,  # keys stored [D, m*N] per (engine block, head)
+):
+    N: tl.constexpr = 16
+    item = tl.program_id(0)
+    kv = tl.program_id(1)  # 0 keys, 1 values
+    bid = tl.load(block_ids + item)
+    h = tl.load(heads + item)
+    e = bid // M
+    sub = bid % M
+    run = M * N * D  # elements of one (engine block, head, k|v) run
+    base = ((e * H + h) * 2 + kv) * run
+    t = tl.arange(0, N)
+    d = tl.arange(0, DP)
+    dm = d[None, :] < D
+    token_major = (sub * N + t[:, None]) * D + d[None, :]
+    if CHANNEL_MAJOR:
+        offs = tl.where(kv == 0, d[None, :] * (M * N) + sub * N + t[:, None], token_major)
+    else:
+        offs = token_major
+    x = tl.load(src + base + offs, mask=dm, other=0.0)
+    tl.store(out + (item * 2 + kv) * (N * D) + t[:, None] * D + d[None, :], x, mask=dm)
+
+
+def gather_pages(
+    shadow: torch.Tensor,
+    block_ids: torch.Tensor,
+    heads: torch.Tensor,
+    device: torch.device,
+    channel_major: bool = False,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Originals of (block, KV head) pages: ``[n, 2, N, D]`` in the shadow dtype on ``device``.
+
+    Args:
+        shadow: ``[E, H_kv, 2, m·N, D]`` float16/bfloat16 (pinned host memory, or device memory).
+        block_ids, heads: ``[n]`` int64 on ``device``.
+        device: where the result goes (and where the kernel runs).
+        channel_major: keys are stored ``[D, m·N]`` per (engine block, head).
+        out: optional ``[n, 2, N, D]`` destination.
+    """
+    e, h, _, mn, d = shadow.shape
+    n = block_ids.numel()
+    if out is None:
+        out = torch.empty(n, 2, 16, d, dtype=shadow.dtype, device=device)
+    if n == 0:
+        return out
+    launch_device_ok(out)
+    _gather_pages_kernel[(n, 2)](
+        shadow, out, block_ids, heads,
+        H=h, M=mn // 16, D=d, DP=next_pow2(d), CHANNEL_MAJOR=channel_major, num_warps=4,
+    )  # fmt: skip
+    return out

@@ -1,0 +1,319 @@
+"""Phase 2: promotion pass and attend pass, split over the sequence (split-K), zero-copy page-in.
+
+Selection hands the kernels one int32 bitmask per (row, KV head, block): bit g = keys of query head g
+promoted, bit G + g = its values promoted. Promoted pages are read straight from the pinned host
+shadow through its device address (no staging buffer, no host synchronisation); everything else comes
+from the tier-1 page and the phase-1 scores.
+
+* :func:`promote` — for every block of the union it loads the unquantized keys, computes exact scores
+  (D-term float32 reductions), runs the canary against the INT8 scores (rung 4), writes the exact scores
+  over the INT8 ones where the head promoted the keys, and reduces per split the maximum phase-2 score
+  and the largest |exact score|.
+* :func:`attend` — with the global maximum m per head, w = exp(s − m) in float32 (libdevice ``expf``),
+  per block den_b = Σ w (16 terms, float32) and num_b = Σ w·Ṽ (16-term float32 dot products, INT4 values
+  dequantized in registers or unquantized values read zero-copy), then **float64** accumulation across
+  blocks and splits: the summation structure the certificate assumes (docs/certification.md §5), so no
+  new γ is needed. Alongside it accumulates Σ den_b·η_b over INT4-value blocks (E_val), Σ den_b over
+  INT8-key blocks (the tail mass) and writes m + log den_b of key-promoted blocks (the rank test).
+
+Programs of an (row, KV head) group whose ``active`` flag is 0 do nothing: the exact-only re-run used for
+rungs 3/4 on the device sets it for the escalated groups only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from certvllm.formats.layout import PageLayout
+
+from .common import as_mask, exp_f32, launch_device_ok, next_pow2, precise
+
+
+@triton.jit
+def _promote_kernel(
+    qs,  # [R, H_q, D] float32 scaled queries
+    shadow,  # [E, H_kv, 2, m·N, D] float16/bfloat16 originals (pinned host, read through its device address)
+    tables,  # [R, ≥B] int64 block ids (row stride TB_STRIDE)
+    nfull,  # [R] int64 full blocks per row
+    bits,  # [R, H_kv, B] int32 promotion bitmask (bit g keys, bit G+g values)
+    active,  # [R, H_kv] int32: 0 = skip this group
+    scores,  # in/out [R, H_kv, B, G, N] float32: INT8 scores in, phase-2 scores out
+    m8,  # [R, H_kv, G, B] float32 block max of the INT8 scores
+    delta,  # [R, H_kv, G, B] float32 Δ_b
+    round1,  # [R, H_kv, G] float32 phase-1 rounding R (canary tolerance)
+    canary,  # out [R] int32, set to 1 when a promoted block breaks |s − s̃⁸| ≤ Δ_b + 2R
+    smax,  # out [R, H_kv, G, S] float32 per-split max phase-2 score
+    sabs,  # out [R, H_kv, G, S] float32 per-split max finite |exact score| on key-promoted blocks
+    num_blocks,  # total 16-token blocks (ids are clamped)
+    B,  # block-table columns
+    TB_STRIDE,  # row stride of tables
+    S,  # splits
+    BPS,  # blocks per split
+    H: tl.constexpr,  # KV heads
+    G: tl.constexpr,  # query heads per KV head
+    GP: tl.constexpr,  # next power of two ≥ G
+    D: tl.constexpr,  # head dim
+    DP: tl.constexpr,  # next power of two ≥ D
+    M: tl.constexpr,  # 16-token blocks per engine block
+    CHANNEL_MAJOR: tl.constexpr,  # shadow keys stored [D, m·N] (the CPU layout)
+    CANARY: tl.constexpr,  # run the canary (loads keys of value-only promoted blocks too)
+):
+    N: tl.constexpr = 16
+    rk = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    r = rk // H
+    h = rk % H
+    g = tl.arange(0, GP)
+    d = tl.arange(0, DP)
+    n = tl.arange(0, N)
+    gm = g < G
+    dm = d < D
+    act = tl.load(active + rk)
+    n_iter = tl.where(act != 0, BPS, 0)
+    q = tl.load(qs + (r * (H * G) + h * G + g[:, None]) * D + d[None, :], mask=gm[:, None] & dm[None, :], other=0.0)
+    r1 = tl.load(round1 + rk * G + g, mask=gm, other=0.0)
+    nf = tl.load(nfull + r)
+    run_max = tl.full([GP], float("-inf"), tl.float32)
+    run_abs = tl.zeros([GP], tl.float32)
+    key_bits = (1 << G) - 1
+    for i in range(0, n_iter):
+        b = split * BPS + i
+        valid = (b < B) & (b < nf)
+        bb = tl.load(bits + rk * B + b, mask=valid, other=0)
+        kb = (((bb >> g) & 1) != 0) & gm
+        m8b = tl.load(m8 + (rk * G + g) * B + b, mask=as_mask(valid & gm), other=float("-inf"))
+        run_max = tl.maximum(run_max, tl.where(kb, float("-inf"), m8b))
+        if CANARY:
+            need = bb != 0
+        else:
+            need = (bb & key_bits) != 0
+        if need:
+            bid = tl.load(tables + r * TB_STRIDE + b)
+            bid = tl.minimum(tl.maximum(bid, 0), num_blocks - 1)
+            kbase = (((bid // M) * H + h) * 2) * (M * N * D)
+            if CHANNEL_MAJOR:
+                koffs = d[None, :] * (M * N) + (bid % M) * N + n[:, None]
+            else:
+                koffs = ((bid % M) * N + n[:, None]) * D + d[None, :]
+            kt = tl.load(shadow + kbase + koffs, mask=dm[None, :], other=0.0).to(tl.float32)
+            se = tl.sum(q[:, None, :] * kt[None, :, :], axis=2)  # [GP, N] exact-key scores
+            srow = ((rk * B + b) * G + g[:, None]) * N + n[None, :]
+            if CANARY:
+                s8 = tl.load(scores + srow, mask=gm[:, None], other=0.0)
+                dl = tl.load(delta + (rk * G + g) * B + b, mask=gm, other=0.0)
+                allowed = (dl + 2.0 * r1) * (1.0 + 2.0**-10)
+                diff = tl.abs(se - s8)
+                viol = ((diff > allowed[:, None]) | ~(diff < float("inf"))) & gm[:, None]
+                nviol = tl.sum(tl.sum(viol.to(tl.int32), axis=1), axis=0)
+                tl.atomic_max(canary + r, (nviol > 0).to(tl.int32))
+            tl.store(scores + srow, se, mask=kb[:, None])
+            run_max = tl.maximum(run_max, tl.where(kb, tl.max(se, axis=1), float("-inf")))
+            sa = tl.max(tl.where(tl.abs(se) < float("inf"), tl.abs(se), 0.0), axis=1)
+            run_abs = tl.maximum(run_abs, tl.where(kb, sa, 0.0))
+    tl.store(smax + (rk * G + g) * S + split, run_max, mask=gm)
+    tl.store(sabs + (rk * G + g) * S + split, run_abs, mask=gm)
+
+
+@triton.jit
+def _attend_kernel(
+    scores,  # [R, H_kv, B, G, N] float32 phase-2 scores
+    mmax,  # [R, H_kv, G] float32 global max score m per query head
+    shadow,  # [E, H_kv, 2, m·N, D] originals (pinned host; values token-major)
+    pages_u8,  # cache.pages as uint8
+    pages_f16,  # as float16 (value scales and zeros)
+    pages_f32,  # as float32 (η)
+    tables,  # [R, ≥B] int64 block ids
+    nfull,  # [R] int64 full blocks per row
+    bits,  # [R, H_kv, B] int32 promotion bitmask
+    active,  # [R, H_kv] int32: 0 = skip this group
+    acc,  # out [R, H_kv, S, G, D] float64 Σ_b num_b
+    den,  # out [R, H_kv, S, G] float64 Σ_b den_b
+    aval,  # out [R, H_kv, S, G] float64 Σ den_b·η_b over INT4-value blocks
+    atail,  # out [R, H_kv, S, G] float64 Σ den_b over INT8-key blocks
+    exact_lm,  # out [R, H_kv, G, B] float32 m + log den_b on key-promoted blocks (others untouched)
+    num_blocks,  # total 16-token blocks
+    B,  # block-table columns
+    TB_STRIDE,  # row stride of tables
+    S,  # splits
+    BPS,  # blocks per split
+    H: tl.constexpr,  # KV heads
+    G: tl.constexpr,  # query heads per KV head
+    GP: tl.constexpr,  # next power of two ≥ G
+    D: tl.constexpr,  # head dim
+    DP: tl.constexpr,  # next power of two ≥ D
+    M: tl.constexpr,  # 16-token blocks per engine block
+    GRP: tl.constexpr,  # value group size g
+    NG: tl.constexpr,  # value groups per token
+    PAGE_BYTES: tl.constexpr,  # page size
+    V_CODES: tl.constexpr,  # byte offsets of the value fields
+    V_SCALE: tl.constexpr,
+    V_ZERO: tl.constexpr,
+    HEADER: tl.constexpr,
+    PRECISE: tl.constexpr,  # libdevice expf (compiled) / NumPy exp (interpreter)
+):
+    N: tl.constexpr = 16
+    rk = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    r = rk // H
+    h = rk % H
+    g = tl.arange(0, GP)
+    d = tl.arange(0, DP)
+    n = tl.arange(0, N)
+    gm = g < G
+    dm = d < D
+    act = tl.load(active + rk)
+    n_iter = tl.where(act != 0, BPS, 0)
+    mg = tl.load(mmax + rk * G + g, mask=gm, other=0.0)
+    nf = tl.load(nfull + r)
+    acc64 = tl.zeros([GP, DP], tl.float64)
+    den64 = tl.zeros([GP], tl.float64)
+    av64 = tl.zeros([GP], tl.float64)
+    at64 = tl.zeros([GP], tl.float64)
+    for i in range(0, n_iter):
+        b = split * BPS + i
+        valid = (b < B) & (b < nf)
+        bb = tl.load(bits + rk * B + b, mask=valid, other=0)
+        kb = (((bb >> g) & 1) != 0) & gm
+        vb = (((bb >> (G + g)) & 1) != 0) & gm
+        bid = tl.load(tables + r * TB_STRIDE + b, mask=valid, other=0)
+        bid = tl.minimum(tl.maximum(bid, 0), num_blocks - 1)
+        base = ((bid // M) * H + h) * (M * PAGE_BYTES) + (bid % M) * PAGE_BYTES
+        s = tl.load(
+            scores + ((rk * B + b) * G + g[:, None]) * N + n[None, :],
+            mask=as_mask(valid & gm[:, None]),
+            other=float("-inf"),
+        )
+        w = exp_f32(s - mg[:, None], PRECISE)  # [GP, N]
+        den_b = tl.sum(w, axis=1)
+        vm = valid & dm[None, :]
+        byte = tl.load(pages_u8 + base + V_CODES + n[:, None] * (D // 2) + d[None, :] // 2, mask=as_mask(vm), other=0)
+        code = (byte.to(tl.int32) >> ((d[None, :] & 1) * 4)) & 15
+        vsc = tl.load(
+            pages_f16 + (base + V_SCALE) // 2 + n[:, None] * NG + d[None, :] // GRP, mask=as_mask(vm), other=0.0
+        )
+        vze = tl.load(
+            pages_f16 + (base + V_ZERO) // 2 + n[:, None] * NG + d[None, :] // GRP, mask=as_mask(vm), other=0.0
+        )
+        vhat = vze.to(tl.float32) + code.to(tl.float32) * vsc.to(tl.float32)  # [N, DP]
+        num = tl.sum(w[:, :, None] * vhat[None, :, :], axis=1)  # [GP, DP]
+        if (bb >> G) != 0:
+            vbase = (((bid // M) * H + h) * 2 + 1) * (M * N * D) + (bid % M) * (N * D)
+            v16 = tl.load(shadow + vbase + n[:, None] * D + d[None, :], mask=dm[None, :], other=0.0).to(tl.float32)
+            num = tl.where(vb[:, None], tl.sum(w[:, :, None] * v16[None, :, :], axis=1), num)
+        acc64 += num.to(tl.float64)
+        den64 += den_b.to(tl.float64)
+        eta_b = tl.load(pages_f32 + (base + HEADER) // 4, mask=valid, other=0.0).to(tl.float64)
+        av64 += tl.where(valid & ~vb & gm, den_b.to(tl.float64) * eta_b, 0.0)
+        at64 += tl.where(valid & ~kb & gm, den_b.to(tl.float64), 0.0)
+        lm = tl.where(den_b > 0, mg + tl.log(tl.where(den_b > 0, den_b, 1.0)), float("-inf"))
+        tl.store(exact_lm + (rk * G + g) * B + b, lm, mask=as_mask(kb & valid))
+    orow = (rk * S + split) * G + g
+    tl.store(acc + orow[:, None] * D + d[None, :], acc64, mask=gm[:, None] & dm[None, :])
+    tl.store(den + orow, den64, mask=gm)
+    tl.store(aval + orow, av64, mask=gm)
+    tl.store(atail + orow, at64, mask=gm)
+
+
+@dataclass
+class Phase2Geometry:
+    """Static launch parameters shared by both phase-2 kernels."""
+
+    layout: PageLayout
+    num_kv_heads: int
+    group: int
+    sub_blocks: int
+    num_blocks: int
+    splits: int
+    blocks_per_split: int
+    channel_major: bool = False
+
+
+def promote(
+    geo: Phase2Geometry,
+    qs: torch.Tensor,
+    shadow: torch.Tensor,
+    tables: torch.Tensor,
+    nfull: torch.Tensor,
+    bits: torch.Tensor,
+    active: torch.Tensor,
+    scores: torch.Tensor,
+    m8: torch.Tensor,
+    delta: torch.Tensor,
+    round1: torch.Tensor,
+    canary: torch.Tensor,
+    run_canary: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the promotion pass (shapes as in the kernel's parameter comments).
+
+    Returns:
+        ``(smax, sabs)`` each ``[R, H_kv, G, S]`` float32.
+    """
+    launch_device_ok(scores)
+    R = qs.shape[0]
+    K, G, S = geo.num_kv_heads, geo.group, geo.splits
+    B = tables.shape[1]
+    smax = torch.empty(R, K, G, S, dtype=torch.float32, device=qs.device)
+    sabs = torch.empty(R, K, G, S, dtype=torch.float32, device=qs.device)
+    D = geo.layout.head_dim
+    _promote_kernel[(R * K, S)](
+        qs, shadow, tables, nfull, bits, active, scores, m8, delta, round1, canary, smax, sabs,
+        geo.num_blocks, B, tables.stride(0), S, geo.blocks_per_split,
+        H=K, G=G, GP=next_pow2(G), D=D, DP=next_pow2(D), M=geo.sub_blocks, CHANNEL_MAJOR=geo.channel_major,
+        CANARY=run_canary, num_warps=4 if G <= 4 else 8,
+    )  # fmt: skip
+    return smax, sabs
+
+
+@dataclass
+class AttendOut:
+    """Per-split partial sums of the attend pass (reduce with ``.sum(dim=2)``)."""
+
+    acc: torch.Tensor
+    den: torch.Tensor
+    aval: torch.Tensor
+    atail: torch.Tensor
+
+
+def attend(
+    geo: Phase2Geometry,
+    scores: torch.Tensor,
+    mmax: torch.Tensor,
+    shadow: torch.Tensor,
+    pages: torch.Tensor,
+    tables: torch.Tensor,
+    nfull: torch.Tensor,
+    bits: torch.Tensor,
+    active: torch.Tensor,
+    exact_lm: torch.Tensor,
+) -> AttendOut:
+    """Launch the attend pass.
+
+    Returns:
+        :class:`AttendOut`: acc ``[R, H_kv, S, G, D]``, den/aval/atail ``[R, H_kv, S, G]``, all float64.
+    """
+    launch_device_ok(scores)
+    R = scores.shape[0]
+    K, G, S = geo.num_kv_heads, geo.group, geo.splits
+    B = tables.shape[1]
+    lay = geo.layout
+    D = lay.head_dim
+    f64 = dict(dtype=torch.float64, device=scores.device)
+    out = AttendOut(
+        acc=torch.empty(R, K, S, G, D, **f64),
+        den=torch.empty(R, K, S, G, **f64),
+        aval=torch.empty(R, K, S, G, **f64),
+        atail=torch.empty(R, K, S, G, **f64),
+    )
+    _attend_kernel[(R * K, S)](
+        scores, mmax, shadow, pages, pages.view(torch.float16), pages.view(torch.float32),
+        tables, nfull, bits, active, out.acc, out.den, out.aval, out.atail, exact_lm,
+        geo.num_blocks, B, tables.stride(0), S, geo.blocks_per_split,
+        H=K, G=G, GP=next_pow2(G), D=D, DP=next_pow2(D), M=geo.sub_blocks, GRP=lay.value_group, NG=lay.groups,
+        PAGE_BYTES=lay.page_bytes, V_CODES=lay.v_codes, V_SCALE=lay.v_scale, V_ZERO=lay.v_zero, HEADER=lay.header,
+        PRECISE=precise(), num_warps=4 if G <= 4 else 8,
+    )  # fmt: skip
+    return out
