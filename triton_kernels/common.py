@@ -18,6 +18,7 @@ from triton.language.extra import libdevice
 
 __all__ = [
     "as_mask",
+    "device_arg",
     "interpreting",
     "launch_device_ok",
     "next_pow2",
@@ -43,6 +44,26 @@ def launch_device_ok(t: torch.Tensor) -> None:
             "certvllm Triton kernels need CUDA tensors, or TRITON_INTERPRET=1 (set before the first launch) "
             f"to run on {t.device} in Triton's interpreter"
         )
+
+
+class _HostPointer:
+    """A pinned host tensor handed to a compiled kernel as a plain pointer (``data_ptr`` + ``dtype``, the
+    protocol Triton's launcher accepts); the launcher resolves its device address with
+    ``cuPointerGetAttribute``, which is valid for registered memory under unified addressing."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self._tensor = tensor
+        self.dtype = tensor.dtype
+
+    def data_ptr(self) -> int:
+        return self._tensor.data_ptr()
+
+
+def device_arg(t: torch.Tensor) -> torch.Tensor | _HostPointer:
+    """What to pass a kernel for ``t``: the tensor itself, or a host pointer for host memory when compiled."""
+    if t.device.type == "cpu" and not interpreting():
+        return _HostPointer(t)
+    return t
 
 
 def next_pow2(n: int) -> int:

@@ -26,6 +26,7 @@ from certvllm.formats.values import NORM_SLACK, UNIT_ROUNDOFF_FP32, VALUE_CODE_M
 
 from .common import (
     ceil_log2_f64,
+    device_arg,
     fp16_round_down,
     fp16_round_up,
     fp32_round_up_nonneg,
@@ -233,7 +234,7 @@ def encode_into(
         k_st, k_sc = 1, int(keys_channel_major_stride)
     pad = layout.page_bytes - layout.header - 10
     _encode_pages_kernel[(p,)](
-        k_src, v_src, k_offsets, v_offsets, dst_offsets,
+        device_arg(k_src), device_arg(v_src), k_offsets, v_offsets, dst_offsets,
         pages, pages.view(torch.float16), pages.view(torch.float32), _lut64(pages.device),
         K_ST=k_st, K_SC=k_sc, D=d, DP=next_pow2(d), GRP=g, NG=layout.groups, NGP=next_pow2(layout.groups),
         V_CODES=layout.v_codes, V_SCALE=layout.v_scale, V_ZERO=layout.v_zero, K_OFFSET=layout.k_offset,

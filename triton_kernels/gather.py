@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import launch_device_ok, next_pow2
+from .common import device_arg, launch_device_ok, next_pow2
 
 
 @triton.jit
@@ -73,7 +73,7 @@ def gather_pages(
         return out
     launch_device_ok(out)
     _gather_pages_kernel[(n, 2)](
-        shadow, out, block_ids, heads,
+        device_arg(shadow), out, block_ids, heads,
         H=h, M=mn // 16, D=d, DP=next_pow2(d), CHANNEL_MAJOR=channel_major, num_warps=4,
     )  # fmt: skip
     return out

@@ -30,7 +30,7 @@ import triton.language as tl
 
 from certvllm.formats.layout import PageLayout
 
-from .common import as_mask, exp_f32, launch_device_ok, next_pow2, precise
+from .common import as_mask, device_arg, exp_f32, launch_device_ok, next_pow2, precise
 
 
 @triton.jit
@@ -260,7 +260,7 @@ def promote(
     sabs = torch.empty(R, K, G, S, dtype=torch.float32, device=qs.device)
     D = geo.layout.head_dim
     _promote_kernel[(R * K, S)](
-        qs, shadow, tables, nfull, bits, active, scores, m8, delta, round1, canary, smax, sabs,
+        qs, device_arg(shadow), tables, nfull, bits, active, scores, m8, delta, round1, canary, smax, sabs,
         geo.num_blocks, B, tables.stride(0), S, geo.blocks_per_split,
         H=K, G=G, GP=next_pow2(G), D=D, DP=next_pow2(D), M=geo.sub_blocks, CHANNEL_MAJOR=geo.channel_major,
         CANARY=run_canary, num_warps=4 if G <= 4 else 8,
@@ -309,7 +309,7 @@ def attend(
         atail=torch.empty(R, K, S, G, **f64),
     )
     _attend_kernel[(R * K, S)](
-        scores, mmax, shadow, pages, pages.view(torch.float16), pages.view(torch.float32),
+        scores, mmax, device_arg(shadow), pages, pages.view(torch.float16), pages.view(torch.float32),
         tables, nfull, bits, active, out.acc, out.den, out.aval, out.atail, exact_lm,
         geo.num_blocks, B, tables.stride(0), S, geo.blocks_per_split,
         H=K, G=G, GP=next_pow2(G), D=D, DP=next_pow2(D), M=geo.sub_blocks, GRP=lay.value_group, NG=lay.groups,

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The GPU check of certvllm, one command on a CUDA machine (the lent H200): install, the GPU tests
+# (`pytest -m gpu`), then the decode benchmark. Results and logs go to $OUT (default runs/).
+#
+#   OUT=runs bash benchmarks/gpu_check.sh
+#   PYTEST_FLAGS="-q" BENCH_ARGS="--contexts 8192 32768" bash benchmarks/gpu_check.sh
+#
+# Wheels in .whl/ (pydantic and its dependencies, which the H200 image lacks) are installed first.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1 CERTVLLM_CPU_KERNEL=0
+OUT="${OUT:-runs}"
+mkdir -p "$OUT"
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/certvllm-site .whl/*.whl \
+    && export PYTHONPATH="/tmp/certvllm-site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+if ! python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/pip.log" 2>&1; then
+  echo "pip install -e . failed (see pip.log): running from the source tree"
+  ln -sfn ../triton_kernels certvllm/triton_kernels
+  ln -sfn ../configs certvllm/configs
+  ln -sfn ../csrc certvllm/csrc
+  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+fi
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv,noheader
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
+# shellcheck disable=SC2086
+python3 -m pytest -m gpu ${PYTEST_FLAGS:--x -q} tests/test_gpu.py 2>&1 | tee "$OUT/pytest_gpu.log"
+test_rc=${PIPESTATUS[0]}
+# shellcheck disable=SC2086
+python3 benchmarks/bench_decode.py --out "$OUT/decode.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
+bench_rc=${PIPESTATUS[0]}
+echo "gpu_check: pytest rc=$test_rc, bench rc=$bench_rc"
+exit $(( test_rc != 0 || bench_rc != 0 ))
