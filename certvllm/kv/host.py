@@ -15,12 +15,13 @@ class PinnedMemoryError(RuntimeError):
 
 
 def allocate_host(shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torch.Tensor:
-    """A host tensor, registered with CUDA when ``pin`` is set.
+    """A zeroed host tensor, registered with CUDA when ``pin`` is set.
 
-    Not zeroed: a shadow slot is read only after its token was written (full blocks, and the written
-    prefix of a partial block), so untouched memory is never used and costs nothing until written.
+    Zeroed because vLLM's CPU attention kernel computes whole blocks and masks the slots past the
+    context with a zero weight: 0 × NaN garbage would be NaN. Large zeroed allocations come from
+    calloc, so the pages cost nothing until they are written.
     """
-    tensor = torch.empty(shape, dtype=dtype)
+    tensor = torch.zeros(shape, dtype=dtype)
     if pin and torch.cuda.is_available():
         err = torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), tensor.numel() * tensor.element_size(), 0)
         if int(err) != 0:
