@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import platform
 import statistics
 import time
@@ -298,6 +299,7 @@ def main() -> None:
         "device": torch.cuda.get_device_name(), "torch": torch.__version__, "python": platform.python_version(),
         "shapes": {"H_q": HQ, "H_kv": HKV, "D": D}, "iters": args.iters, "diffuse_mass": args.diffuse_mass,
         "wall_s": round(time.time() - t0, 1),
+        "tile": {"blk": os.environ.get("CERTVLLM_GPU_BLK", "4"), "warps": os.environ.get("CERTVLLM_GPU_WARPS", "8")},
     }  # fmt: skip
     try:
         import triton
