@@ -90,10 +90,10 @@ def build_serve_args(args: list[str]) -> tuple[list[str], dict]:
 def _serve(args: list[str]) -> int:
     if not args or args[0].startswith("-") and "--model" not in args:
         raise UsageError("certvllm serve needs a model: certvllm serve MODEL [vllm serve args] [--cert-* flags]")
+    vllm_args, extra = build_serve_args(args)  # flags and config are checked before vLLM is imported
     from certvllm.vllm_plugin import _compat, launch
 
     _compat.check_version()
-    vllm_args, extra = build_serve_args(args)
     launch.serve(vllm_args, extra)
     return 0
 

@@ -1,0 +1,148 @@
+"""Plugin registration, routing checks and startup errors (each names the fix)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from certvllm.cli import build_serve_args, main, split_cert_args
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = str(ROOT / "models" / "smollm2-135m-instruct")
+ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "PATH": "/usr/bin:/bin"}
+
+
+def test_cert_flags_fold_into_additional_config():
+    args, extra = build_serve_args(
+        ["m", "--port", "9", "--cert-config", "strict", "--cert-v-tol=0.02", "--additional-config", '{"x": 1}']
+    )
+    assert args == ["m", "--port", "9", "--kv-cache-dtype", "certified"]
+    assert extra == {"x": 1, "certvllm": {"preset": "strict", "v_tol": 0.02}}
+    passthrough, preset, raw = split_cert_args(["m", "--kv-cache-dtype", "auto", "--cert-rank-check", "false"])
+    assert passthrough == ["m", "--kv-cache-dtype", "auto"] and preset is None and raw == {"rank_check": "false"}
+
+
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["serve", "m", "--cert-bogus", "1"], "unknown flag --cert-bogus; certvllm flags are --cert-config"),
+        (["serve", "m", "--cert-v-tol", "-1"], "v_tol: Input should be greater than or equal to 0"),
+        (["serve", "m", "--cert-config", "nope"], "unknown certvllm preset 'nope'; choose one of"),
+        (["serve", "m", "--cert-tau-cov"], "--cert-tau-cov needs a value"),
+        (["serve"], "certvllm serve needs a model"),
+        (["frobnicate"], "unknown command 'frobnicate'"),
+    ],
+)
+def test_bad_command_lines_exit_2_with_the_fix(argv, needle, capsys):
+    assert main(argv) == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_register_is_idempotent_and_routes_certified():
+    from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    from certvllm.vllm_plugin import BACKEND_PATH, register
+
+    register()
+    register()
+    assert AttentionBackendEnum.CUSTOM.get_path() == BACKEND_PATH
+    assert STR_DTYPE_TO_TORCH_DTYPE["certified"] is torch.uint8
+    from vllm.config import CacheConfig
+
+    assert CacheConfig(cache_dtype="certified").cache_dtype == "certified"
+
+
+@pytest.mark.parametrize(
+    "change,needle",
+    [
+        ({"use_mla": True}, "MLA attention"),
+        ({"has_sliding_window": True}, "sliding-window layers"),
+        ({"head_size": 48}, "head size 48 is not supported"),
+        ({"dtype": torch.float32}, "use --dtype bfloat16 or float16"),
+        ({"has_sink": True}, "attention sinks"),
+    ],
+)
+def test_unsupported_layers_are_refused_with_the_fix(change, needle):
+    from vllm.v1.attention.selector import AttentionSelectorConfig
+
+    from certvllm.vllm_plugin import register, routing
+
+    register()
+    cfg = AttentionSelectorConfig(head_size=64, dtype=torch.bfloat16, kv_cache_dtype="certified", block_size=128)
+    routing._check_layer(cfg, None)  # a supported layer passes
+    with pytest.raises(ValueError, match=needle) as info:
+        routing._check_layer(cfg._replace(**change), None)
+    assert "--kv-cache-dtype auto" in str(info.value)
+
+
+def test_unsupported_vllm_versions_are_refused(monkeypatch):
+    import vllm
+
+    from certvllm.vllm_plugin import _compat
+
+    monkeypatch.setattr(vllm, "__version__", "0.31.2")
+    with pytest.raises(_compat.UnsupportedVllmError, match="supports vLLM 0.32 and 0.33, found 0.31.2"):
+        _compat.check_version()
+
+
+def _engine_error(extra: dict) -> str:
+    code = (
+        "from vllm import LLM\n"
+        f"LLM({MODEL!r}, kv_cache_dtype='certified', enforce_eager=True, max_model_len=2048, **{extra!r})\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=ENV)
+    assert proc.returncode != 0
+    return proc.stdout + proc.stderr
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_host_budget_too_small_refuses_to_start_naming_the_flag():
+    out = _engine_error({"additional_config": {"certvllm": {"host_memory_gb": 0.0001}}})
+    assert "Raise --cert-host-memory-gb" in out
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_block_size_not_a_multiple_of_16_is_refused():
+    out = _engine_error({"block_size": 24})
+    assert "--block-size 24 cannot be used with --kv-cache-dtype certified" in out
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_unknown_preset_in_additional_config_fails_at_startup():
+    out = _engine_error({"additional_config": {"certvllm": {"preset": "nope"}}})
+    assert "unknown certvllm preset 'nope'" in out
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_model_with_unsupported_head_size_fails_at_startup(tmp_path):
+    """A real (tiny, random) LLaMA with head_dim 48: the engine refuses it with the fix."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from certvllm.models import prepare_default_model
+
+    prepare_default_model(MODEL)
+    tok = AutoTokenizer.from_pretrained(MODEL)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=96, intermediate_size=192, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=48,
+                      max_position_embeddings=512)  # fmt: skip
+    LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    code = (
+        "from vllm import LLM\n"
+        f"LLM({str(tmp_path)!r}, kv_cache_dtype='certified', enforce_eager=True, max_model_len=512)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=ENV)
+    assert proc.returncode != 0
+    assert "head size 48 is not supported" in proc.stdout + proc.stderr
+    assert "Serve it with --kv-cache-dtype auto" in proc.stdout + proc.stderr
+    json.dumps(cfg.to_dict())  # the config was well formed

@@ -1,0 +1,182 @@
+"""``certvllm serve``: the OpenAI-compatible server with ``--kv-cache-dtype certified`` and its metrics."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = str(ROOT / "models" / "smollm2-135m-instruct")
+NAME = "smollm2"
+LAYERS, HEADS = 30, 9
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get(url: str, timeout: float = 10) -> str:
+    with urllib.request.urlopen(url, timeout=timeout) as resp:
+        return resp.read().decode()
+
+
+def _post(url: str, body: dict, timeout: float = 120) -> dict:
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        return json.loads(resp.read())
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGTERM the server's process group, SIGKILL after a timeout: nothing is left behind."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=30)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory) -> Iterator[str]:
+    from certvllm.models import prepare_default_model
+
+    prepare_default_model(MODEL)
+    port = _free_port()
+    log = tmp_path_factory.mktemp("server") / "serve.log"
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1"}
+    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    cmd = [sys.executable, "-m", "certvllm.cli", "serve", MODEL, "--served-model-name", NAME, "--enforce-eager",
+           "--max-model-len", "2048", "--host", "127.0.0.1", "--port", str(port),
+           "--cert-config", "default"]  # fmt: skip
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            with contextlib.suppress(OSError):
+                if _get(base + "/health", timeout=2) is not None:
+                    break
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("server did not start:\n" + log.read_text()[-4000:])
+            time.sleep(1)
+        yield base
+    finally:
+        _stop(proc)
+        assert not _alive_in_group(proc.pid), "server processes left behind"
+
+
+def _alive_in_group(pgid: int, wait: float = 15.0) -> list[int]:
+    """Live (non-zombie) processes of a process group, after waiting up to ``wait`` seconds."""
+    import psutil
+
+    deadline = time.monotonic() + wait
+    while True:
+        alive = []
+        for p in psutil.process_iter(["pid", "status"]):
+            with contextlib.suppress(psutil.Error, OSError):
+                if os.getpgid(p.pid) == pgid and p.info["status"] != psutil.STATUS_ZOMBIE:
+                    alive.append(p.pid)
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.5)
+
+
+def _metrics(base: str) -> dict[str, float]:
+    values: dict[str, float] = {}
+    for line in _get(base + "/metrics").splitlines():
+        if line.startswith("#") or not line.strip():
+            continue
+        key, _, value = line.rpartition(" ")
+        key = re.sub(r'(model_name|engine)="[^"]*",?', "", key).replace(",}", "}").replace("{}", "")
+        values[key] = values.get(key, 0.0) + float(value)
+    return values
+
+
+def _settled_metrics(base: str) -> dict[str, float]:
+    """Scrape until two scrapes agree (worker metrics are flushed every 0.25 s)."""
+    previous = _metrics(base)
+    for _ in range(20):
+        time.sleep(0.5)
+        current = _metrics(base)
+        if current.get('vllm:cert_head_steps_total{rung="0"}') == previous.get('vllm:cert_head_steps_total{rung="0"}'):
+            return current
+        previous = current
+    return previous
+
+
+def _head_steps(m: dict[str, float]) -> float:
+    return sum(m.get(f'vllm:cert_head_steps_total{{rung="{r}"}}', 0.0) for r in range(5))
+
+
+def test_completions_chat_streaming_and_metrics(server):
+    before = _head_steps(_settled_metrics(server))
+    comp = _post(server + "/v1/completions",
+                 {"model": NAME, "prompt": "The capital of France is", "max_tokens": 12, "temperature": 0})  # fmt: skip
+    assert "Paris" in comp["choices"][0]["text"]
+    chat = _post(server + "/v1/chat/completions", {
+        "model": NAME, "messages": [{"role": "user", "content": "What is the capital of France?"}],
+        "max_tokens": 16, "temperature": 0})  # fmt: skip
+    assert chat["choices"][0]["message"]["content"]
+    body = {"model": NAME, "messages": [{"role": "user", "content": "Count to five."}], "max_tokens": 10,
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    req = urllib.request.Request(server + "/v1/chat/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})  # fmt: skip
+    chunks, usage = [], None
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        for raw in resp:
+            line = raw.decode().strip()
+            if line.startswith("data: ") and line != "data: [DONE]":
+                event = json.loads(line[6:])
+                usage = event.get("usage") or usage
+                if event["choices"]:
+                    chunks.append(event["choices"][0]["delta"].get("content") or "")
+    assert "".join(chunks) and usage is not None
+
+    generated = [comp["usage"]["completion_tokens"], chat["usage"]["completion_tokens"], usage["completion_tokens"]]
+    m = _settled_metrics(server)
+    # each generated token after the first is one decode step of every layer and query head
+    assert _head_steps(m) - before == sum(g - 1 for g in generated) * LAYERS * HEADS
+    for name in ("vllm:cert_e_key_count", "vllm:cert_e_val_count", "vllm:cert_host_tier_bytes",
+                 "vllm:cert_promoted_key_blocks_total", "vllm:cert_page_in_bytes_total"):  # fmt: skip
+        assert m.get(name, 0) > 0, name
+    assert m.get("vllm:num_requests_running") == 0
+
+
+def test_aborted_stream_frees_its_blocks(server):
+    body = {"model": NAME, "prompt": "Write a long story about a dragon.", "max_tokens": 400, "temperature": 0,
+            "stream": True, "ignore_eos": True}  # fmt: skip
+    req = urllib.request.Request(server + "/v1/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})  # fmt: skip
+    resp = urllib.request.urlopen(req, timeout=120)
+    for _ in range(5):
+        resp.readline()
+    resp.close()  # the client goes away mid-stream: vLLM aborts the request
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        m = _metrics(server)
+        if m.get("vllm:num_requests_running") == 0 and m.get("vllm:kv_cache_usage_perc") == 0:
+            break
+        time.sleep(0.5)
+    assert m.get("vllm:num_requests_running") == 0
+    assert m.get("vllm:kv_cache_usage_perc") == 0
+    # the server still serves
+    ok = _post(server + "/v1/completions", {"model": NAME, "prompt": "Hello", "max_tokens": 4, "temperature": 0})
+    assert ok["choices"][0]["text"] is not None
