@@ -8,7 +8,7 @@ engine keeps runs independent (vLLM spawns its own workers, and each run gets it
 
 SPEC: ``{"model": DIR, "kv_cache_dtype": "auto"|"certified", "cert": {...additional_config...},
 "engine": {...LLM kwargs...}, "requests": [{"prompt": str | "prompt_token_ids": [...], "max_tokens": n,
-"ignore_eos": bool}], "batch": bool, "repeat": int}``.
+"ignore_eos": bool}], "batch": bool, "repeat": int}``, or several such groups as ``"phases": [...]``.
 RESULT: ``{"outputs": [{"token_ids": [...], "text": str}], "seconds": [...], "init_seconds": s,
 "metrics": {series: value}}``.
 """
@@ -51,8 +51,6 @@ def _run(spec: dict[str, Any]) -> dict[str, Any]:
     start = time.perf_counter()
     llm = LLM(spec["model"], kv_cache_dtype=spec.get("kv_cache_dtype", "auto"), disable_log_stats=False, **engine)
     init = time.perf_counter() - start
-    requests = spec["requests"]
-
     def params(r: dict[str, Any]) -> Any:
         return SamplingParams(
             max_tokens=r.get("max_tokens", 32), temperature=0.0, ignore_eos=r.get("ignore_eos", False)
@@ -61,24 +59,29 @@ def _run(spec: dict[str, Any]) -> dict[str, Any]:
     def prompt(r: dict[str, Any]) -> Any:
         return {"prompt_token_ids": r["prompt_token_ids"]} if "prompt_token_ids" in r else r["prompt"]
 
-    seconds, outputs = [], []
-    for _ in range(spec.get("repeat", 1)):
-        if spec.get("batch", True):
-            t = time.perf_counter()
-            got = llm.generate([prompt(r) for r in requests], [params(r) for r in requests], use_tqdm=False)
-            seconds.append(time.perf_counter() - t)
-        else:
-            got = []
-            for r in requests:
+    def run_phase(phase: dict[str, Any]) -> dict[str, Any]:
+        requests = phase["requests"]
+        seconds, outputs = [], []
+        for _ in range(phase.get("repeat", 1)):
+            if phase.get("batch", True):
                 t = time.perf_counter()
-                got += llm.generate([prompt(r)], [params(r)], use_tqdm=False)
+                got = llm.generate([prompt(r) for r in requests], [params(r) for r in requests], use_tqdm=False)
                 seconds.append(time.perf_counter() - t)
-        outputs = [{"token_ids": list(o.outputs[0].token_ids), "text": o.outputs[0].text,
-                    "prompt_tokens": len(o.prompt_token_ids or [])} for o in got]  # fmt: skip
+            else:
+                got = []
+                for r in requests:
+                    t = time.perf_counter()
+                    got += llm.generate([prompt(r)], [params(r)], use_tqdm=False)
+                    seconds.append(time.perf_counter() - t)
+            outputs = [{"token_ids": list(o.outputs[0].token_ids), "text": o.outputs[0].text,
+                        "prompt_tokens": len(o.prompt_token_ids or [])} for o in got]  # fmt: skip
+        return {"outputs": outputs, "seconds": seconds}
+
+    phases = [run_phase(p) for p in spec.get("phases", [spec])]
     time.sleep(1.0)  # let the worker's metric flusher run (every 0.25 s)
     metrics = _read_metrics(os.environ["PROMETHEUS_MULTIPROC_DIR"])
     llm.llm_engine.engine_core.shutdown()
-    return {"outputs": outputs, "seconds": seconds, "init_seconds": init, "metrics": metrics}
+    return {**phases[0], "phases": phases, "init_seconds": init, "metrics": metrics}
 
 
 def run_engine(spec: dict[str, Any], timeout: float = 900.0, env: dict[str, str] | None = None) -> dict[str, Any]:
