@@ -1,8 +1,6 @@
 """Phase 1: INT8 scoring of every full block, split over the sequence (split-K).
 
-One program per (row, KV head, split) walks its blocks, ``BLK`` at a time as one [BLK, 16, D] tile (the
-pages' loads are independent, so they are in flight together), and, per block and query head of the GQA
-group (a static loop over the group, so every page is read and dequantized once):
+One program per (row, KV head, split) walks its blocks and, per block and query head of the GQA group:
 dequantizes the INT8 keys in registers (k̂ = ℓ̃ + code·σ, σ = LUT[code]·2^E), forms the float32 scores
 s̃⁸ = ⟨q·λ, k̂⟩ (elementwise products and a D-term reduction: no TF32, no tensor cores), and writes
 
@@ -52,7 +50,7 @@ def _phase1_kernel(
     B,  # blocks per row in the outputs (block-table columns)
     TB_STRIDE,  # row stride of ``tables``
     S,  # number of splits
-    BPS,  # blocks per split (a multiple of BLK)
+    BPS,  # blocks per split
     DELTA_F,  # float32 factor of Δ_b
     ROUND_F,  # float32 factor of R_b
     H: tl.constexpr,  # KV heads
@@ -61,7 +59,6 @@ def _phase1_kernel(
     D: tl.constexpr,  # head dim
     DP: tl.constexpr,  # next power of two ≥ D
     M: tl.constexpr,  # 16-token blocks per engine block
-    BLK: tl.constexpr,  # blocks per loop iteration (a [BLK, 16, D] tile)
     PAGE_BYTES: tl.constexpr,  # bytes of one page
     K_OFFSET: tl.constexpr,  # byte offset of the key offsets ℓ̃ (float16 [D])
     K_SCODE: tl.constexpr,  # byte offset of the key scale codes (uint8 [D])
@@ -72,65 +69,59 @@ def _phase1_kernel(
     split = tl.program_id(1)
     r = rk // H
     h = rk % H
-    gi = tl.arange(0, GP)
-    j = tl.arange(0, BLK)
-    n = tl.arange(0, N)
+    g = tl.arange(0, GP)
     d = tl.arange(0, DP)
-    n3 = n[None, :, None]
-    d3 = d[None, None, :]
-    dm3 = d3 < D
+    n = tl.arange(0, N)
+    gm = g < G
+    dm = d < D
+    q = tl.load(qs + (r * (H * G) + h * G + g[:, None]) * D + d[None, :], mask=gm[:, None] & dm[None, :], other=0.0)
+    qa = tl.abs(q)
     nf = tl.load(nfull + r)
     rm = tl.zeros([GP], tl.float32)
     am = tl.zeros([GP], tl.float32)
-    badv = tl.zeros([BLK], tl.int32)
-    for it in range(0, BPS // BLK):
-        b = split * BPS + it * BLK + j  # [BLK]
+    badv = tl.zeros([1], tl.int32)
+    for i in range(0, BPS):
+        b = split * BPS + i
         inb = b < B
         valid = inb & (b < nf)
         bid = tl.load(tables + r * TB_STRIDE + b, mask=inb, other=0)
         bid = tl.minimum(tl.maximum(bid, 0), num_blocks - 1)
         base = ((bid // M) * H + h) * (M * PAGE_BYTES) + (bid % M) * PAGE_BYTES
-        base3 = base[:, None, None]
-        v3 = valid[:, None, None]
-        codes = tl.load(pages_u8 + base3 + n3 * D + d3, mask=v3 & dm3, other=0)  # [BLK, N, DP]
-        off = tl.load(pages_f16 + (base3 + K_OFFSET) // 2 + d3, mask=v3 & dm3, other=0.0).to(tl.float32)
-        sc = tl.load(pages_u8 + base3 + K_SCODE + d3, mask=v3 & dm3, other=0).to(tl.int32)  # [BLK, 1, DP]
+        codes = tl.load(pages_u8 + base + n[:, None] * D + d[None, :], mask=as_mask(valid & dm[None, :]), other=0)
+        off = tl.load(pages_f16 + (base + K_OFFSET) // 2 + d, mask=as_mask(valid & dm), other=0.0).to(tl.float32)
+        sc = tl.load(pages_u8 + base + K_SCODE + d, mask=as_mask(valid & dm), other=0).to(tl.int32)
         ex = tl.load(pages_i8 + base + HEADER + 8, mask=valid, other=0).to(tl.int32)
-        two_e = pow2_f32(tl.minimum(tl.maximum(ex, -126), 127))
-        sigma = tl.load(lut + sc) * two_e[:, None, None]
-        khat = off + codes.to(tl.float32) * sigma  # [BLK, N, DP]
-        kmag = tl.maximum(tl.abs(off), tl.abs(off + 255.0 * sigma)) + sigma  # [BLK, 1, DP]
+        sigma = tl.load(lut + sc) * pow2_f32(tl.minimum(tl.maximum(ex, -126), 127))
+        khat = off[None, :] + codes.to(tl.float32) * sigma[None, :]
+        s = tl.sum(q[:, None, :] * khat[None, :, :], axis=2)  # [GP, N]
+        s = tl.where(valid & gm[:, None], s, float("-inf"))
+        mb = tl.max(s, axis=1)
+        fin = tl.abs(mb) < float("inf")
+        mref = tl.where(fin, mb, 0.0)
+        lb = tl.where(
+            fin, mref + tl.log(tl.maximum(tl.sum(tl.exp(s - mref[:, None]), axis=1), 1.0)), mb
+        )  # sum ≥ 1 when fin
+        dl = tl.sum(qa * sigma[None, :], axis=1) * DELTA_F
+        kmag = tl.maximum(tl.abs(off), tl.abs(off + 255.0 * sigma)) + sigma
+        rb = tl.sum(qa * kmag[None, :], axis=1) * ROUND_F
         e_b = tl.load(pages_f32 + (base + HEADER) // 4, mask=valid, other=0.0)
         n_b = tl.load(pages_f32 + (base + HEADER) // 4 + 1, mask=valid, other=0.0)
         flags = tl.load(pages_u8 + base + HEADER + 9, mask=valid, other=1).to(tl.int32)
         badv = badv | (valid & (((flags & 2) != 0) | ((flags & 1) == 0))).to(tl.int32)
+        srow = ((rk * B + b) * G + g[:, None]) * N + n[None, :]
+        tl.store(scores + srow, s, mask=as_mask(valid & gm[:, None]))
+        orow = (rk * G + g) * B + b
+        tl.store(l8 + orow, tl.where(valid, lb, float("-inf")), mask=as_mask(gm & inb))
+        tl.store(m8 + orow, tl.where(valid, mb, float("-inf")), mask=as_mask(gm & inb))
+        tl.store(delta + orow, tl.where(valid, dl, 0.0), mask=as_mask(gm & inb))
         tl.store(eta + rk * B + b, tl.where(valid, e_b, 0.0), mask=inb)
         tl.store(nu + rk * B + b, tl.where(valid, n_b, 0.0), mask=inb)
-        for g in tl.static_range(G):
-            qg = tl.load(qs + (r * (H * G) + h * G + g) * D + d3, mask=dm3, other=0.0)  # [1, 1, DP]
-            qa = tl.abs(qg)
-            s = tl.sum(khat * qg, axis=2)  # [BLK, N]
-            s = tl.where(valid[:, None], s, float("-inf"))
-            mb = tl.max(s, axis=1)  # [BLK]
-            fin = tl.abs(mb) < float("inf")
-            mref = tl.where(fin, mb, 0.0)
-            lb = tl.where(fin, mref + tl.log(tl.maximum(tl.sum(tl.exp(s - mref[:, None]), axis=1), 1.0)), mb)
-            dl = tl.sum(tl.sum(qa * sigma, axis=2), axis=1) * DELTA_F  # [BLK]
-            rb = tl.sum(tl.sum(qa * kmag, axis=2), axis=1) * ROUND_F
-            tl.store(scores + ((rk * B + b[:, None]) * G + g) * N + n[None, :], s, mask=as_mask(valid[:, None]))
-            orow = (rk * G + g) * B + b
-            tl.store(l8 + orow, tl.where(valid, lb, float("-inf")), mask=inb)
-            tl.store(m8 + orow, tl.where(valid, mb, float("-inf")), mask=inb)
-            tl.store(delta + orow, tl.where(valid, dl, 0.0), mask=inb)
-            rb_max = tl.max(tl.where(valid, rb, 0.0), axis=0)
-            sa = tl.max(tl.where(tl.abs(s) < float("inf"), tl.abs(s), 0.0), axis=1)
-            sa_max = tl.max(tl.where(valid, sa, 0.0), axis=0)
-            rm = tl.where(gi == g, tl.maximum(rm, rb_max), rm)
-            am = tl.where(gi == g, tl.maximum(am, sa_max), am)
-    gm = gi < G
-    tl.store(rmax + (rk * G + gi) * S + split, rm, mask=gm)
-    tl.store(amax + (rk * G + gi) * S + split, am, mask=gm)
-    tl.store(bad + rk * S + split, tl.max(badv, axis=0))
+        rm = tl.maximum(rm, tl.where(valid, rb, 0.0))
+        sa = tl.max(tl.where(tl.abs(s) < float("inf"), tl.abs(s), 0.0), axis=1)
+        am = tl.maximum(am, tl.where(valid, sa, 0.0))
+    tl.store(rmax + (rk * G + g) * S + split, rm, mask=gm)
+    tl.store(amax + (rk * G + g) * S + split, am, mask=gm)
+    tl.store(bad + rk * S + split + tl.arange(0, 1), badv)
 
 
 @dataclass
@@ -161,8 +152,6 @@ def phase1(
     rounding_factor: float,
     splits: int,
     blocks_per_split: int,
-    blk: int = 4,
-    num_warps: int = 8,
 ) -> Phase1Out:
     """Launch phase 1.
 
@@ -171,8 +160,7 @@ def phase1(
         pages: ``[E, H_kv, m·page_bytes]`` uint8 tier-1 pages.
         tables: ``[R, B]`` int64 block ids; nfull: ``[R]`` int64 full blocks per row.
         lut: ``[256]`` float32 :func:`~certvllm.formats.layout.key_scale_lut` on the device.
-        splits, blocks_per_split: the split-K plan (``splits·blocks_per_split ≥ B``, a multiple of ``blk``).
-        blk: blocks per loop iteration; num_warps: warps per program.
+        splits, blocks_per_split: the split-K plan (``splits·blocks_per_split ≥ B``).
 
     Returns:
         :class:`Phase1Out` with scores ``[R, H_kv, B, G, 16]``, l8/m8/delta ``[R, H_kv, G, B]``,
@@ -202,8 +190,8 @@ def phase1(
         tables, nfull, lut,
         out.scores, out.l8, out.m8, out.delta, out.eta, out.nu, out.rmax, out.amax, out.bad,
         num_blocks, B, tables.stride(0), splits, blocks_per_split, delta_factor, rounding_factor,
-        H=K, G=G, GP=next_pow2(G), D=D, DP=next_pow2(D), M=sub_blocks, BLK=blk, PAGE_BYTES=layout.page_bytes,
+        H=K, G=G, GP=next_pow2(G), D=D, DP=next_pow2(D), M=sub_blocks, PAGE_BYTES=layout.page_bytes,
         K_OFFSET=layout.k_offset, K_SCODE=layout.k_scale_code, HEADER=layout.header,
-        num_warps=num_warps,
+        num_warps=4 if G <= 4 else 8,
     )  # fmt: skip
     return out

@@ -52,14 +52,13 @@ def _promote_kernel(
     B,  # block-table columns
     TB_STRIDE,  # row stride of tables
     S,  # splits
-    BPS,  # blocks per split (a multiple of BLK)
+    BPS,  # blocks per split
     H: tl.constexpr,  # KV heads
     G: tl.constexpr,  # query heads per KV head
     GP: tl.constexpr,  # next power of two ≥ G
     D: tl.constexpr,  # head dim
     DP: tl.constexpr,  # next power of two ≥ D
     M: tl.constexpr,  # 16-token blocks per engine block
-    BLK: tl.constexpr,  # blocks per loop iteration
     CHANNEL_MAJOR: tl.constexpr,  # shadow keys stored [D, m·N] (the CPU layout)
     CANARY: tl.constexpr,  # run the canary (loads keys of value-only promoted blocks too)
 ):
@@ -68,65 +67,55 @@ def _promote_kernel(
     split = tl.program_id(1)
     r = rk // H
     h = rk % H
-    gi = tl.arange(0, GP)
-    j = tl.arange(0, BLK)
-    n = tl.arange(0, N)
+    g = tl.arange(0, GP)
     d = tl.arange(0, DP)
-    n3 = n[None, :, None]
-    d3 = d[None, None, :]
-    dm3 = d3 < D
+    n = tl.arange(0, N)
+    gm = g < G
+    dm = d < D
     act = tl.load(active + rk)
-    n_iter = tl.where(act != 0, BPS // BLK, 0)
+    n_iter = tl.where(act != 0, BPS, 0)
+    q = tl.load(qs + (r * (H * G) + h * G + g[:, None]) * D + d[None, :], mask=gm[:, None] & dm[None, :], other=0.0)
+    r1 = tl.load(round1 + rk * G + g, mask=gm, other=0.0)
     nf = tl.load(nfull + r)
     run_max = tl.full([GP], float("-inf"), tl.float32)
     run_abs = tl.zeros([GP], tl.float32)
     key_bits = (1 << G) - 1
-    for it in range(0, n_iter):
-        b = split * BPS + it * BLK + j  # [BLK]
+    for i in range(0, n_iter):
+        b = split * BPS + i
         valid = (b < B) & (b < nf)
         bb = tl.load(bits + rk * B + b, mask=valid, other=0)
-        for g in tl.static_range(G):  # the INT8 maxima of blocks whose keys stay INT8
-            kb = (((bb >> g) & 1) != 0) & valid
-            m8b = tl.load(m8 + (rk * G + g) * B + b, mask=valid, other=float("-inf"))
-            blk_max = tl.max(tl.where(kb, float("-inf"), m8b), axis=0)
-            run_max = tl.where(gi == g, tl.maximum(run_max, blk_max), run_max)
+        kb = (((bb >> g) & 1) != 0) & gm
+        m8b = tl.load(m8 + (rk * G + g) * B + b, mask=as_mask(valid & gm), other=float("-inf"))
+        run_max = tl.maximum(run_max, tl.where(kb, float("-inf"), m8b))
         if CANARY:
-            need = (bb != 0) & valid
+            need = bb != 0
         else:
-            need = ((bb & key_bits) != 0) & valid
-        if tl.max(need.to(tl.int32), axis=0) > 0:
-            bid = tl.load(tables + r * TB_STRIDE + b, mask=valid, other=0)
+            need = (bb & key_bits) != 0
+        if need:
+            bid = tl.load(tables + r * TB_STRIDE + b)
             bid = tl.minimum(tl.maximum(bid, 0), num_blocks - 1)
-            kbase = ((((bid // M) * H + h) * 2) * (M * N * D))[:, None, None]
-            sub3 = (bid % M)[:, None, None]
+            kbase = (((bid // M) * H + h) * 2) * (M * N * D)
             if CHANNEL_MAJOR:
-                koffs = d3 * (M * N) + sub3 * N + n3
+                koffs = d[None, :] * (M * N) + (bid % M) * N + n[:, None]
             else:
-                koffs = (sub3 * N + n3) * D + d3
-            kt = tl.load(shadow + kbase + koffs, mask=need[:, None, None] & dm3, other=0.0).to(tl.float32)
-            for g in tl.static_range(G):
-                qg = tl.load(qs + (r * (H * G) + h * G + g) * D + d3, mask=dm3, other=0.0)
-                se = tl.sum(kt * qg, axis=2)  # [BLK, N] exact-key scores
-                kb = (((bb >> g) & 1) != 0) & valid
-                srow = ((rk * B + b[:, None]) * G + g) * N + n[None, :]
-                if CANARY:
-                    s8 = tl.load(scores + srow, mask=as_mask(need[:, None]), other=0.0)
-                    dl = tl.load(delta + (rk * G + g) * B + b, mask=need, other=0.0)
-                    r1 = tl.load(round1 + rk * G + g)
-                    allowed = (dl + 2.0 * r1) * (1.0 + 2.0**-10)
-                    diff = tl.abs(se - s8)
-                    viol = ((diff > allowed[:, None]) | ~(diff < float("inf"))) & need[:, None]
-                    nviol = tl.sum(tl.sum(viol.to(tl.int32), axis=1), axis=0)
-                    tl.atomic_max(canary + r, (nviol > 0).to(tl.int32))
-                tl.store(scores + srow, se, mask=as_mask(kb[:, None]))
-                blk_max = tl.max(tl.where(kb, tl.max(se, axis=1), float("-inf")), axis=0)
-                sa = tl.max(tl.where(tl.abs(se) < float("inf"), tl.abs(se), 0.0), axis=1)
-                blk_abs = tl.max(tl.where(kb, sa, 0.0), axis=0)
-                run_max = tl.where(gi == g, tl.maximum(run_max, blk_max), run_max)
-                run_abs = tl.where(gi == g, tl.maximum(run_abs, blk_abs), run_abs)
-    gm = gi < G
-    tl.store(smax + (rk * G + gi) * S + split, run_max, mask=gm)
-    tl.store(sabs + (rk * G + gi) * S + split, run_abs, mask=gm)
+                koffs = ((bid % M) * N + n[:, None]) * D + d[None, :]
+            kt = tl.load(shadow + kbase + koffs, mask=dm[None, :], other=0.0).to(tl.float32)
+            se = tl.sum(q[:, None, :] * kt[None, :, :], axis=2)  # [GP, N] exact-key scores
+            srow = ((rk * B + b) * G + g[:, None]) * N + n[None, :]
+            if CANARY:
+                s8 = tl.load(scores + srow, mask=gm[:, None], other=0.0)
+                dl = tl.load(delta + (rk * G + g) * B + b, mask=gm, other=0.0)
+                allowed = (dl + 2.0 * r1) * (1.0 + 2.0**-10)
+                diff = tl.abs(se - s8)
+                viol = ((diff > allowed[:, None]) | ~(diff < float("inf"))) & gm[:, None]
+                nviol = tl.sum(tl.sum(viol.to(tl.int32), axis=1), axis=0)
+                tl.atomic_max(canary + r, (nviol > 0).to(tl.int32))
+            tl.store(scores + srow, se, mask=kb[:, None])
+            run_max = tl.maximum(run_max, tl.where(kb, tl.max(se, axis=1), float("-inf")))
+            sa = tl.max(tl.where(tl.abs(se) < float("inf"), tl.abs(se), 0.0), axis=1)
+            run_abs = tl.maximum(run_abs, tl.where(kb, sa, 0.0))
+    tl.store(smax + (rk * G + g) * S + split, run_max, mask=gm)
+    tl.store(sabs + (rk * G + g) * S + split, run_abs, mask=gm)
 
 
 @triton.jit
@@ -150,14 +139,13 @@ def _attend_kernel(
     B,  # block-table columns
     TB_STRIDE,  # row stride of tables
     S,  # splits
-    BPS,  # blocks per split (a multiple of BLK)
+    BPS,  # blocks per split
     H: tl.constexpr,  # KV heads
     G: tl.constexpr,  # query heads per KV head
     GP: tl.constexpr,  # next power of two ≥ G
     D: tl.constexpr,  # head dim
     DP: tl.constexpr,  # next power of two ≥ D
     M: tl.constexpr,  # 16-token blocks per engine block
-    BLK: tl.constexpr,  # blocks per loop iteration
     GRP: tl.constexpr,  # value group size g
     NG: tl.constexpr,  # value groups per token
     PAGE_BYTES: tl.constexpr,  # page size
@@ -172,68 +160,59 @@ def _attend_kernel(
     split = tl.program_id(1)
     r = rk // H
     h = rk % H
-    gi = tl.arange(0, GP)
-    j = tl.arange(0, BLK)
-    n = tl.arange(0, N)
+    g = tl.arange(0, GP)
     d = tl.arange(0, DP)
-    n3 = n[None, :, None]
-    d3 = d[None, None, :]
-    dm3 = d3 < D
-    dd = tl.arange(0, DP)
+    n = tl.arange(0, N)
+    gm = g < G
+    dm = d < D
     act = tl.load(active + rk)
-    n_iter = tl.where(act != 0, BPS // BLK, 0)
+    n_iter = tl.where(act != 0, BPS, 0)
+    mg = tl.load(mmax + rk * G + g, mask=gm, other=0.0)
     nf = tl.load(nfull + r)
     acc64 = tl.zeros([GP, DP], tl.float64)
     den64 = tl.zeros([GP], tl.float64)
     av64 = tl.zeros([GP], tl.float64)
     at64 = tl.zeros([GP], tl.float64)
-    for it in range(0, n_iter):
-        b = split * BPS + it * BLK + j  # [BLK]
+    for i in range(0, n_iter):
+        b = split * BPS + i
         valid = (b < B) & (b < nf)
         bb = tl.load(bits + rk * B + b, mask=valid, other=0)
+        kb = (((bb >> g) & 1) != 0) & gm
+        vb = (((bb >> (G + g)) & 1) != 0) & gm
         bid = tl.load(tables + r * TB_STRIDE + b, mask=valid, other=0)
         bid = tl.minimum(tl.maximum(bid, 0), num_blocks - 1)
         base = ((bid // M) * H + h) * (M * PAGE_BYTES) + (bid % M) * PAGE_BYTES
-        base3 = base[:, None, None]
-        vm = valid[:, None, None] & dm3
-        byte = tl.load(pages_u8 + base3 + V_CODES + n3 * (D // 2) + d3 // 2, mask=vm, other=0)
-        code = (byte.to(tl.int32) >> ((d3 & 1) * 4)) & 15
-        vsc = tl.load(pages_f16 + (base3 + V_SCALE) // 2 + n3 * NG + d3 // GRP, mask=vm, other=0.0)
-        vze = tl.load(pages_f16 + (base3 + V_ZERO) // 2 + n3 * NG + d3 // GRP, mask=vm, other=0.0)
-        vhat = vze.to(tl.float32) + code.to(tl.float32) * vsc.to(tl.float32)  # [BLK, N, DP]
+        s = tl.load(
+            scores + ((rk * B + b) * G + g[:, None]) * N + n[None, :],
+            mask=as_mask(valid & gm[:, None]),
+            other=float("-inf"),
+        )
+        w = exp_f32(s - mg[:, None], PRECISE)  # [GP, N]
+        den_b = tl.sum(w, axis=1)
+        vm = valid & dm[None, :]
+        byte = tl.load(pages_u8 + base + V_CODES + n[:, None] * (D // 2) + d[None, :] // 2, mask=as_mask(vm), other=0)
+        code = (byte.to(tl.int32) >> ((d[None, :] & 1) * 4)) & 15
+        vsc = tl.load(
+            pages_f16 + (base + V_SCALE) // 2 + n[:, None] * NG + d[None, :] // GRP, mask=as_mask(vm), other=0.0
+        )
+        vze = tl.load(
+            pages_f16 + (base + V_ZERO) // 2 + n[:, None] * NG + d[None, :] // GRP, mask=as_mask(vm), other=0.0
+        )
+        vhat = vze.to(tl.float32) + code.to(tl.float32) * vsc.to(tl.float32)  # [N, DP]
+        num = tl.sum(w[:, :, None] * vhat[None, :, :], axis=1)  # [GP, DP]
+        if (bb >> G) != 0:
+            vbase = (((bid // M) * H + h) * 2 + 1) * (M * N * D) + (bid % M) * (N * D)
+            v16 = tl.load(shadow + vbase + n[:, None] * D + d[None, :], mask=dm[None, :], other=0.0).to(tl.float32)
+            num = tl.where(vb[:, None], tl.sum(w[:, :, None] * v16[None, :, :], axis=1), num)
+        acc64 += num.to(tl.float64)
+        den64 += den_b.to(tl.float64)
         eta_b = tl.load(pages_f32 + (base + HEADER) // 4, mask=valid, other=0.0).to(tl.float64)
-        vsel = ((bb >> G) != 0) & valid
-        any_v = tl.max(vsel.to(tl.int32), axis=0) > 0
-        v16 = tl.zeros([BLK, N, DP], tl.float32)
-        if any_v:
-            vbase = ((((bid // M) * H + h) * 2 + 1) * (M * N * D) + (bid % M) * (N * D))[:, None, None]
-            v16 = tl.load(shadow + vbase + n3 * D + d3, mask=vsel[:, None, None] & dm3, other=0.0).to(tl.float32)
-        for g in tl.static_range(G):
-            kb = (((bb >> g) & 1) != 0) & valid
-            vb = (((bb >> (G + g)) & 1) != 0) & valid
-            mg = tl.load(mmax + rk * G + g)
-            s = tl.load(
-                scores + ((rk * B + b[:, None]) * G + g) * N + n[None, :],
-                mask=as_mask(valid[:, None]),
-                other=float("-inf"),
-            )
-            w = exp_f32(s - mg, PRECISE)  # [BLK, N]
-            den_b = tl.sum(w, axis=1)  # [BLK]: 16-term float32 sums
-            w3 = w[:, :, None]
-            num = tl.sum(w3 * vhat, axis=1)  # [BLK, DP]: 16-term float32 dot products
-            if any_v:
-                num = tl.where(vb[:, None], tl.sum(w3 * v16, axis=1), num)
-            blk_num = tl.sum(num.to(tl.float64), axis=0)  # [DP], float64 across blocks
-            den_f64 = den_b.to(tl.float64)
-            acc64 = tl.where(gi[:, None] == g, acc64 + blk_num[None, :], acc64)
-            den64 = tl.where(gi == g, den64 + tl.sum(den_f64, axis=0), den64)
-            av64 = tl.where(gi == g, av64 + tl.sum(tl.where(valid & ~vb, den_f64 * eta_b, 0.0), axis=0), av64)
-            at64 = tl.where(gi == g, at64 + tl.sum(tl.where(valid & ~kb, den_f64, 0.0), axis=0), at64)
-            lm = tl.where(den_b > 0, mg + tl.log(tl.where(den_b > 0, den_b, 1.0)), float("-inf"))
-            tl.store(exact_lm + (rk * G + g) * B + b, lm, mask=kb)
-    gm = gi < G
-    orow = (rk * S + split) * G + gi
-    tl.store(acc + orow[:, None] * D + dd[None, :], acc64, mask=gm[:, None] & (dd[None, :] < D))
+        av64 += tl.where(valid & ~vb & gm, den_b.to(tl.float64) * eta_b, 0.0)
+        at64 += tl.where(valid & ~kb & gm, den_b.to(tl.float64), 0.0)
+        lm = tl.where(den_b > 0, mg + tl.log(tl.where(den_b > 0, den_b, 1.0)), float("-inf"))
+        tl.store(exact_lm + (rk * G + g) * B + b, lm, mask=as_mask(kb & valid))
+    orow = (rk * S + split) * G + g
+    tl.store(acc + orow[:, None] * D + d[None, :], acc64, mask=gm[:, None] & dm[None, :])
     tl.store(den + orow, den64, mask=gm)
     tl.store(aval + orow, av64, mask=gm)
     tl.store(atail + orow, at64, mask=gm)
@@ -251,8 +230,6 @@ class Phase2Geometry:
     splits: int
     blocks_per_split: int
     channel_major: bool = False
-    blk: int = 4
-    num_warps: int = 8
 
 
 def promote(
@@ -285,8 +262,8 @@ def promote(
     _promote_kernel[(R * K, S)](
         qs, device_arg(shadow), tables, nfull, bits, active, scores, m8, delta, round1, canary, smax, sabs,
         geo.num_blocks, B, tables.stride(0), S, geo.blocks_per_split,
-        H=K, G=G, GP=next_pow2(G), D=D, DP=next_pow2(D), M=geo.sub_blocks, BLK=geo.blk,
-        CHANNEL_MAJOR=geo.channel_major, CANARY=run_canary, num_warps=geo.num_warps,
+        H=K, G=G, GP=next_pow2(G), D=D, DP=next_pow2(D), M=geo.sub_blocks, CHANNEL_MAJOR=geo.channel_major,
+        CANARY=run_canary, num_warps=4 if G <= 4 else 8,
     )  # fmt: skip
     return smax, sabs
 
@@ -335,8 +312,8 @@ def attend(
         scores, mmax, device_arg(shadow), pages, pages.view(torch.float16), pages.view(torch.float32),
         tables, nfull, bits, active, out.acc, out.den, out.aval, out.atail, exact_lm,
         geo.num_blocks, B, tables.stride(0), S, geo.blocks_per_split,
-        H=K, G=G, GP=next_pow2(G), D=D, DP=next_pow2(D), M=geo.sub_blocks, BLK=geo.blk, GRP=lay.value_group,
-        NG=lay.groups, PAGE_BYTES=lay.page_bytes, V_CODES=lay.v_codes, V_SCALE=lay.v_scale, V_ZERO=lay.v_zero,
-        HEADER=lay.header, PRECISE=precise(), num_warps=geo.num_warps,
+        H=K, G=G, GP=next_pow2(G), D=D, DP=next_pow2(D), M=geo.sub_blocks, GRP=lay.value_group, NG=lay.groups,
+        PAGE_BYTES=lay.page_bytes, V_CODES=lay.v_codes, V_SCALE=lay.v_scale, V_ZERO=lay.v_zero, HEADER=lay.header,
+        PRECISE=precise(), num_warps=4 if G <= 4 else 8,
     )  # fmt: skip
     return out

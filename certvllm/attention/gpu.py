@@ -92,11 +92,6 @@ def rounding_factor(d: int) -> float:
     return (gamma(d) + SCORE_EXTRA_ROUNDINGS * UNIT_ROUNDOFF) * _sum_inflation(d)
 
 
-def _tile() -> tuple[int, int]:
-    """Blocks per kernel loop iteration and warps per program (``CERTVLLM_GPU_BLK``, ``CERTVLLM_GPU_WARPS``)."""
-    return int(os.environ.get("CERTVLLM_GPU_BLK", "4")), int(os.environ.get("CERTVLLM_GPU_WARPS", "8"))
-
-
 def _finite_abs_max(x: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
     return torch.where(torch.isfinite(x), x.abs(), torch.zeros_like(x)).amax(dim=dims)
 
@@ -250,10 +245,9 @@ def _certified_rows(q, cache, block_tables, seq_lens, cfg, scale, pagein, genera
         tail_raw, tail_event = pagein.gather_blocks(cache, tail_ids.cpu()).to(dev), None
 
     # ---- phase 1
-    blk, warps = _tile()
-    splits, bps = split_plan(B, R * K, blocks_per_split, blk)
+    splits, bps = split_plan(B, R * K, blocks_per_split)
     p1 = phase1(qs, cache.pages, tables, nfull, _lut(dev), cache.layout, K, cache.sub_blocks,
-                delta_factor(D), rounding_factor(D), splits, bps, blk, warps)  # fmt: skip
+                delta_factor(D), rounding_factor(D), splits, bps)  # fmt: skip
     _mark(timings, "phase1")
 
     CudaPageInEngine.wait(tail_event)
@@ -300,8 +294,7 @@ def _certified_rows(q, cache, block_tables, seq_lens, cfg, scale, pagein, genera
     _mark(timings, "selection")
 
     # ---- phase 2: promotion pass (zero-copy keys, canary), global max, attend pass
-    geo = Phase2Geometry(cache.layout, K, G, cache.sub_blocks, cache.num_blocks, splits, bps, cache.keys_channel_major,
-                         blk, warps)  # fmt: skip
+    geo = Phase2Geometry(cache.layout, K, G, cache.sub_blocks, cache.num_blocks, splits, bps, cache.keys_channel_major)
     shadow = cache.shadow
     active = torch.ones(R, K, dtype=torch.int32, device=dev)
     canary = torch.zeros(R, dtype=torch.int32, device=dev)
