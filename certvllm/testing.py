@@ -39,11 +39,10 @@ def exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     """Exact attention in float64 over the given originals: ``[H_q, D]`` float64."""
     d = q.shape[-1]
     scale = 1.0 / math.sqrt(d) if scale is None else scale
-    group = q.shape[0] // k.shape[1]
-    kk = k.double().repeat_interleave(group, dim=1)
-    vv = v.double().repeat_interleave(group, dim=1)
-    scores = torch.einsum("hd,thd->ht", q.double(), kk) * scale
-    return torch.einsum("ht,thd->hd", torch.softmax(scores, dim=-1), vv)
+    hkv = k.shape[1]
+    qg = q.double().view(hkv, q.shape[0] // hkv, d)  # query heads grouped by their KV head
+    scores = torch.einsum("kgd,tkd->kgt", qg, k.double()) * scale
+    return torch.einsum("kgt,tkd->kgd", torch.softmax(scores, dim=-1), v.double()).reshape(q.shape[0], d)
 
 
 def make_case(
