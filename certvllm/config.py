@@ -63,7 +63,8 @@ class CertConfig(BaseModel):
         description="Queries of a prefill that read cached blocks: exact dense over the originals, or certified.",
     )
     host_memory_gb: float | None = Field(
-        None, gt=0.0, description="Host (tier-2) memory budget for shadow pages; None: as much as the device tier."
+        None, gt=0.0, description="Host (tier-2) memory budget for shadow pages in GiB; None: half of the host "
+        "memory available at startup (within the container's cgroup limit)."
     )
     seed: int = Field(0, ge=0, description="Seed of the exploration draws.")
     force_fallback: Literal["none", "head", "layer"] = Field(
@@ -107,7 +108,8 @@ def make_config(source: str = "<arguments>", **values: Any) -> CertConfig:
 def preset_names() -> list[str]:
     """Names of the presets shipped in ``certvllm.configs``."""
     root = resources.files("certvllm.configs")
-    return sorted(p.name[:-5] for p in root.iterdir() if p.name.endswith(".yaml"))
+    names = (p.name[:-5] for p in root.iterdir() if p.name.endswith(".yaml"))
+    return sorted(n for n in names if n != "example")  # example.yaml documents the format
 
 
 def _read_yaml(text: str, source: str) -> dict[str, Any]:

@@ -97,6 +97,18 @@ class CertMetrics:
         return self._metrics
 
     def _create(self) -> dict[str, object]:
+        made = self._declare()
+        # series with known label values start at 0, so dashboards show 0 rather than "no data"
+        for rung in RUNG_NAMES:
+            made["vllm:cert_head_steps_total"].labels(**self.base, rung=rung)
+        for reason in HEAD_REASONS:
+            made["vllm:cert_head_fallbacks_total"].labels(**self.base, reason=reason)
+        for name in ("vllm:cert_canary_violations_total", "vllm:cert_promoted_key_blocks_total",
+                     "vllm:cert_promoted_value_blocks_total", "vllm:cert_page_in_bytes_total"):  # fmt: skip
+            made[name].labels(**self.base)
+        return made
+
+    def _declare(self) -> dict[str, object]:
         import prometheus_client as prom
 
         made: dict[str, object] = {}

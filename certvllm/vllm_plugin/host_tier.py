@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import math
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -38,12 +39,28 @@ def shadow_bytes_per_block(vllm_config: Any) -> int:
     return layers * heads * 2 * vllm_config.cache_config.block_size * model.get_head_size() * itemsize
 
 
+def _cgroup_headroom() -> int | None:
+    """Bytes left under this container's cgroup-v2 memory limit, if one is set."""
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        used = int(Path("/sys/fs/cgroup/memory.current").read_text())
+    except (OSError, ValueError):
+        return None
+    return None if limit == "max" else max(int(limit) - used, 0)
+
+
 def budget_bytes(cfg: CertConfig) -> int:
+    """The host tier's budget: ``host_memory_gb``, or half of the memory available now (the smaller of
+    the machine's and the container's headroom). With tensor parallelism each rank takes this budget."""
     if cfg.host_memory_gb is not None:
         return int(cfg.host_memory_gb * GIB)
     import psutil
 
-    return int(DEFAULT_AVAILABLE_FRACTION * psutil.virtual_memory().available)
+    available = psutil.virtual_memory().available
+    headroom = _cgroup_headroom()
+    if headroom is not None:
+        available = min(available, headroom)
+    return int(DEFAULT_AVAILABLE_FRACTION * available)
 
 
 def min_blocks(vllm_config: Any) -> int:
