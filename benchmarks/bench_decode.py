@@ -299,7 +299,7 @@ def main() -> None:
         "device": torch.cuda.get_device_name(), "torch": torch.__version__, "python": platform.python_version(),
         "shapes": {"H_q": HQ, "H_kv": HKV, "D": D}, "iters": args.iters, "diffuse_mass": args.diffuse_mass,
         "wall_s": round(time.time() - t0, 1),
-        "programs_per_sm": os.environ.get("CERTVLLM_GPU_PROGRAMS_PER_SM", "4"),
+        "programs_per_sm": os.environ.get("CERTVLLM_GPU_PROGRAMS_PER_SM", "8"),
     }  # fmt: skip
     try:
         import triton

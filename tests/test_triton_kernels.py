@@ -4,7 +4,8 @@ Without a GPU they run in Triton's interpreter (``TRITON_INTERPRET=1``, set here
 defined); on a CUDA machine the same tests run the compiled kernels on the device. Full shapes, the
 soundness sweep on the GPU and the timing live in ``tests/test_gpu.py`` (``pytest -m gpu``).
 
-Tolerances: the write kernel must reproduce ``encode_pages`` bit for bit on finite inputs; the certified
+Tolerances: the write kernel must reproduce ``encode_pages`` bit for bit on finite inputs except η/ν (both
+round up norms summed in another order: 2^-12 relative, and each must bound the errors); the certified
 GPU path must satisfy ‖out − exact‖₂ ≤ e_key + e_val on every head with rung ≤ 2 (float64 exact
 reference, no slack), return ``dense_decode`` bit for bit on rung 3/4 heads with the SDPA fallback, and
 agree with the CPU reference path on selection, rungs and (to float32 rounding) the output.
@@ -37,6 +38,17 @@ from certvllm.testing import exact_attention, make_case, paged_batch  # noqa: E4
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def assert_same_pages(got: torch.Tensor, ref: torch.Tensor, lay: PageLayout) -> None:
+    """Every byte identical except η/ν, which both implementations round up from norms evaluated in a
+    different order (float64 here, scaled float32 in ``encode_pages``): they must agree to 2^-12 relative,
+    far inside the NORM_SLACK band that makes each of them an upper bound."""
+    h = lay.header
+    assert torch.equal(got[..., :h], ref[..., :h]) and torch.equal(got[..., h + 8 :], ref[..., h + 8 :])
+    a = got[..., h : h + 8].contiguous().view(torch.float32).double()
+    b = ref[..., h : h + 8].contiguous().view(torch.float32).double()
+    assert ((a - b).abs() <= 2.0**-12 * b).all()
+
+
 def _to_device(cache: LayerKVCache) -> LayerKVCache:
     """The same cache with its pages on ``DEV`` (the shadow stays on the host)."""
     return LayerKVCache(cache.pages.to(DEV), cache.shadow, cache.layout, cache.keys_channel_major)
@@ -66,7 +78,7 @@ def _check(cases, cfg, fallback="sdpa", blocks_per_split=None):
 @pytest.mark.parametrize(
     "d,g,dtype", [(64, 16, torch.float16), (128, 16, torch.bfloat16), (64, 8, torch.bfloat16), (128, 32, torch.float16)]
 )
-def test_encode_kernel_is_bit_identical_to_the_reference(d, g, dtype, gen):
+def test_encode_kernel_matches_the_reference(d, g, dtype, gen):
     lay = PageLayout(d, g)
     k = (torch.randn(10, BLOCK_SIZE, d, generator=gen) * torch.rand(10, 1, d, generator=gen) * 5).to(dtype)
     v = (torch.randn(10, BLOCK_SIZE, d, generator=gen) * 3).to(dtype)
@@ -77,7 +89,9 @@ def test_encode_kernel_is_bit_identical_to_the_reference(d, g, dtype, gen):
     k[5, :, :8] *= 100.0  # outlier channels
     v[6, 3] = -60000.0
     got = encode_pages_triton(k.to(DEV), v.to(DEV), lay).cpu()
-    assert torch.equal(got, encode_pages(k, v, lay))
+    assert_same_pages(got, encode_pages(k, v, lay), lay)
+    dec = PageReader(lay).decode(got)
+    assert (torch.linalg.vector_norm(dec.values.double() - v.double(), dim=-1).amax(-1) <= dec.eta.double()).all()
 
 
 def test_encode_kernel_flags_and_guarantees_on_hostile_inputs(gen):
@@ -112,7 +126,7 @@ def test_gather_and_in_place_encode_from_the_shadow(sub, channel_major, gen):
     assert eng.take_stats().bytes == 4 * 2 * BLOCK_SIZE * 64 * 2 * 4
     encode_blocks_from_shadow(cache, ids.to(DEV))
     src = cache.shadow_blocks(ids)
-    assert torch.equal(cache.read_pages(ids.to(DEV)).cpu(), encode_pages(src[:, :, 0], src[:, :, 1], lay))
+    assert_same_pages(cache.read_pages(ids.to(DEV)).cpu(), encode_pages(src[:, :, 0], src[:, :, 1], lay), lay)
 
 
 @pytest.mark.parametrize(

@@ -72,13 +72,13 @@ def next_pow2(n: int) -> int:
 
 def split_plan(num_blocks: int, groups: int, blocks_per_split: int | None = None) -> tuple[int, int]:
     """Split-K plan ``(splits, blocks_per_split)`` for ``groups`` (row, KV head) programs over
-    ``num_blocks`` blocks: about ``CERTVLLM_GPU_PROGRAMS_PER_SM`` (default 4) programs per multiprocessor,
+    ``num_blocks`` blocks: about ``CERTVLLM_GPU_PROGRAMS_PER_SM`` (default 8) programs per multiprocessor,
     at least 4 blocks per program."""
     if blocks_per_split is None:
         sms = 132
         if torch.cuda.is_available() and not interpreting():
             sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
-        per_sm = int(os.environ.get("CERTVLLM_GPU_PROGRAMS_PER_SM", "4"))
+        per_sm = int(os.environ.get("CERTVLLM_GPU_PROGRAMS_PER_SM", "8"))
         want = max(1, -(-per_sm * sms // max(1, groups)))
         blocks_per_split = max(4, -(-num_blocks // want))
     blocks_per_split = max(1, min(int(blocks_per_split), max(1, num_blocks)))

@@ -4,8 +4,9 @@ The kernel computes the function of ``certvllm.formats.pages.encode_pages`` fiel
 offset/scale metadata in float64 with the same directed roundings, codes in float32 with IEEE division
 and ties-to-even rounding, INT4 value groups with float16 zero/scale rounded down/up, and the η/ν
 annotations as float64 norms inflated by ``NORM_SLACK`` and rounded up to float32. Codes, metadata and
-flags are bit-identical to the reference; η and ν are float64 sums in another order (relative
-difference ~1e-16, far inside the 2^-13 of ``NORM_SLACK``), so every guarantee of the reference holds
+flags are bit-identical to the reference; η and ν are float64 norms where the reference now takes
+scaled float32 norms (``formats.values.scaled_norm``): both are upper bounds once inflated by
+``NORM_SLACK`` (2^-13) and they agree to ~1e-7 relative, so every guarantee of the reference holds
 (P2 with ``P2_RELATIVE_SLACK``, η ≥ ‖V̂ − V‖ + 2u‖V̂‖, ν ≥ max ‖V‖, the precondition flag).
 
 Two deliberate differences, both where the reference is itself at an edge: ⌈log₂ max need⌉ is taken from
