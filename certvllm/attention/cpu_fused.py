@@ -1,8 +1,8 @@
 """Certified rows through the compiled CPU kernel (``csrc/cpu/certified_decode.cpp``).
 
 Same algorithm, same certificate and same report as :func:`certvllm.attention.paged._certified_rows`,
-fused into one pass per (row, KV head) in C++. Used on the CPU when the kernel is built and the
-configuration needs no random exploration draws; the PyTorch path is the reference it is tested against.
+fused into one pass per (row, KV head) in C++. Used on the CPU whenever the kernel is built (exploration
+draws are made here and passed in); the PyTorch path is the reference it is tested against.
 """
 
 from __future__ import annotations
@@ -32,13 +32,8 @@ _LUT = key_scale_lut()
 
 
 def supported(cache: LayerKVCache, cfg: CertConfig) -> bool:
-    """The fused kernel serves CPU pages in certified/naive mode without exploration draws."""
-    return (
-        cache.pages.device.type == "cpu"
-        and cfg.mode in ("certified", "naive")
-        and cfg.exploration_rate == 0
-        and cpu_kernel.available()
-    )
+    """The fused kernel serves CPU pages in certified and naive mode."""
+    return cache.pages.device.type == "cpu" and cfg.mode in ("certified", "naive") and cpu_kernel.available()
 
 
 def certified_rows(
@@ -49,6 +44,7 @@ def certified_rows(
     cfg: CertConfig,
     scale: float,
     pagein: PageInEngine,
+    generator: torch.Generator | None = None,
 ) -> tuple[torch.Tensor, CertReport]:
     """Rows ``q`` ``[R, H_q, D]`` → ``(out [R, H_q, D] float32, report [R, H_q])`` (fallbacks not applied)."""
     R, Hq, D = q.shape
@@ -70,9 +66,14 @@ def certified_rows(
         math.ceil(cfg.rung1_multiplier * cfg.k_max), -1 if cfg.value_k_max is None else cfg.value_k_max,
         cfg.rank_depth, 0,
     ]  # fmt: skip
+    explore = torch.zeros(0, dtype=torch.uint8)
+    if certified and cfg.exploration_rate > 0:  # Bernoulli draws as in selection.select_keys
+        blocks = max(1, int(lens.max()) // n)
+        draw = torch.rand((R, K, Hq // K, blocks), generator=generator)
+        explore = (draw < cfg.exploration_rate).to(torch.uint8)
     res = cpu_kernel.load().certified_decode_cpu(
         qs, cache.pages, cache.shadow, cache.keys_channel_major, tables.contiguous(), lens.contiguous(), _LUT,
-        layout, consts, policy,
+        layout, consts, policy, explore,
     )  # fmt: skip
     out, rung, e_key, e_val, e_round, k_star, v_prom, v_max, d_tail, a_tail = res[:10]
     rank, boundary, bound, flags, counters = res[10:]

@@ -150,7 +150,7 @@ def certified_attention(
 
     if cpu_fused.supported(cache, config):
         with _exact_float32():
-            out, report = cpu_fused.certified_rows(q, cache, block_tables, seq_lens, config, scale, pagein)
+            out, report = cpu_fused.certified_rows(q, cache, block_tables, seq_lens, config, scale, pagein, generator)
             _apply_dense_fallbacks(out, report, dense_fn)
         return CertifiedOutput(out, report)
 

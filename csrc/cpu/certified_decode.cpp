@@ -97,7 +97,8 @@ struct RowOut {
 template <typename scalar_t>
 void certify_row_head(int64_t r, int64_t kh, const float* qs, int64_t G, int64_t D, const uint8_t* pages,
                       int64_t heads, int64_t sub, const Shadow<scalar_t>& shadow, const int64_t* table,
-                      int64_t seq_len, const float* lut, const Layout& lay, const Consts& k, float* out,
+                      int64_t seq_len, const float* lut, const Layout& lay, const Consts& k,
+                      const uint8_t* explore, int64_t explore_stride, float* out,
                       int8_t* rung, float* e_key, float* e_val, float* e_round, int32_t* k_star,
                       int32_t* v_prom, float* v_max_out, float* delta_tail_out, float* alpha_out, bool* rank_fail,
                       bool* boundary_fail, bool* bound_fail, RowOut& row) {
@@ -254,6 +255,8 @@ void certify_row_head(int64_t r, int64_t kh, const float* qs, int64_t G, int64_t
       }
       widened[g] = kstar > base;
       for (int64_t i = 0; i < kstar; ++i) key_mask[g * B + order[i]] = 1;
+      if (explore != nullptr)  // exploration: extra promoted key blocks drawn by the caller
+        for (int64_t b = 0; b < B; ++b) key_mask[g * B + b] |= explore[g * explore_stride + b];
 
       // rung 2: greedy by ρ̄_b·η_b until the rest is within v_tol·V_max (1 % margin)
       double xi = dall + 3.0 * round1[g];
@@ -464,7 +467,8 @@ void certify_row_head(int64_t r, int64_t kh, const float* qs, int64_t G, int64_t
 template <typename scalar_t>
 void run(const torch::Tensor& qs, const torch::Tensor& pages, const torch::Tensor& shadow_t, bool channel_major,
          const torch::Tensor& tables, const torch::Tensor& seq_lens, const torch::Tensor& lut, const Layout& lay,
-         const Consts& k, torch::Tensor& out, std::vector<torch::Tensor>& rep, std::vector<RowOut>& rows) {
+         const Consts& k, const torch::Tensor& explore, torch::Tensor& out, std::vector<torch::Tensor>& rep,
+         std::vector<RowOut>& rows) {
   const int64_t R = qs.size(0), K = qs.size(1), G = qs.size(2), D = qs.size(3);
   const int64_t heads = pages.size(1);
   const int64_t sub = shadow_t.size(3) / kN;
@@ -476,12 +480,16 @@ void run(const torch::Tensor& qs, const torch::Tensor& pages, const torch::Tenso
   const float* lt = lut.data_ptr<float>();
   float* o = out.data_ptr<float>();
   int64_t MB = tables.size(1);
+  const bool has_explore = explore.numel() > 0;  // [R, K, G, Bx] uint8
+  const uint8_t* ex = has_explore ? explore.data_ptr<uint8_t>() : nullptr;
+  const int64_t ex_b = has_explore ? explore.size(3) : 0;
   std::vector<RowOut> per(R * K);
   at::parallel_for(0, R * K, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       int64_t r = i / K, kh = i % K, h0 = r * K * G + kh * G;
       certify_row_head<scalar_t>(
-          r, kh, q + i * G * D, G, D, pg, heads, sub, shadow, tb + r * MB, sl[r], lt, lay, k, o + h0 * D,
+          r, kh, q + i * G * D, G, D, pg, heads, sub, shadow, tb + r * MB, sl[r], lt, lay, k,
+          has_explore ? ex + i * G * ex_b : nullptr, ex_b, o + h0 * D,
           rep[0].data_ptr<int8_t>() + h0, rep[1].data_ptr<float>() + h0, rep[2].data_ptr<float>() + h0,
           rep[3].data_ptr<float>() + h0, rep[4].data_ptr<int32_t>() + h0, rep[5].data_ptr<int32_t>() + h0,
           rep[6].data_ptr<float>() + h0, rep[7].data_ptr<float>() + h0, rep[8].data_ptr<float>() + h0,
@@ -505,13 +513,17 @@ void run(const torch::Tensor& qs, const torch::Tensor& pages, const torch::Tenso
 std::vector<torch::Tensor> certified_decode_cpu(torch::Tensor qs, torch::Tensor pages, torch::Tensor shadow,
                                                 bool channel_major, torch::Tensor tables, torch::Tensor seq_lens,
                                                 torch::Tensor lut, std::vector<int64_t> layout,
-                                                std::vector<double> consts, std::vector<int64_t> policy) {
+                                                std::vector<double> consts, std::vector<int64_t> policy,
+                                                torch::Tensor explore) {
   TORCH_CHECK(qs.is_contiguous() && qs.scalar_type() == torch::kFloat && qs.dim() == 4, "qs: [R, K, G, D] float32");
   TORCH_CHECK(pages.is_contiguous() && pages.scalar_type() == torch::kByte, "pages: contiguous uint8");
   TORCH_CHECK(shadow.is_contiguous() && shadow.dim() == 5, "shadow: contiguous [E, H, 2, m*16, D]");
   TORCH_CHECK(tables.scalar_type() == torch::kLong && seq_lens.scalar_type() == torch::kLong, "int64 tables");
   TORCH_CHECK(layout.size() == 8 && consts.size() == 16 && policy.size() == 9, "bad constant vectors");
   tables = tables.contiguous();
+  explore = explore.contiguous();
+  TORCH_CHECK(explore.numel() == 0 || (explore.scalar_type() == torch::kByte && explore.dim() == 4),
+              "explore: empty or [R, K, G, B] uint8");
   Layout lay{layout[0], layout[1], layout[2], layout[3], layout[4], layout[5], layout[6], layout[7]};
   Consts k{consts[0], consts[1], consts[2], consts[3], consts[4], consts[5], consts[6], consts[7], consts[8],
            consts[9], policy[0] != 0, policy[1] != 0, policy[2] != 0, consts[10], consts[11], consts[12],
@@ -528,10 +540,10 @@ std::vector<torch::Tensor> certified_decode_cpu(torch::Tensor qs, torch::Tensor 
       torch::zeros({R, K * G}, f.dtype(torch::kBool)),  torch::zeros({R, K * G}, f.dtype(torch::kBool))};
   std::vector<RowOut> rows;
   if (shadow.scalar_type() == torch::kBFloat16) {
-    run<at::BFloat16>(qs, pages, shadow, channel_major, tables, seq_lens, lut, lay, k, out, rep, rows);
+    run<at::BFloat16>(qs, pages, shadow, channel_major, tables, seq_lens, lut, lay, k, explore, out, rep, rows);
   } else {
     TORCH_CHECK(shadow.scalar_type() == torch::kHalf, "shadow must be float16 or bfloat16");
-    run<at::Half>(qs, pages, shadow, channel_major, tables, seq_lens, lut, lay, k, out, rep, rows);
+    run<at::Half>(qs, pages, shadow, channel_major, tables, seq_lens, lut, lay, k, explore, out, rep, rows);
   }
   auto flags = torch::zeros({R, 2}, f.dtype(torch::kBool));
   auto counters = torch::zeros({3}, f.dtype(torch::kLong));
