@@ -151,6 +151,12 @@ class LayerKVCache:
             raise ValueError(
                 f"KV dtype mismatch: cache holds {self.shadow.dtype}, got keys {key.dtype} / values {value.dtype}"
             )
+        self.write_shadow(key, value, slots)
+        return self.encode_completed(slots)
+
+    def write_shadow(self, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """Write tokens into the shadow only; returns the ``[k]`` int64 ids of the blocks they complete
+        (the caller encodes their pages, e.g. with a device kernel)."""
         n, m = self.layout.block_size, self.sub_blocks
         slots = slots.to(device=self.shadow.device, dtype=torch.int64)
         keep = slots >= 0
@@ -159,7 +165,7 @@ class LayerKVCache:
         keys, values = self._shadow_views()
         keys[block // m, :, block % m, offset] = key[keep.to(key.device)].to(self.shadow.device)
         values[block // m, :, block % m, offset] = value[keep.to(value.device)].to(self.shadow.device)
-        return self.encode_completed(slots)
+        return torch.unique(block[offset == n - 1])
 
     def encode_completed(self, slots: torch.Tensor) -> torch.Tensor:
         """Encode the pages of every block whose last slot is among ``slots`` (the shadow must

@@ -252,6 +252,12 @@ class CertifiedAttentionImpl(AttentionImpl[CertifiedMetadata]):
             ops.cpu_attn_reshape_and_cache(key[:n], value[:n], key_cache, value_cache, slot_mapping,
                                            self._exact_runtime(kv_cache).isa)  # fmt: skip
             cache.encode_completed(slot_mapping)
+        elif cache.pages.device.type == "cuda":  # Triton write path: quantize completed blocks on the GPU
+            from certvllm.kv.cuda_pagein import encode_blocks_from_shadow
+
+            full = cache.write_shadow(key[:n], value[:n], slot_mapping)
+            if full.numel():
+                encode_blocks_from_shadow(cache, full.to(cache.pages.device))
         else:
             cache.write(key[:n], value[:n], slot_mapping)
 
@@ -319,7 +325,12 @@ class CertifiedAttentionImpl(AttentionImpl[CertifiedMetadata]):
 
     def _pagein_engine(self, device: torch.device) -> PageInEngine:
         if self._pagein is None:
-            self._pagein = PageInEngine(device)
+            if device.type == "cuda":  # zero-copy gathers from the pinned host tier on a side stream
+                from certvllm.kv.cuda_pagein import CudaPageInEngine
+
+                self._pagein = CudaPageInEngine(device)
+            else:
+                self._pagein = PageInEngine(device)
         return self._pagein
 
     def _layer(self, layer: Any) -> int:
