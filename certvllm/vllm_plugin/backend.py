@@ -263,9 +263,9 @@ class CertifiedAttentionImpl(AttentionImpl[CertifiedMetadata]):
 
     def _cache(self, layer: torch.nn.Module, kv_cache: torch.Tensor):
         tier = worker_host_tier()
-        before = tier.nbytes
+        allocations = tier.allocations
         cache = tier.layer(layer.layer_name, kv_cache, self.head_size, self.dtype, self.config.value_group_size)
-        if tier.nbytes != before:
+        if tier.allocations != allocations:
             self.metrics.set_host_tier_bytes(tier.nbytes)
         return cache
 

@@ -116,6 +116,7 @@ class HostTier:
 
     def __init__(self) -> None:
         self._layers: dict[str, LayerKVCache] = {}
+        self.allocations = 0
 
     @property
     def nbytes(self) -> int:
@@ -151,6 +152,7 @@ class HostTier:
         # on the CPU the shadow doubles as a cache for vLLM's own CPU kernel, which stores keys transposed
         cache = LayerKVCache(pages, shadow, layout, keys_channel_major=on_cpu)
         self._layers[name] = cache
+        self.allocations += 1
         return cache
 
 
