@@ -45,19 +45,17 @@ from certvllm.attention.report import (
 )
 from certvllm.attention.selection import Phase1, select_keys, select_values
 from certvllm.bounds import (
-    GAMMA_SLACK,
-    UNIT_ROUNDOFF,
+    alpha_inflation,
+    delta_factor,
     exp_rounding,
-    gamma,
     key_bound,
     key_sum_bound,
+    rounding_factor,
     score_rounding,
     tail_mass_upper,
     value_bound,
 )
-from certvllm.bounds.terms import SCORE_EXTRA_ROUNDINGS
 from certvllm.config import CertConfig
-from certvllm.formats.keys import P2_RELATIVE_SLACK
 from certvllm.formats.layout import key_scale_lut
 from certvllm.kv.cache import LayerKVCache
 from certvllm.kv.cuda_pagein import CudaPageInEngine, ensure_device_readable
@@ -76,20 +74,6 @@ def _lut(device: torch.device) -> torch.Tensor:
     if device not in _LUTS:
         _LUTS[device] = key_scale_lut().to(device)
     return _LUTS[device]
-
-
-def _sum_inflation(n_terms: int) -> float:
-    return (1.0 + gamma(n_terms + 2)) * GAMMA_SLACK
-
-
-def delta_factor(d: int) -> float:
-    """Δ_b = delta_factor(D)·Σ_c |q_c·λ|·σ_c — the factor of ``bounds.block_delta``."""
-    return (0.5 + P2_RELATIVE_SLACK) * _sum_inflation(d)
-
-
-def rounding_factor(d: int) -> float:
-    """R_b = rounding_factor(D)·Σ_c |q_c·λ|·(M_c + σ_c) — the factor of ``bounds.score_rounding``."""
-    return (gamma(d) + SCORE_EXTRA_ROUNDINGS * UNIT_ROUNDOFF) * _sum_inflation(d)
 
 
 def _finite_abs_max(x: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
@@ -322,7 +306,7 @@ def _certified_rows(q, cache, block_tables, seq_lens, cfg, scale, pagein, genera
     # ---- bounds on the output actually computed
     e_val = value_bound((parts.aval.sum(dim=2) / den).unsqueeze(-1), torch.ones_like(den).unsqueeze(-1), N)
     in_tail = valid4 & ~key_mask
-    alpha = ((parts.atail.sum(dim=2) / den) * (1 + 3 * gamma(N + 2))).float()
+    alpha = ((parts.atail.sum(dim=2) / den) * alpha_inflation(N)).float()
     delta_tail = torch.where(in_tail, p1.delta, 0.0).amax(dim=-1)
     # max |s| over phase-2 scores: the INT8 ones (phase 1), the exact ones and the tail; an upper bound
     # of the reference's value, and the exp term grows with it
