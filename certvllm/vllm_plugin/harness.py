@@ -8,14 +8,16 @@ engine keeps runs independent (vLLM spawns its own workers, and each run gets it
 
 SPEC: ``{"model": DIR, "kv_cache_dtype": "auto"|"certified", "cert": {...additional_config...},
 "engine": {...LLM kwargs...}, "requests": [{"prompt": str | "prompt_token_ids": [...], "max_tokens": n,
-"ignore_eos": bool, "prompt_logprobs": bool, "skip_reading_prefix_cache": bool}], "batch": bool,
+"ignore_eos": bool, "prompt_logprobs": bool, "skip_reading_prefix_cache": bool, "detokenize": bool}],
+"batch": bool,
 "repeat": int}``, or several such groups as ``"phases": [...]``.
 RESULT: ``{"outputs": [{"token_ids": [...], "text": str}], "seconds": [...], "init_seconds": s,
 "metrics": {series: value}}``. A request with ``"prompt_logprobs": true`` also gets
 ``"prompt_logprobs": [None, lp_1, ...]``: the log-probability of each actual prompt token given the
 tokens before it (vLLM's ``SamplingParams(prompt_logprobs=0)``), ``None`` for the first. vLLM skips the
 prefix cache for such requests unless ``"skip_reading_prefix_cache": false``; then only the positions
-after the cached prefix are computed, and the earlier entries are ``None``.
+after the cached prefix are computed, and the earlier entries are ``None`` (pass ``"detokenize": false``:
+vLLM would otherwise detokenize the uncomputed entries' token ids).
 
 ``run_engine(spec, on_phase=callback)`` streams: after each phase the child appends
 ``{"phase": i, "outputs", "seconds", "metrics"}`` (metrics: a cumulative snapshot) to a progress file
@@ -67,14 +69,15 @@ def _run(spec: dict[str, Any]) -> dict[str, Any]:
         return SamplingParams(
             max_tokens=r.get("max_tokens", 32), temperature=0.0, ignore_eos=r.get("ignore_eos", False),
             prompt_logprobs=0 if r.get("prompt_logprobs") else None,
-            skip_reading_prefix_cache=r.get("skip_reading_prefix_cache"),
+            skip_reading_prefix_cache=r.get("skip_reading_prefix_cache"), detokenize=r.get("detokenize", True),
         )  # fmt: skip
 
     def prompt_logprobs(o: Any) -> list[float | None]:
         """Log-probability of each actual prompt token (vLLM's dict also holds the top-0 entries)."""
         ids, per_pos = list(o.prompt_token_ids or []), o.prompt_logprobs or []
-        cached = o.num_cached_tokens or 0  # positions before it were not computed (uninitialised entries)
-        return [None if lp is None or i < cached or ids[i] not in lp else float(lp[ids[i]].logprob)
+        # with a prefix-cache hit of c tokens, rows 0..c-1 were not computed: positions 1..c have no entry
+        cached = o.num_cached_tokens or 0
+        return [None if lp is None or i <= cached or ids[i] not in lp else float(lp[ids[i]].logprob)
                 for i, lp in enumerate(per_pos)]  # fmt: skip
 
     def prompt(r: dict[str, Any]) -> Any:

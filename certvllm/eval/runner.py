@@ -1,0 +1,219 @@
+"""Engine runs for the evaluation suite: one engine per (task family, config), resumable.
+
+Configs: ``dense`` (``kv_cache_dtype="auto"``), ``certified`` / ``certified:PRESET_OR_YAML``
+(``kv_cache_dtype="certified"``, ``additional_config={"certvllm": {"preset": ...}}``) and ``naive``
+(certified with the ``naive`` preset).
+
+* Generation tasks (NIAH, RULER, ``--tasks-file``) share one engine per config covering every context:
+  greedy decoding, no prefix caching; the prompt is prefilled exactly (``prefill: exact``, the paper's
+  protocol: dense prefill, certified decode) unless ``--prefill certified``.
+* Perplexity gets its own engine per config with prefix caching and ``prefill: certified``. Each window is
+  one phase of two requests: the prefix (``context - score_tokens`` tokens, one exact prefill chunk, kept
+  in the prefix cache), then the whole window with ``prompt_logprobs`` reading that cached prefix, so each
+  scored token is a certified row over the quantized cache: one certified head-step per layer and query
+  head, exactly what a teacher-forced decode step computes (``docs/evaluation.md``).
+
+Results are appended to ``OUT/results/TASK/CONTEXT/CONFIG.jsonl`` as soon as the engine finishes each
+phase, with the phase's metric deltas (rungs, fallbacks, bounds) in ``CONFIG.phases.jsonl``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from certvllm.config import load_config
+from certvllm.eval import scoring
+from certvllm.eval.tasks import Item, parse_context
+from certvllm.vllm_plugin.harness import run_engine
+
+ENGINE_TIMEOUT_S = 12 * 3600.0
+KEEP_METRICS = ("vllm:cert_", "vllm:prompt_tokens_total", "vllm:generation_tokens_total")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """One compared configuration."""
+
+    name: str  # as given: dense, certified:paper, naive
+    kv_cache_dtype: str
+    cert: dict[str, Any] | None = None
+
+    @property
+    def slug(self) -> str:
+        return self.name.replace(":", "-").replace("/", "_").replace(".yaml", "")
+
+
+def parse_config(name: str) -> EngineConfig:
+    """``dense`` | ``auto`` | ``naive`` | ``certified`` | ``certified:PRESET_OR_YAML``."""
+    kind, _, preset = name.partition(":")
+    if kind in ("dense", "auto") and not preset:
+        return EngineConfig(name, "auto")
+    if kind == "naive" and not preset:
+        return EngineConfig(name, "certified", {"preset": "naive"})
+    if kind == "certified":
+        load_config(preset or None)  # validate now (CertConfigError names the fix)
+        return EngineConfig(name, "certified", {"preset": preset} if preset else {})
+    raise ValueError(f"unknown config {name!r}: use dense, naive, certified or certified:PRESET")
+
+
+@dataclass
+class Store:
+    """The JSONL files under ``OUT/results``."""
+
+    out: Path
+
+    def path(self, task: str, context: str, config: EngineConfig, suffix: str = ".jsonl") -> Path:
+        return self.out / "results" / task.replace(":", "_") / context / f"{config.slug}{suffix}"
+
+    def done(self, task: str, context: str, config: EngineConfig) -> dict[str, str]:
+        path = self.path(task, context, config)
+        if not path.exists():
+            return {}
+        found = {}
+        for line in path.read_text().splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line cut by an interrupted write
+            found[row["id"]] = row["hash"]
+        return found
+
+    def append(self, path: Path, rows: Iterable[dict[str, Any]]) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("a") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+
+
+@dataclass
+class Options:
+    """Settings shared by every engine run of one ``certvllm eval`` invocation."""
+
+    model: str
+    out: Path
+    kv_space_gb: float = 2.0
+    prefill: str = "exact"
+    max_model_len: int = 8192
+    batch: int = 16
+    progress: Any = None  # a tqdm-like object with update(n) and set_postfix_str(s)
+    log: list[dict[str, Any]] = field(default_factory=list)
+
+
+def _metric_delta(now: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    keep = {k: v for k, v in now.items()
+            if k.startswith(KEEP_METRICS) and "_bucket{" not in k and not k.startswith("vllm:cert_host_tier_bytes")}
+    return {k: v - before.get(k, 0.0) for k, v in keep.items() if v - before.get(k, 0.0)}
+
+
+def pending(store: Store, items: list[Item], config: EngineConfig) -> list[Item]:
+    """Items without a stored result of the same content for ``config``."""
+    done: dict[tuple[str, str], dict[str, str]] = {}
+    todo = []
+    for it in items:
+        key = (it["task"], it["context"])
+        if key not in done:
+            done[key] = store.done(it["task"], it["context"], config)
+        if done[key].get(it["id"]) != it["hash"]:
+            todo.append(it)
+    return todo
+
+
+def _phases(items: list[Item], kind: str, batch: int) -> list[list[Item]]:
+    """Phases in context order, one (task, context) per phase; PPL: one window per phase."""
+    groups: dict[tuple[int, str, str], list[Item]] = {}
+    for it in items:
+        ctx = parse_context(it["context"]) if it["context"] != "file" else 0
+        groups.setdefault((ctx, it["context"], it["task"]), []).append(it)
+    size = 1 if kind == "ppl" else batch
+    return [g[i : i + size] for _, g in sorted(groups.items()) for i in range(0, len(g), size)]
+
+
+def _requests(phase: list[Item], kind: str) -> dict[str, Any]:
+    if kind == "ppl":
+        it = phase[0]
+        return {"batch": False, "requests": [
+            {"prompt_token_ids": it["token_ids"][: it["prefix_len"]], "max_tokens": 1},
+            {"prompt_token_ids": it["token_ids"], "max_tokens": 1, "prompt_logprobs": True,
+             "skip_reading_prefix_cache": False, "detokenize": False},
+        ]}  # fmt: skip
+    return {"batch": True, "requests": [{"prompt": it["prompt"], "max_tokens": it["max_tokens"]} for it in phase]}
+
+
+def engine_spec(config: EngineConfig, kind: str, opts: Options, max_len: int) -> dict[str, Any]:
+    """The harness spec (without requests) of one engine run."""
+    engine: dict[str, Any] = {"max_model_len": max_len, "enforce_eager": True, "seed": 0}
+    cert = dict(config.cert) if config.cert is not None else None
+    if kind == "ppl":
+        engine.update(enable_prefix_caching=True, enable_chunked_prefill=True,
+                      max_num_batched_tokens=max(max_len, 2048))  # fmt: skip
+        if cert is not None:
+            cert["prefill"] = "certified"
+    else:
+        engine.update(enable_prefix_caching=False)
+        if cert is not None and opts.prefill == "certified":
+            cert["prefill"] = "certified"
+    spec: dict[str, Any] = {"model": opts.model, "kv_cache_dtype": config.kv_cache_dtype, "engine": engine}
+    if cert is not None:
+        spec["cert"] = cert
+    return spec
+
+
+def run_config(store: Store, items: list[Item], config: EngineConfig, kind: str, opts: Options) -> int:
+    """Run every pending item of one task family for ``config`` in one engine; returns items run."""
+    todo = pending(store, items, config)
+    if not todo:
+        return 0
+    phases = _phases(todo, kind, opts.batch)
+    max_len = opts.max_model_len
+    if kind == "ppl":
+        max_len = min(max_len, max(len(it["token_ids"]) for it in todo) + 1)
+    else:
+        lengths = [parse_context(it["context"]) for it in todo if it["context"] != "file"]
+        lengths += [it["meta"].get("prompt_tokens", 0) + it["max_tokens"] for it in todo if it["context"] == "file"]
+        max_len = min(max_len, max(lengths))
+    spec = engine_spec(config, kind, opts, max_len)
+    spec["phases"] = [_requests(p, kind) for p in phases]
+    state: dict[str, Any] = {"metrics": {}, "t": time.perf_counter()}
+    if opts.progress is not None:
+        opts.progress.set_postfix_str(f"{config.name}: starting engine")
+
+    def on_phase(record: dict[str, Any]) -> None:
+        phase = phases[record["phase"]]
+        delta = _metric_delta(record["metrics"], state["metrics"])
+        state["metrics"] = record["metrics"]
+        rows = []
+        outputs = record["outputs"][-1:] if kind == "ppl" else record["outputs"]
+        for it, out in zip(phase, outputs, strict=True):
+            row = {"id": it["id"], "hash": it["hash"], "task": it["task"], "context": it["context"],
+                   "config": config.name, "meta": it.get("meta", {})}  # fmt: skip
+            if kind == "ppl":
+                row.update(scoring.score_perplexity(it, out["prompt_logprobs"], out["cached_tokens"]))
+            else:
+                row.update(scoring.score_generation(it, out["text"]))
+                row.update(output=out["text"][:400], answers=it["answers"], prompt_tokens=out["prompt_tokens"],
+                           generated_tokens=len(out["token_ids"]))  # fmt: skip
+            rows.append(row)
+        first = phase[0]
+        store.append(store.path(first["task"], first["context"], config), rows)
+        now = time.perf_counter()
+        store.append(store.path(first["task"], first["context"], config, ".phases.jsonl"), [{
+            "ids": [it["id"] for it in phase], "seconds": sum(record["seconds"]), "wall_seconds": now - state["t"],
+            "metrics": delta,
+        }])  # fmt: skip
+        state["t"] = now
+        if opts.progress is not None:
+            opts.progress.update(len(phase))
+            opts.progress.set_postfix_str(f"{config.name} {first['task']} {first['context']}")
+
+    env = {"VLLM_CPU_KVCACHE_SPACE": f"{opts.kv_space_gb:g}"}
+    start = time.perf_counter()
+    result = run_engine(spec, timeout=ENGINE_TIMEOUT_S, env=env, on_phase=on_phase)
+    opts.log.append({"kind": kind, "config": config.name, "items": len(todo), "phases": len(phases),
+                     "init_seconds": result["init_seconds"], "wall_seconds": time.perf_counter() - start,
+                     "kv_cache_tokens": result.get("kv_cache_tokens"), "max_model_len": max_len})  # fmt: skip
+    return len(todo)
