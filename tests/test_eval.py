@@ -1,0 +1,142 @@
+"""``certvllm eval``: scorers, statistics, items and the report (fast), and a smoke run through the
+engine (``slow``, ``vllm``): 1K context, n = 2, perplexity + NIAH + RULER + a tasks file, dense vs
+certified, then a rerun that must find everything done."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from certvllm.eval import report, runner, scoring, stats, tasks
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = str(ROOT / "models" / "smollm2-135m-instruct")
+LAYERS, HEADS = 30, 9
+
+
+# -- fast: no engine, no downloads --------------------------------------------------------------------
+def test_scorers_follow_ruler_and_exact_match():
+    assert scoring.string_match_all("Answer: apple, PEAR", ["apple", "pear", "fig"]) == pytest.approx(2 / 3)
+    assert scoring.string_match_part("it is Paris.", ["London", "paris"]) == 1.0
+    assert scoring.niah_exact(" 1234567.", ["1234567"]) == 1.0
+    assert scoring.niah_exact(" 12345678", ["1234567"]) == 0.0  # a longer number is not the needle
+    item = {"metric": "all", "answers": ["a1", "b2"]}
+    assert scoring.score_generation(item, "a1 b2") == {"score": 1.0, "correct": True}
+    assert scoring.score_generation(item, "a1") == {"score": 0.5, "correct": False}
+    ppl = scoring.score_perplexity({"token_ids": [0] * 6}, [None, None, None, None, -1.0, -3.0], cached_tokens=3)
+    assert ppl["n_tokens"] == 2 and ppl["ppl"] == pytest.approx(math.exp(2.0))
+
+
+def test_statistics():
+    ref = [True] * 10 + [False] * 2
+    worse = [True] * 4 + [False] * 8
+    m = stats.mcnemar_exact(ref, worse)
+    assert (m["b"], m["c"]) == (6, 0) and m["p"] == pytest.approx(2 * 0.5**6)
+    assert stats.mcnemar_exact(ref, ref)["p"] == 1.0
+    lo, hi = stats.mean_ci([1, 0, 1, 1, 0, 1, 1, 1], seed=0)
+    assert 0.0 <= lo < 0.75 < hi <= 1.0
+    assert stats.paired_delta_ci([1, 1, 0], [1, 1, 0], seed=0) == [0.0, 0.0]
+    ci = stats.ppl_delta_ci([100.0, 200.0, 150.0], [101.0, 199.0, 152.0], [50, 60, 55], seed=0)
+    assert ci[0] <= 0.0 <= ci[1]
+    assert stats.mean_ci([1.0], seed=0) is None
+
+
+def test_configs_contexts_and_tasks_file(tmp_path):
+    assert tasks.parse_context("4k") == 4096 and tasks.parse_context("1500") == 1500
+    assert runner.parse_config("dense").kv_cache_dtype == "auto"
+    assert runner.parse_config("naive").cert == {"preset": "naive"}
+    paper = runner.parse_config("certified:paper")
+    assert paper.cert == {"preset": "paper"} and paper.slug == "certified-paper"
+    with pytest.raises(ValueError):
+        runner.parse_config("int4")
+    ppl_spec = runner.engine_spec(paper, "ppl", runner.Options(model="m", out=tmp_path), 1024)
+    assert ppl_spec["cert"]["prefill"] == "certified" and ppl_spec["engine"]["enable_prefix_caching"]
+    gen_spec = runner.engine_spec(paper, "gen", runner.Options(model="m", out=tmp_path), 1024)
+    assert "prefill" not in gen_spec["cert"]
+    f = tmp_path / "qa.jsonl"
+    f.write_text('{"prompt": "2+2=", "answers": ["4"]}\n\n{"prompt": "Capital of France?", "answers": ["Paris"], '
+                 '"metric": "all", "max_tokens": 8}\n')  # fmt: skip
+    items = tasks.load_tasks_file(f, None)
+    assert [it["task"] for it in items] == ["file:qa", "file:qa"] and items[1]["max_tokens"] == 8
+    assert items[0]["hash"] == tasks.load_tasks_file(f, 1)[0]["hash"]
+    f.write_text('{"prompt": "x"}\n')
+    with pytest.raises(ValueError, match="answers"):
+        tasks.load_tasks_file(f, None)
+
+
+def test_store_resume_and_report_from_synthetic_results(tmp_path):
+    store = runner.Store(tmp_path)
+    dense, cert = runner.parse_config("dense"), runner.parse_config("certified:paper")
+    items = [{"id": f"niah-1k-{i}", "hash": f"h{i}", "task": "niah", "context": "1k"} for i in range(6)]
+    for cfg, correct in ((dense, [1, 1, 1, 1, 0, 1]), (cert, [1, 1, 0, 1, 0, 1])):
+        rows = [{"id": it["id"], "hash": it["hash"], "task": "niah", "context": "1k", "config": cfg.name,
+                 "meta": {"depth": 0.1 * i}, "score": float(c), "correct": bool(c)}
+                for i, (it, c) in enumerate(zip(items[:5], correct, strict=False))]  # fmt: skip
+        store.append(store.path("niah", "1k", cfg), rows)
+    store.append(store.path("niah", "1k", cert, ".phases.jsonl"), [{"ids": ["niah-1k-0"], "seconds": 1.0, "metrics": {
+        "vllm:cert_head_steps_total{rung=0}": 90.0, "vllm:cert_head_steps_total{rung=3}": 10.0,
+        "vllm:cert_head_fallbacks_total{reason=rank}": 10.0}}])  # fmt: skip
+    assert [it["id"] for it in runner.pending(store, items, cert)] == ["niah-1k-5"]
+    items[0]["hash"] = "changed"  # new content: no longer done
+    assert len(runner.pending(store, items, cert)) == 2
+    for i in range(2):
+        store.append(store.path("ppl", "1k", dense if i == 0 else cert), [
+            {"id": f"ppl-1k-{j}", "hash": "x", "task": "ppl", "context": "1k", "config": (dense, cert)[i].name,
+             "nll_sum": 200.0 + j + i * 0.5, "n_tokens": 100, "ppl": math.exp((200.0 + j + i * 0.5) / 100),
+             "cached_tokens": 896, "window_tokens": 1024} for j in range(3)])  # fmt: skip
+    rep = report.build(tmp_path)
+    cell = rep["accuracy"]["niah"]["1k"]["certified:paper"]
+    assert cell["n"] == 5 and cell["mcnemar"]["b"] == 1 and cell["mcnemar"]["c"] == 0
+    assert rep["perplexity"]["1k"]["certified:paper"]["delta"] > 0
+    assert rep["rungs"]["niah"]["certified:paper"]["fallback_rate"] == pytest.approx(0.1)
+    text = (tmp_path / "report.md").read_text()
+    assert "## Needle in a haystack" in text and "## Perplexity" in text
+    for png in ("accuracy_by_context.png", "ppl_delta.png", "rungs.png"):
+        assert (tmp_path / png).stat().st_size > 1000
+
+
+# -- slow: through the engine -------------------------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.timeout(900)
+def test_eval_smoke_through_the_engine(tmp_path):
+    from certvllm.eval.cli import main
+    from certvllm.models import prepare_default_model
+
+    prepare_default_model(MODEL)
+    qa = tmp_path / "qa.jsonl"
+    qa.write_text(json.dumps({"prompt": "Q: What is the capital of France?\nA: The capital of France is",
+                              "answers": ["Paris"], "max_tokens": 8}) + "\n")  # fmt: skip
+    out = tmp_path / "out"
+    argv = ["all", "--model", MODEL, "--contexts", "1k", "--configs", "dense,certified:paper", "--n", "2",
+            "--ruler-tasks", "niah_single,vt", "--tasks-file", str(qa), "--out", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    rep = json.loads((out / "report.json").read_text())
+    assert rep["configs"] == ["dense", "certified:paper"] and rep["reference"] == "dense"
+
+    # perplexity: every scored token was a certified row over the cached (quantized) prefix
+    ppl = rep["perplexity"]["1k"]
+    assert ppl["dense"]["windows"] == ppl["certified:paper"]["windows"] == 2
+    assert abs(ppl["certified:paper"]["delta"]) < 0.05 * ppl["dense"]["ppl"]
+    assert all(c == 896 for c in ppl["certified:paper"]["cached_tokens"])
+    rows_per_window = 1024 - 896
+    assert rep["rungs"]["ppl"]["certified:paper"]["head_steps"] == 2 * rows_per_window * LAYERS * HEADS
+    assert rep["rungs"]["ppl"]["dense"]["head_steps"] == 0
+
+    # generation: paired items, the certified decode steps accounted for in the rung counts
+    for task in ("niah", "niah_single", "vt", "file:qa"):
+        cells = rep["accuracy"][task][next(iter(rep["accuracy"][task]))]
+        assert cells["dense"]["n"] == cells["certified:paper"]["n"] >= 1
+        assert cells["certified:paper"]["paired"] == cells["dense"]["n"]
+        assert 0.0 <= cells["certified:paper"]["acc"] <= 1.0
+        assert sum(rep["rungs"][task]["certified:paper"]["rung_fraction"]) == pytest.approx(1.0)
+    assert rep["accuracy"]["file:qa"]["file"]["dense"]["acc"] == 1.0  # "Paris"
+    assert {p.name for p in out.glob("*.png")} == {"accuracy_by_context.png", "ppl_delta.png", "rungs.png"}
+
+    # resumable: a rerun finds every item done and starts no engine
+    runs_before = (out / "runs.jsonl").read_text()
+    assert main(argv) == 0
+    assert (out / "runs.jsonl").read_text() == runs_before
