@@ -16,7 +16,7 @@ from pathlib import Path
 from types import ModuleType
 
 logger = logging.getLogger("certvllm")
-_NAME = "certvllm_cpu_v4"
+_NAME = "certvllm_cpu_v5"
 _lock = threading.Lock()
 _module: ModuleType | None = None
 _failed: str | None = None

@@ -136,13 +136,15 @@ void certify_row_head(int64_t r, int64_t kh, const float* qs, int64_t G, int64_t
     for (int64_t g = 0; g < G; ++g) {
       const float* qv = qs + g * D;
       const float* qg = qa.data() + g * D;
-      double dsum = 0, rsum = 0;
+      // float32 sums of non-negative terms: c_delta and c_round carry the (1 + γ_{D+2}) inflation
+      float dsum = 0.f, rsum = 0.f;
+#pragma omp simd reduction(+ : dsum, rsum)
       for (int64_t c = 0; c < D; ++c) {
-        dsum += static_cast<double>(qg[c]) * sigma[c];
-        rsum += static_cast<double>(qg[c]) * mag[c];
+        dsum += qg[c] * sigma[c];
+        rsum += qg[c] * mag[c];
       }
-      delta[g * B + b] = round_up_f(dsum * k.c_delta);
-      rnd[g * B + b] = round_up_f(rsum * k.c_round);
+      delta[g * B + b] = round_up_f(static_cast<double>(dsum) * k.c_delta);
+      rnd[g * B + b] = round_up_f(static_cast<double>(rsum) * k.c_round);
       float mx = kNegInf;
       for (int t = 0; t < kN; ++t) {
         float s = 0.f;
@@ -152,9 +154,9 @@ void certify_row_head(int64_t r, int64_t kh, const float* qs, int64_t G, int64_t
         s8[(g * B + b) * kN + t] = s;
         mx = std::max(mx, s);
       }
-      double se = 0;
-      for (int t = 0; t < kN; ++t) se += std::exp(static_cast<double>(s8[(g * B + b) * kN + t]) - mx);
-      l8[g * B + b] = static_cast<float>(mx + std::log(se));
+      float se = 0.f;  // phase-1 log-mass: feeds the selection heuristics only
+      for (int t = 0; t < kN; ++t) se += std::exp(s8[(g * B + b) * kN + t] - mx);
+      l8[g * B + b] = mx + std::log(se);
     }
   }
 
@@ -321,10 +323,12 @@ void certify_row_head(int64_t r, int64_t kh, const float* qs, int64_t G, int64_t
     for (int t = 0; t < kN; ++t)
       for (int64_t grp = 0; grp < lay.groups; ++grp) {
         const float scl = half_to_float(vs[t * lay.groups + grp]), zer = half_to_float(vz[t * lay.groups + grp]);
-        for (int64_t c = grp * gs; c < (grp + 1) * gs; ++c) {
-          const uint8_t byte = vc[t * (D / 2) + c / 2];
-          const float code = static_cast<float>((c & 1) ? (byte >> 4) : (byte & 0x0F));
-          dst[t * D + c] = code * scl + zer;  // code·scale is exact: one rounding
+        const uint8_t* bytes = vc + t * (D / 2) + grp * (gs / 2);
+        float* o = dst + t * D + grp * gs;
+        for (int64_t j = 0; j < gs / 2; ++j) {  // even element in the low nibble
+          const uint8_t byte = bytes[j];
+          o[2 * j] = static_cast<float>(byte & 0x0F) * scl + zer;  // code·scale is exact: one rounding
+          o[2 * j + 1] = static_cast<float>(byte >> 4) * scl + zer;
         }
       }
   }
