@@ -1,25 +1,19 @@
 """The CPU certified-attention kernel (``csrc/cpu/certified_decode.cpp``), built on first use.
 
-The extension is compiled with torch's C++ extension tools into ``$CERTVLLM_EXT_DIR`` (default
-``~/.cache/certvllm/extensions``); ``make install`` builds it once so no request pays for it. If it
+``make install`` builds it once (``python -m certvllm.kernels.cpu``) so no request pays for it. If it
 cannot be built, :func:`available` is False and certified attention runs the (slower) PyTorch
 reference, which computes the same certificate.
 """
 
 from __future__ import annotations
 
-import logging
 import os
-import threading
-from importlib import resources
 from pathlib import Path
 from types import ModuleType
 
-logger = logging.getLogger("certvllm")
+from certvllm.kernels.jit import JitExtension, csrc_file
+
 _NAME = "certvllm_cpu_v5"
-_lock = threading.Lock()
-_module: ModuleType | None = None
-_failed: str | None = None
 
 
 def arch_flags() -> list[str]:
@@ -34,40 +28,22 @@ def arch_flags() -> list[str]:
     return ["-mavx2", "-mfma"] if {"avx2", "fma"} <= flags else []
 
 
+_EXT = JitExtension(
+    _NAME + ("-" + "".join(f.strip("-m") for f in arch_flags()) if arch_flags() else ""),
+    [csrc_file("cpu", "certified_decode.cpp")],
+    "certified attention uses the PyTorch path",
+    extra_cflags=["-O3", "-fopenmp", "-fopenmp-simd", *arch_flags()],
+    extra_ldflags=["-fopenmp"],
+)
+
+
 def build_dir() -> Path:
-    root = os.environ.get("CERTVLLM_EXT_DIR") or Path.home() / ".cache" / "certvllm" / "extensions"
-    path = Path(root) / (_NAME + ("-" + "".join(f.strip("-m") for f in arch_flags()) if arch_flags() else ""))
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+    return _EXT.build_dir
 
 
 def load() -> ModuleType:
     """Build (once) and import the extension; raises RuntimeError with the compiler's reason."""
-    global _module, _failed
-    if _module is not None:
-        return _module
-    with _lock:
-        if _module is not None:
-            return _module
-        if _failed is not None:
-            raise RuntimeError(_failed)
-        from torch.utils.cpp_extension import load as load_extension
-
-        source = resources.files("certvllm.csrc") / "cpu" / "certified_decode.cpp"
-        try:
-            _module = load_extension(
-                name=_NAME,
-                sources=[str(source)],
-                extra_cflags=["-O3", "-fopenmp", "-fopenmp-simd", *arch_flags()],
-                extra_ldflags=["-fopenmp"],
-                build_directory=str(build_dir()),
-                verbose=False,
-            )
-        except Exception as err:  # a missing compiler must not take the service down
-            _failed = f"certvllm CPU kernel unavailable ({type(err).__name__}: {err}); using the PyTorch path"
-            logger.warning("%s", _failed)
-            raise RuntimeError(_failed) from err
-    return _module
+    return _EXT.load()
 
 
 def available() -> bool:

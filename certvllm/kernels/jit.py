@@ -1,0 +1,70 @@
+"""Build-once loading of certvllm's C++/CUDA extensions (torch's C++ extension tools).
+
+Each extension compiles into ``$CERTVLLM_EXT_DIR/<name>`` (default ``~/.cache/certvllm/extensions``)
+on first use; a failure is remembered and reported once, and callers fall back to a slower path.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from importlib import resources
+from pathlib import Path
+from types import ModuleType
+
+logger = logging.getLogger("certvllm")
+
+
+def extensions_root() -> Path:
+    return Path(os.environ.get("CERTVLLM_EXT_DIR") or Path.home() / ".cache" / "certvllm" / "extensions")
+
+
+def csrc_file(*parts: str) -> Path:
+    """A source file of the ``certvllm.csrc`` package (``csrc/`` in the repository)."""
+    return Path(str(resources.files("certvllm.csrc").joinpath(*parts)))
+
+
+class JitExtension:
+    """One extension module, compiled on first :meth:`load` and cached per process."""
+
+    def __init__(self, name: str, sources: list[Path], fallback: str, **build_args: object) -> None:
+        self.name, self.sources, self.fallback, self.build_args = name, sources, fallback, build_args
+        self._lock = threading.Lock()
+        self._module: ModuleType | None = None
+        self._failed: str | None = None
+
+    @property
+    def build_dir(self) -> Path:
+        path = extensions_root() / self.name
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+    @property
+    def loaded(self) -> ModuleType | None:
+        return self._module
+
+    @property
+    def failed(self) -> bool:
+        return self._failed is not None
+
+    def load(self) -> ModuleType:
+        """Build (once) and import; raises RuntimeError naming the reason when it cannot."""
+        if self._module is not None:
+            return self._module
+        with self._lock:
+            if self._module is not None:
+                return self._module
+            if self._failed is not None:
+                raise RuntimeError(self._failed)
+            from torch.utils.cpp_extension import load as load_extension
+
+            try:
+                self._module = load_extension(name=self.name.split("-")[0], sources=[str(s) for s in self.sources],
+                                              build_directory=str(self.build_dir), verbose=False,
+                                              **self.build_args)  # type: ignore[arg-type]  # fmt: skip
+            except Exception as err:  # a missing compiler must not take the service down
+                self._failed = f"{self.name} unavailable ({type(err).__name__}: {err}); {self.fallback}"
+                logger.warning("%s", self._failed)
+                raise RuntimeError(self._failed) from err
+        return self._module
