@@ -35,6 +35,7 @@ import torch
 
 from certvllm.attention.checks import rank_and_boundary
 from certvllm.attention.dense import dense_paged
+from certvllm.attention.paged import finite_abs_max, validate_shapes
 from certvllm.attention.report import (
     RUNG_HEAD_DENSE,
     RUNG_LAYER_DENSE,
@@ -76,10 +77,6 @@ def _lut(device: torch.device) -> torch.Tensor:
     return _LUTS[device]
 
 
-def _finite_abs_max(x: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
-    return torch.where(torch.isfinite(x), x.abs(), torch.zeros_like(x)).amax(dim=dims)
-
-
 def _mark(timings: dict[str, list] | None, name: str) -> None:
     if timings is not None:
         ev = torch.cuda.Event(enable_timing=True)
@@ -96,29 +93,9 @@ def stage_times(timings: dict) -> dict[str, float]:
 
 def _validate(q: torch.Tensor, cache: LayerKVCache, block_tables: torch.Tensor, seq_lens: torch.Tensor) -> None:
     """Shape checks only: value checks (lengths ≥ 1, enough columns) would read device memory."""
-    if q.dim() != 3 or q.shape[-1] != cache.layout.head_dim:
-        raise ValueError(f"Invalid shape of q: expected [R, H_q, {cache.layout.head_dim}], got {list(q.shape)}")
-    if q.shape[1] % cache.num_kv_heads != 0:
-        raise ValueError(f"H_q={q.shape[1]} is not a multiple of H_kv={cache.num_kv_heads}; GQA needs whole groups")
-    if block_tables.dim() != 2 or block_tables.shape[0] != q.shape[0] or seq_lens.shape != (q.shape[0],):
-        raise ValueError(
-            f"Invalid block_tables {list(block_tables.shape)} / seq_lens {list(seq_lens.shape)} for {q.shape[0]} rows"
-        )
+    validate_shapes(q, cache, block_tables, seq_lens)
     if 2 * (q.shape[1] // cache.num_kv_heads) > 31:
         raise ValueError("the CUDA path supports at most 15 query heads per KV head (int32 promotion bitmask)")
-
-
-def _report(rows: int, heads: int, device: torch.device) -> CertReport:
-    def z(dtype: torch.dtype) -> torch.Tensor:
-        return torch.zeros(rows, heads, dtype=dtype, device=device)
-
-    return CertReport(
-        rung=z(torch.int8), e_key=z(torch.float32), e_val=z(torch.float32), e_round=z(torch.float32),
-        k_star=z(torch.int32), v_promoted=z(torch.int32), v_max=z(torch.float32),
-        delta_tail=z(torch.float32), alpha_tail=z(torch.float32), rank_fail=z(torch.bool),
-        boundary_fail=z(torch.bool), bound_fail=z(torch.bool), canary_fail=z(torch.bool),
-        precondition=z(torch.bool),
-    )  # fmt: skip
 
 
 def certified_attention_gpu(
@@ -161,7 +138,7 @@ def certified_attention_gpu(
     ensure_device_readable(cache)
     R, Hq, D = q.shape
     if config.mode == "dense":
-        report = _report(R, Hq, dev)
+        report = CertReport.zeros(R, Hq, dev)
         report.rung.fill_(RUNG_LAYER_DENSE)
         fn = dense_fn or _default_dense(q, cache, block_tables, seq_lens, scale, pagein)
         return CertifiedOutput(fn(list(range(R))).float().to(dev), report)
@@ -250,7 +227,7 @@ def _certified_rows(q, cache, block_tables, seq_lens, cfg, scale, pagein, genera
     eta = p1.eta.unsqueeze(2)  # (R, K, 1, B)
     v_max = torch.maximum(p1.nu.amax(dim=-1), tail_vnorm).unsqueeze(-1)  # (R, K, 1)
     eta_max = eta.amax(dim=-1)
-    score_abs1 = torch.maximum(p1.amax.amax(dim=-1), _finite_abs_max(s_tail, (-1,)))
+    score_abs1 = torch.maximum(p1.amax.amax(dim=-1), finite_abs_max(s_tail, (-1,)))
     base_round = torch.maximum(p1.rmax.amax(dim=-1), tail_round)
     round1 = base_round + exp_rounding(score_abs1)
     bad_page = p1.bad.amax(dim=(1, 2)) > 0  # (R,)
@@ -310,13 +287,13 @@ def _certified_rows(q, cache, block_tables, seq_lens, cfg, scale, pagein, genera
     delta_tail = torch.where(in_tail, p1.delta, 0.0).amax(dim=-1)
     # max |s| over phase-2 scores: the INT8 ones (phase 1), the exact ones and the tail; an upper bound
     # of the reference's value, and the exp term grows with it
-    score_abs2 = torch.maximum(torch.maximum(score_abs1, sabs.amax(dim=-1)), _finite_abs_max(s_tail, (-1,)))
+    score_abs2 = torch.maximum(torch.maximum(score_abs1, sabs.amax(dim=-1)), finite_abs_max(s_tail, (-1,)))
     round2 = base_round + exp_rounding(score_abs2)
     alpha_up = tail_mass_upper(alpha, delta_tail, round2)
     e_key, e_round = key_bound(v_max, key_sum_bound(alpha_up, delta_tail, round2), eta_max, N)
 
     # ---- checks and report
-    report = _report(R, Hq, dev)
+    report = CertReport.zeros(R, Hq, dev)
     flat = lambda x: x.reshape(R, Hq)  # noqa: E731
     if certified and cfg.rank_check:
         exact_all = torch.cat((exact_lm, (m + torch.log(den_t)).unsqueeze(-1)), -1)

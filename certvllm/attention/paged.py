@@ -77,11 +77,13 @@ def _exact_float32() -> Iterator[None]:
         torch.set_float32_matmul_precision(previous)
 
 
-def _finite_abs_max(x: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
+def finite_abs_max(x: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
+    """Largest finite |x| over ``dims`` (0 where none is finite)."""
     return torch.where(torch.isfinite(x), x.abs(), torch.zeros_like(x)).amax(dim=dims)
 
 
-def _validate(q: torch.Tensor, cache: LayerKVCache, block_tables: torch.Tensor, seq_lens: torch.Tensor) -> None:
+def validate_shapes(q: torch.Tensor, cache: LayerKVCache, block_tables: torch.Tensor, seq_lens: torch.Tensor) -> None:
+    """Shape checks of a certified call (no tensor values are read)."""
     if q.dim() != 3 or q.shape[-1] != cache.layout.head_dim:
         raise ValueError(f"Invalid shape of q: expected [R, H_q, {cache.layout.head_dim}], got {list(q.shape)}")
     if q.shape[1] % cache.num_kv_heads != 0:
@@ -92,6 +94,10 @@ def _validate(q: torch.Tensor, cache: LayerKVCache, block_tables: torch.Tensor, 
         raise ValueError(
             f"Invalid block_tables {list(block_tables.shape)} / seq_lens {list(seq_lens.shape)} for {q.shape[0]} rows"
         )
+
+
+def _validate(q: torch.Tensor, cache: LayerKVCache, block_tables: torch.Tensor, seq_lens: torch.Tensor) -> None:
+    validate_shapes(q, cache, block_tables, seq_lens)
     if seq_lens.numel() and int(seq_lens.min()) < 1:
         raise ValueError("every row needs seq_len ≥ 1 (a query attends to at least itself)")
     need = -(-int(seq_lens.max()) // cache.layout.block_size) if seq_lens.numel() else 0
@@ -143,7 +149,7 @@ def certified_attention(
         dense_fn = lambda rows: dense_paged(q, cache, block_tables, lens_list, rows, scale, pagein)  # noqa: E731
     rows = q.shape[0]
     if config.mode == "dense":
-        report = _empty_report(rows, q.shape[1], cache.pages.device)
+        report = CertReport.zeros(rows, q.shape[1], cache.pages.device)
         report.rung.fill_(RUNG_LAYER_DENSE)
         with _exact_float32():
             return CertifiedOutput(dense_fn(list(range(rows))).float(), report)
@@ -168,19 +174,6 @@ def certified_attention(
         out, report = torch.cat(outs), CertReport.cat(reports)
         _apply_dense_fallbacks(out, report, dense_fn)
     return CertifiedOutput(out, report)
-
-
-def _empty_report(rows: int, heads: int, device: torch.device) -> CertReport:
-    def z(dtype: torch.dtype) -> torch.Tensor:
-        return torch.zeros(rows, heads, dtype=dtype, device=device)
-
-    return CertReport(
-        rung=z(torch.int8), e_key=z(torch.float32), e_val=z(torch.float32), e_round=z(torch.float32),
-        k_star=z(torch.int32), v_promoted=z(torch.int32), v_max=z(torch.float32),
-        delta_tail=z(torch.float32), alpha_tail=z(torch.float32), rank_fail=z(torch.bool),
-        boundary_fail=z(torch.bool), bound_fail=z(torch.bool), canary_fail=z(torch.bool),
-        precondition=z(torch.bool),
-    )  # fmt: skip
 
 
 def _apply_dense_fallbacks(out: torch.Tensor, report: CertReport, dense_fn: DenseFn) -> None:
@@ -252,7 +245,7 @@ def _certified_rows(
 
     v_max = torch.maximum(nu.amax(dim=-1), tail_vnorm).unsqueeze(-1)  # (R, K, 1)
     eta_max = eta.amax(dim=-1)  # (R, K, 1)
-    score_abs1 = torch.maximum(_finite_abs_max(s8, (-1, -2)), _finite_abs_max(s_tail, (-1,)))
+    score_abs1 = torch.maximum(finite_abs_max(s8, (-1, -2)), finite_abs_max(s_tail, (-1,)))
     base_round = torch.maximum(rnd.amax(dim=-1), tail_round)
     round1 = base_round + exp_rounding(score_abs1)
 
@@ -312,13 +305,13 @@ def _certified_rows(
     in_tail = valid4 & ~key_mask
     alpha = (torch.where(in_tail, rho, torch.zeros_like(rho)).sum(dim=-1) * alpha_inflation(N)).float()
     delta_tail = torch.where(in_tail, delta, torch.zeros_like(delta)).amax(dim=-1)
-    score_abs2 = torch.maximum(_finite_abs_max(s2, (-1, -2)), _finite_abs_max(s_tail, (-1,)))
+    score_abs2 = torch.maximum(finite_abs_max(s2, (-1, -2)), finite_abs_max(s_tail, (-1,)))
     round2 = base_round + exp_rounding(score_abs2)
     alpha_up = tail_mass_upper(alpha, delta_tail, round2)
     e_key, e_round = key_bound(v_max, key_sum_bound(alpha_up, delta_tail, round2), eta_max, N)
 
     # ---- checks
-    report = _empty_report(R, Hq, dev)
+    report = CertReport.zeros(R, Hq, dev)
     flat = lambda x: x.reshape(R, Hq)  # noqa: E731
     if certified and cfg.rank_check:
         exact_lm = torch.cat((m.unsqueeze(-1) + torch.log(den_b), (m + torch.log(den_t)).unsqueeze(-1)), -1)

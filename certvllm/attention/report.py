@@ -42,6 +42,17 @@ class CertReport:
     canary_fail: torch.Tensor
     precondition: torch.Tensor
 
+    @staticmethod
+    def zeros(rows: int, heads: int, device: torch.device | str = "cpu") -> CertReport:
+        """A report of ``[rows, heads]`` zeros (rung 0, no bounds, no flags) to fill in."""
+        dtypes = {"rung": torch.int8, "k_star": torch.int32, "v_promoted": torch.int32}
+        flags = {"rank_fail", "boundary_fail", "bound_fail", "canary_fail", "precondition"}
+        return CertReport(**{
+            f.name: torch.zeros(rows, heads, device=device,
+                                dtype=torch.bool if f.name in flags else dtypes.get(f.name, torch.float32))
+            for f in fields(CertReport)
+        })  # fmt: skip
+
     @property
     def bound(self) -> torch.Tensor:
         """The certificate E_key + E_val per head (0 where recomputed exactly)."""
