@@ -14,13 +14,10 @@ this file (see README, "Deployment").
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import sysconfig
@@ -30,6 +27,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from servers import free_port, stop_group
 
 from certvllm.config import load_config, preset_names
 from certvllm.metrics.prometheus import SPECS
@@ -363,10 +361,6 @@ def test_kubernetes_manifest():
 # The dashboard against a real /metrics scrape
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _get(url: str, data: dict | None = None, timeout: float = 120) -> bytes:
@@ -376,15 +370,6 @@ def _get(url: str, data: dict | None = None, timeout: float = 120) -> bytes:
         return resp.read()
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    """SIGTERM the server's process group, SIGKILL what is left after 30 s."""
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=30)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)  # workers left in the group
-    proc.wait(timeout=30)
 
 
 @pytest.mark.slow
@@ -394,7 +379,7 @@ def test_dashboard_metrics_exist_in_a_real_scrape(tmp_path):
     from certvllm.models import prepare_default_model
 
     model = prepare_default_model(ROOT / "models" / "smollm2-135m-instruct")
-    port = _free_port()
+    port = free_port()
     env = {
         **os.environ,
         "VLLM_CPU_KVCACHE_SPACE": "1",
@@ -450,7 +435,7 @@ def test_dashboard_metrics_exist_in_a_real_scrape(tmp_path):
                 break
             time.sleep(0.5)
     finally:
-        _stop(proc)
+        stop_group(proc)
         log.close()
 
     samples = {m.group(1) for m in re.finditer(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{|\s)", scrape, re.M)}

@@ -6,8 +6,6 @@ import contextlib
 import json
 import os
 import re
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from servers import free_port, stop_group
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -25,10 +24,6 @@ NAME = "smollm2"
 LAYERS, HEADS = 30, 9
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _get(url: str, timeout: float = 10) -> str:
@@ -42,15 +37,6 @@ def _post(url: str, body: dict, timeout: float = 120) -> dict:
         return json.loads(resp.read())
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    """SIGTERM the server's process group, SIGKILL after a timeout: nothing is left behind."""
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=30)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait(timeout=30)
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +44,7 @@ def server(tmp_path_factory) -> Iterator[str]:
     from certvllm.models import prepare_default_model
 
     prepare_default_model(MODEL)
-    port = _free_port()
+    port = free_port()
     log = tmp_path_factory.mktemp("server") / "serve.log"
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1"}
     env.pop("PROMETHEUS_MULTIPROC_DIR", None)
@@ -79,7 +65,7 @@ def server(tmp_path_factory) -> Iterator[str]:
             time.sleep(1)
         yield base
     finally:
-        _stop(proc)
+        stop_group(proc)
         assert not _alive_in_group(proc.pid), "server processes left behind"
 
 
