@@ -58,6 +58,11 @@ def load_phase_metrics(out: Path) -> dict[tuple[str, str], dict[str, float]]:
     return sums
 
 
+def _paired(mine: dict[str, dict[str, Any]], base: dict[str, dict[str, Any]]) -> list[str]:
+    """Ids present for both configs with the same content (hash)."""
+    return sorted(i for i in set(mine) & set(base) if mine[i].get("hash") == base[i].get("hash"))
+
+
 def _reference(configs: list[str]) -> str:
     for name in ("dense", "auto"):
         if name in configs:
@@ -83,7 +88,7 @@ def _accuracy(rows: dict[tuple[str, str, str], dict[str, dict[str, Any]]], tasks
                 cell: dict[str, Any] = {"n": len(mine), "acc": sum(scores) / len(scores),
                                         "acc_ci": stats.mean_ci(scores, seed),
                                         "exact": sum(r["correct"] for r in mine.values()) / len(mine)}  # fmt: skip
-                ids = sorted(set(mine) & set(base))
+                ids = _paired(mine, base)
                 if cfg != ref and ids:
                     s_o, s_r = [mine[i]["score"] for i in ids], [base[i]["score"] for i in ids]
                     cell.update(paired=len(ids), delta=(sum(s_o) - sum(s_r)) / len(ids),
@@ -132,7 +137,7 @@ def _perplexity(rows: dict[tuple[str, str, str], dict[str, dict[str, Any]]], see
             cell: dict[str, Any] = {"windows": len(mine), "tokens": tok, "ppl": math.exp(nll / tok) if tok else None,
                                     "window_tokens": max(r["window_tokens"] for r in mine.values()),
                                     "cached_tokens": [r["cached_tokens"] for r in mine.values()]}  # fmt: skip
-            ids = sorted(set(mine) & set(base))
+            ids = _paired(mine, base)
             if cfg != ref and ids:
                 n_o = [mine[i]["nll_sum"] for i in ids]
                 n_r = [base[i]["nll_sum"] for i in ids]
