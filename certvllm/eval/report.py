@@ -185,11 +185,13 @@ def build(out: Path, seed: int = 20260425) -> dict[str, Any]:
     gen_tasks = sorted({t for (t, _, _) in rows if t != "ppl"},
                        key=lambda t: (t != "niah", t not in RULER_TASKS, list(RULER_TASKS).index(t) if t in RULER_TASKS else 0, t))  # fmt: skip  # noqa: E501
     slugs = {c.replace(":", "-").replace("/", "_").replace(".yaml", ""): c for c in configs}
-    niah_depth: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
-    for (task, _, cfg), found in rows.items():
-        if task == "niah":
-            for r in found.values():
-                niah_depth[f"{r['meta']['depth']:.1f}"][cfg].append(r["score"])
+    niah_depth: dict[str, dict[str, list[tuple[float, float]]]] = defaultdict(lambda: defaultdict(list))
+    for (task, ctx, cfg), found in rows.items():
+        if task == "niah":  # (score, reference's score) on the trials shared with the reference
+            base = rows.get((task, ctx, ref), {})
+            for i in found if cfg == ref else _paired(found, base):
+                pair = (found[i]["score"], base[i]["score"] if i in base else found[i]["score"])
+                niah_depth[f"{found[i]['meta']['depth']:.1f}"][cfg].append(pair)
     runs, commands = ([json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists()
                       else [] for path in (out / "runs.jsonl", out / "commands.jsonl"))  # fmt: skip
     report = {
@@ -199,7 +201,9 @@ def build(out: Path, seed: int = 20260425) -> dict[str, Any]:
         "perplexity": _perplexity(rows, seed, ref, configs),
         "accuracy": _accuracy(rows, gen_tasks, seed, ref, configs),
         "ruler": _ruler_pooled(rows, seed, ref, configs),
-        "niah_by_depth": {d: {c: sum(v) / len(v) for c, v in cs.items()} for d, cs in sorted(niah_depth.items())},
+        "niah_by_depth": {d: {c: {"n": len(v), "acc": sum(x for x, _ in v) / len(v),
+                                   "ref_acc": sum(y for _, y in v) / len(v)} for c, v in cs.items()}
+                          for d, cs in sorted(niah_depth.items())},
         "rungs": _rungs(out, slugs),
     }  # fmt: skip
     (out / "report.json").write_text(json.dumps(report, indent=1))
@@ -305,7 +309,9 @@ def _acc_table(table: dict[str, Any], configs: list[str], ref: str) -> list[str]
     lines = [head, "|" + "---|" * (2 + len(configs) + 2 * len(others))]
     for ctx, cells in table.items():
         n = max(cell["n"] for cell in cells.values())
-        row = f"| {ctx} | {n} | " + " | ".join(_f(cells.get(c, {}).get("acc")) for c in configs)
+        accs = [_f(cells[c]["acc"]) + ("" if cells[c]["n"] == n else f" (n={cells[c]['n']})") if c in cells else "–"
+                for c in configs]  # fmt: skip
+        row = f"| {ctx} | {n} | " + " | ".join(accs)
         for c in others:
             cell = cells.get(c, {})
             mc = cell.get("mcnemar")
@@ -349,10 +355,15 @@ def _markdown(report: dict[str, Any], plots: list[str]) -> str:
                "cycles with the trial index); exact match of the 7-digit value. Paired trials (same seed).", ""]
         md += _acc_table(report["accuracy"]["niah"], configs, ref) + [""]
         if report["niah_by_depth"]:
-            md += ["Accuracy by needle depth (all contexts):", "",
-                   "| depth | " + " | ".join(configs) + " |", "|" + "---|" * (1 + len(configs))]
+            others = [c for c in configs if c != ref]
+            md += ["Accuracy by needle depth, all contexts (each config on the trials it shares with the "
+                   f"reference, next to {ref} on the same trials):", "",
+                   f"| depth | {ref} | " + " | ".join(f"{c} (vs {ref})" for c in others) + " |",
+                   "|" + "---|" * (2 + len(others))]  # fmt: skip
             for d, cs in report["niah_by_depth"].items():
-                md.append(f"| {d} | " + " | ".join(_f(cs.get(c)) for c in configs) + " |")
+                cells = [f"{cs[c]['acc']:.3f} ({cs[c]['ref_acc']:.3f}, n={cs[c]['n']})" if c in cs else "–"
+                         for c in others]  # fmt: skip
+                md.append(f"| {d} | {_f(cs.get(ref, {}).get('acc'))} | " + " | ".join(cells) + " |")
             md.append("")
     ruler_tasks = [t for t in report["accuracy"] if t in RULER_TASKS]
     if ruler_tasks:
