@@ -6,7 +6,7 @@ those of ``certvllm.testing`` (random and adversarial: outlier channels, near-ti
 flat attention, constant channels, tiny and huge norms, sinks and recency, retrieval peaks), over
 GQA ratios 1/3/4/8, D = 64/128, float16 and bfloat16, and the paper/default/strict/fast/naive presets.
 
-Usage: python benchmarks/bench_soundness.py [--head-steps 1000000] [--out runs/soundness.json]
+Usage: python benchmarks/bench_soundness.py [--head-steps 1000000] [--workers N] [--out runs/soundness.json]
 Prints a table (per family and per preset) and writes the JSON summary.
 """
 
@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
+import os
 import platform
 import time
 from collections import defaultdict
@@ -41,11 +43,18 @@ def _summary(ratios: list[torch.Tensor], rungs: torch.Tensor, steps: int, violat
     }
 
 
-def run(head_steps: int, seed: int, rows: int, max_len: int) -> dict:
-    gen = torch.Generator().manual_seed(seed)
-    groups: dict[str, dict] = defaultdict(lambda: {"ratios": [], "rungs": torch.zeros(5, dtype=torch.long),
-                                                   "steps": 0, "violations": 0, "mismatch": 0})  # fmt: skip
-    total = it = 0
+def _new_group() -> dict:
+    return {"ratios": [], "rungs": torch.zeros(5, dtype=torch.long), "steps": 0, "violations": 0, "mismatch": 0}
+
+
+def run_shard(head_steps: int, seed: int, rows: int, max_len: int, worker: int = 0, workers: int = 1) -> dict:
+    """Check ``head_steps`` head-steps: iterations ``worker, worker + workers, ...`` of the family × preset × shape
+    cycle, drawing from a generator seeded with ``(seed, worker)``. Returns the raw per-group accumulators."""
+    if workers > 1:
+        torch.set_num_threads(1)
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + worker)
+    groups: dict[str, dict] = defaultdict(_new_group)
+    total, it, calls = 0, worker, 0
     start = time.perf_counter()
     while total < head_steps:
         family = FAMILIES[it % len(FAMILIES)]
@@ -65,16 +74,44 @@ def run(head_steps: int, seed: int, rows: int, max_len: int) -> dict:
             g["violations"] += res.violations
             g["mismatch"] += res.dense_mismatch
         total += res.rung.numel()
-        it += 1
-        if it % 50 == 0:
+        it += workers
+        calls += 1
+        if calls % 50 == 0:
             rate = total / (time.perf_counter() - start)
-            print(f"  {total:>9,} head-steps, {groups['all']['violations']} violations, {rate:,.0f}/s", flush=True)
+            print(f"  [worker {worker}] {total:>9,} head-steps, {groups['all']['violations']} violations, "
+                  f"{rate:,.0f}/s", flush=True)  # fmt: skip
+    return dict(groups)
+
+
+def _shard_entry(args: tuple) -> dict:
+    return run_shard(*args)
+
+
+def run(head_steps: int, seed: int, rows: int, max_len: int, workers: int = 1) -> dict:
+    """Run the benchmark over ``workers`` processes (each single-threaded when ``workers > 1``) and merge."""
+    start = time.perf_counter()
+    share = -(-head_steps // workers)
+    jobs = [(share, seed, rows, max_len, w, workers) for w in range(workers)]
+    if workers == 1:
+        shards = [run_shard(*jobs[0])]
+    else:
+        with multiprocessing.get_context("spawn").Pool(workers) as pool:
+            shards = pool.map(_shard_entry, jobs)
+    groups: dict[str, dict] = defaultdict(_new_group)
+    for shard in shards:
+        for key, part in shard.items():
+            g = groups[key]
+            g["ratios"].extend(part["ratios"])
+            g["rungs"] += part["rungs"]
+            for field in ("steps", "violations", "mismatch"):
+                g[field] += part[field]
     elapsed = time.perf_counter() - start
     return {
         "config": {"head_steps": head_steps, "seed": seed, "rows_per_call": rows, "max_len": max_len,
-                   "families": FAMILIES, "presets": PRESETS, "shapes": SHAPES},
+                   "workers": workers, "families": FAMILIES, "presets": PRESETS, "shapes": SHAPES},
         "environment": {"torch": torch.__version__, "python": platform.python_version(),
-                        "machine": platform.machine(), "threads": torch.get_num_threads()},
+                        "machine": platform.machine(), "cpus": os.cpu_count(),
+                        "threads": 1 if workers > 1 else torch.get_num_threads()},
         "seconds": elapsed,
         "groups": {k: _summary(g["ratios"], g["rungs"], g["steps"], g["violations"], g["mismatch"])
                    for k, g in sorted(groups.items())},
@@ -100,9 +137,12 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--rows", type=int, default=24, help="sequences per batched call")
     parser.add_argument("--max-len", type=int, default=900, help="context lengths are drawn from [1, max-len)")
+    parser.add_argument("--workers", type=int, default=1, help="processes, each single-threaded when > 1")
     parser.add_argument("--out", type=Path, default=Path("runs/soundness.json"))
     args = parser.parse_args()
-    result = run(args.head_steps, args.seed, args.rows, args.max_len)
+    if args.workers < 1:
+        parser.error(f"--workers must be ≥ 1, got {args.workers}")
+    result = run(args.head_steps, args.seed, args.rows, args.max_len, args.workers)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
     print_table(result)
