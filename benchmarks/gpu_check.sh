@@ -4,6 +4,11 @@
 #
 #   OUT=runs bash benchmarks/gpu_check.sh
 #   PYTEST_FLAGS="-q" BENCH_ARGS="--contexts 8192 32768" bash benchmarks/gpu_check.sh
+#   SKIP_TESTS=1 SWEEP="CERTVLLM_P1_BLK=4 CERTVLLM_P1_WARPS=4;CERTVLLM_P1_BLK=8 CERTVLLM_P1_WARPS=8" \
+#     BENCH_ARGS="--contexts 131072 --batches 8" bash benchmarks/gpu_check.sh
+#
+# SWEEP: ';'-separated sets of environment assignments (kernel tile sizes, warps, the split plan); the
+# benchmark runs once per set, all output in bench.log and the JSON files in sweep.tar.
 #
 # Wheels in .whl/ (pydantic and its dependencies, which the H200 image lacks) are installed first.
 set -uo pipefail
@@ -24,11 +29,29 @@ if ! python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/pip.lo
 fi
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
-# shellcheck disable=SC2086
-python3 -m pytest -m gpu ${PYTEST_FLAGS:--x -q} tests/test_gpu.py 2>&1 | tee "$OUT/pytest_gpu.log"
-test_rc=${PIPESTATUS[0]}
-# shellcheck disable=SC2086
-python3 benchmarks/bench_decode.py --out "$OUT/decode.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
-bench_rc=${PIPESTATUS[0]}
+test_rc=0
+if [ -z "${SKIP_TESTS:-}" ]; then
+  # shellcheck disable=SC2086
+  python3 -m pytest -m gpu ${PYTEST_FLAGS:--x -q} tests/test_gpu.py 2>&1 | tee "$OUT/pytest_gpu.log"
+  test_rc=${PIPESTATUS[0]}
+fi
+bench_rc=0
+if [ -n "${SWEEP:-}" ]; then
+  mkdir -p /tmp/sweep
+  i=0
+  IFS=';' read -ra cfgs <<<"$SWEEP"
+  for cfg in "${cfgs[@]}"; do
+    i=$((i + 1))
+    echo "=== sweep $i: $cfg" | tee -a "$OUT/bench.log"
+    # shellcheck disable=SC2086
+    env $cfg python3 benchmarks/bench_decode.py --out "/tmp/sweep/decode_$i.json" ${BENCH_ARGS:-} 2>&1 | tee -a "$OUT/bench.log"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || bench_rc=1
+  done
+  tar -C /tmp/sweep -cf "$OUT/sweep.tar" .
+else
+  # shellcheck disable=SC2086
+  python3 benchmarks/bench_decode.py --out "$OUT/decode.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
+  bench_rc=${PIPESTATUS[0]}
+fi
 echo "gpu_check: pytest rc=$test_rc, bench rc=$bench_rc"
 exit $(( test_rc != 0 || bench_rc != 0 ))

@@ -23,13 +23,16 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
 pytest.importorskip("triton", reason="triton is not installed: the Triton kernels cannot be tested")
 
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+from certvllm.triton_kernels.common import key_scale_sigma  # noqa: E402
 from certvllm.triton_kernels.encode import encode_pages_triton  # noqa: E402
 
 from certvllm.attention import certified_attention, dense_decode  # noqa: E402
 from certvllm.attention.gpu import certified_attention_gpu  # noqa: E402
 from certvllm.config import load_config, make_config  # noqa: E402
 from certvllm.formats.keys import P2_RELATIVE_SLACK  # noqa: E402
-from certvllm.formats.layout import BLOCK_SIZE, FLAG_PRECONDITION, PageLayout  # noqa: E402
+from certvllm.formats.layout import BLOCK_SIZE, FLAG_PRECONDITION, PageLayout, key_scale_lut  # noqa: E402
 from certvllm.formats.pages import PageReader, encode_pages  # noqa: E402
 from certvllm.kv.cache import LayerKVCache  # noqa: E402
 from certvllm.kv.cuda_pagein import CudaPageInEngine, encode_blocks_from_shadow  # noqa: E402
@@ -182,3 +185,24 @@ def test_paper_preset_exploration_draws_on_the_device(gen):
     cases = [make_case("retrieval_peaks", t, 8, 2, 64, torch.float16, gen) for t in (300, 17)]
     res, _ = _check(cases, load_config("paper", exploration_rate=0.3))
     assert (res.report.k_star[0] > 2).all()
+
+
+@triton.jit
+def _sigma_kernel(codes, exps, out, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = i < n
+    c = tl.load(codes + i, mask=m, other=0)
+    e = tl.load(exps + i, mask=m, other=0)
+    tl.store(out + i, key_scale_sigma(c, e), mask=m)
+
+
+def test_key_scale_sigma_equals_the_table_bit_for_bit():
+    """Phase 1 forms σ = LUT[code]·2^E without a table gather (``common.key_scale_sigma``): every code, at
+    exponents from the clamp limits to beyond them, must give the reference's float32 value exactly."""
+    exps = torch.tensor([-130, -126, -125, -40, -7, 0, 3, 20, 120, 127, 130], dtype=torch.int32)
+    codes = torch.arange(256, dtype=torch.int32).repeat(exps.numel())
+    ex = exps.repeat_interleave(256)
+    out = torch.empty(codes.numel(), dtype=torch.float32, device=DEV)
+    _sigma_kernel[(triton.cdiv(codes.numel(), 256),)](codes.to(DEV), ex.to(DEV), out, codes.numel(), BLOCK=256)
+    ref = key_scale_lut()[codes.long()] * torch.pow(2.0, ex.clamp(-126, 127).double()).float()
+    assert torch.equal(out.cpu().view(torch.int32), ref.view(torch.int32))

@@ -20,6 +20,7 @@ __all__ = [
     "as_mask",
     "device_arg",
     "interpreting",
+    "key_scale_sigma",
     "launch_device_ok",
     "next_pow2",
     "precise",
@@ -141,6 +142,59 @@ def exp_f32(x, PRECISE: tl.constexpr):
 def pow2_f32(e):
     """2^e as float32 for int32 e in [-126, 127], exactly (from the exponent bits)."""
     return ((e + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def key_scale_sigma(code, ex):
+    """σ = LUT[code]·2^E as float32 (``formats.layout.key_scale_lut``), bit for bit, without a table gather.
+
+    LUT[c] = fl32(2^((c − 255)/32)) = 2^(−(c′ >> 5))·T[c′ & 31] with c′ = 255 − c and T[j] = LUT[255 − j]
+    (scaling by a power of two commutes with rounding; ``tests/test_triton_kernels.py`` checks all 256
+    codes). T is selected by the five bits of j (a tree of 31 selects of constants), so the kernels need no
+    gather, whose layout Triton would impose on the surrounding arithmetic. ``code`` int32 in [0, 255],
+    ``ex`` int32 (clamped to [-126, 127] here, as the readers do); the two products are those of
+    ``LUT[code] * 2^E``."""
+    cp = 255 - code
+    j = cp & 31
+    b0 = (j & 1) != 0
+    b1 = (j & 2) != 0
+    b2 = (j & 4) != 0
+    b3 = (j & 8) != 0
+    b4 = (j & 16) != 0
+    t0 = tl.where(b0, 0.9785720705986023, 1.0)
+    t1 = tl.where(b0, 0.9370838403701782, 0.9576032757759094)
+    t2 = tl.where(b0, 0.8973545432090759, 0.9170040488243103)
+    t3 = tl.where(b0, 0.8593096733093262, 0.8781260848045349)
+    t4 = tl.where(b0, 0.8228777647018433, 0.8408964276313782)
+    t5 = tl.where(b0, 0.7879904508590698, 0.8052451610565186)
+    t6 = tl.where(b0, 0.7545822262763977, 0.7711054086685181)
+    t7 = tl.where(b0, 0.7225903868675232, 0.7384130954742432)
+    t8 = tl.where(b0, 0.6919549703598022, 0.7071067690849304)
+    t9 = tl.where(b0, 0.6626183390617371, 0.6771277785301208)
+    t10 = tl.where(b0, 0.6345254778862, 0.6484197974205017)
+    t11 = tl.where(b0, 0.6076236963272095, 0.6209288835525513)
+    t12 = tl.where(b0, 0.5818624496459961, 0.5946035385131836)
+    t13 = tl.where(b0, 0.557193398475647, 0.5693942904472351)
+    t14 = tl.where(b0, 0.5335702300071716, 0.5452538728713989)
+    t15 = tl.where(b0, 0.5109485983848572, 0.5221368670463562)
+    u1_0 = tl.where(b1, t1, t0)
+    u1_1 = tl.where(b1, t3, t2)
+    u1_2 = tl.where(b1, t5, t4)
+    u1_3 = tl.where(b1, t7, t6)
+    u1_4 = tl.where(b1, t9, t8)
+    u1_5 = tl.where(b1, t11, t10)
+    u1_6 = tl.where(b1, t13, t12)
+    u1_7 = tl.where(b1, t15, t14)
+    u2_0 = tl.where(b2, u1_1, u1_0)
+    u2_1 = tl.where(b2, u1_3, u1_2)
+    u2_2 = tl.where(b2, u1_5, u1_4)
+    u2_3 = tl.where(b2, u1_7, u1_6)
+    u3_0 = tl.where(b3, u2_1, u2_0)
+    u3_1 = tl.where(b3, u2_3, u2_2)
+    u4_0 = tl.where(b4, u3_1, u3_0)
+    mant = u4_0
+    lut = tl.where(code == 0, 0.0, mant * pow2_f32(-(cp >> 5)))  # = LUT[code], exactly
+    return lut * pow2_f32(tl.minimum(tl.maximum(ex, -126), 127))
 
 
 @triton.jit

@@ -16,6 +16,7 @@ full block get the reference's neutral values (ℓ = −inf, Δ = η = ν = 0).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -24,7 +25,10 @@ import triton.language as tl
 
 from certvllm.formats.layout import PageLayout
 
-from .common import as_mask, launch_device_ok, next_pow2, pow2_f32
+from .common import key_scale_sigma, launch_device_ok, next_pow2
+
+PHASE1_BLK = 4  # blocks per loop iteration
+PHASE1_WARPS = 4  # warps per program
 
 
 @triton.jit
@@ -36,20 +40,19 @@ def _phase1_kernel(
     pages_f32,  # the same storage as float32 (η, ν)
     tables,  # [R, ≥B] int64 16-token block ids (row stride TB_STRIDE)
     nfull,  # [R] int64 full blocks per row
-    lut,  # [256] float32 key-scale mantissas
+    lut,  # [256] float32 key-scale mantissas (unused: σ comes from ``key_scale_sigma``, the same values)
     scores,  # out [R, H_kv, B, G, N] float32 INT8 scores (valid blocks only)
     l8,  # out [R, H_kv, G, B] float32 block log-mass (−inf past the last full block)
     m8,  # out [R, H_kv, G, B] float32 block max score (−inf past the last full block)
     delta,  # out [R, H_kv, G, B] float32 Δ_b (0 past the last full block)
     eta,  # out [R, H_kv, B] float32 η_b (0 past the last full block)
     nu,  # out [R, H_kv, B] float32 ν_b (0 past the last full block)
-    rmax,  # out [R, H_kv, G, S] float32 per-split max R_b
-    amax,  # out [R, H_kv, G, S] float32 per-split max finite |s̃⁸|
-    bad,  # out [R, H_kv, S] int32 per-split: a valid page is flagged or invalid
+    rmax,  # out [R, H_kv, G, B] float32 per-block score rounding R_b (0 past the last full block)
+    amax,  # out [R, H_kv, G, B] float32 per-block max finite |s̃⁸| (0 past the last full block)
+    bad,  # out [R, H_kv, B] int32 per block: a valid page is flagged or invalid
     num_blocks,  # total 16-token blocks in the cache (ids are clamped to it, as the reference does)
     B,  # blocks per row in the outputs (block-table columns)
     TB_STRIDE,  # row stride of ``tables``
-    S,  # number of splits
     BPS,  # blocks per split
     DELTA_F,  # float32 factor of Δ_b
     ROUND_F,  # float32 factor of R_b
@@ -59,69 +62,95 @@ def _phase1_kernel(
     D: tl.constexpr,  # head dim
     DP: tl.constexpr,  # next power of two ≥ D
     M: tl.constexpr,  # 16-token blocks per engine block
+    BLK: tl.constexpr,  # blocks per loop iteration (power of two)
     PAGE_BYTES: tl.constexpr,  # bytes of one page
     K_OFFSET: tl.constexpr,  # byte offset of the key offsets ℓ̃ (float16 [D])
     K_SCODE: tl.constexpr,  # byte offset of the key scale codes (uint8 [D])
     HEADER: tl.constexpr,  # byte offset of the 16-byte header
 ):
+    # The tile is [BLK, N, D] (blocks, tokens, channels). Every load and product of the loop is meant to
+    # share one layout: D over the 32 lanes of a warp, 4 channels per thread (the loads see runs of 4
+    # contiguous channels only, ``d4``), BLK over the warps, the 16 tokens of a block in each thread's
+    # registers; per-block reductions over tokens stay in a thread and the D-term dot products reduce over
+    # the lanes of one warp. The key codes are loaded last: Triton's layout propagation lets the last
+    # large load of the loop decide the layout of the arithmetic that consumes it.
     N: tl.constexpr = 16
     rk = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     r = rk // H
     h = rk % H
-    g = tl.arange(0, GP)
-    d = tl.arange(0, DP)
-    n = tl.arange(0, N)
-    gm = g < G
-    dm = d < D
-    q = tl.load(qs + (r * (H * G) + h * G + g[:, None]) * D + d[None, :], mask=gm[:, None] & dm[None, :], other=0.0)
-    qa = tl.abs(q)
+    dd = tl.arange(0, DP)
+    d4 = dd % 4 + (dd // 4) * 4  # = dd, seen by the compiler as runs of 4
+    dv = d4[None, None, :]  # [1, 1, DP]
+    dmv = dv < D
+    nv = tl.arange(0, N)[None, :, None]  # [1, N, 1]
+    jv = tl.arange(0, BLK)[:, None, None]  # [BLK, 1, 1]
+    gq = tl.arange(0, GP)[:, None]
+    gs = tl.arange(0, GP)[None, None, :]  # [1, 1, GP]
+    gr = tl.arange(0, GP)[None, :, None]  # [1, GP, 1]
+    dq = tl.arange(0, DP)[None, :]
+    q2 = tl.load(qs + (r * (H * G) + h * G + gq) * D + dq, mask=(gq < G) & (dq < D), other=0.0)  # [GP, DP]
     nf = tl.load(nfull + r)
-    rm = tl.zeros([GP], tl.float32)
-    am = tl.zeros([GP], tl.float32)
-    badv = tl.zeros([1], tl.int32)
-    for i in range(0, BPS):
-        b = split * BPS + i
-        inb = b < B
-        valid = inb & (b < nf)
-        bid = tl.load(tables + r * TB_STRIDE + b, mask=inb, other=0)
+    for it in range(0, tl.cdiv(BPS, BLK)):
+        iv = it * BLK + jv
+        bv = split * BPS + iv  # [BLK, 1, 1] block column
+        inb = (bv < B) & (iv < BPS)
+        valid = inb & (bv < nf)
+        bid = tl.load(tables + r * TB_STRIDE + bv, mask=inb, other=0)
         bid = tl.minimum(tl.maximum(bid, 0), num_blocks - 1)
-        base = ((bid // M) * H + h) * (M * PAGE_BYTES) + (bid % M) * PAGE_BYTES
-        codes = tl.load(pages_u8 + base + n[:, None] * D + d[None, :], mask=as_mask(valid & dm[None, :]), other=0)
-        off = tl.load(pages_f16 + (base + K_OFFSET) // 2 + d, mask=as_mask(valid & dm), other=0.0).to(tl.float32)
-        sc = tl.load(pages_u8 + base + K_SCODE + d, mask=as_mask(valid & dm), other=0).to(tl.int32)
-        ex = tl.load(pages_i8 + base + HEADER + 8, mask=valid, other=0).to(tl.int32)
-        sigma = tl.load(lut + sc) * pow2_f32(tl.minimum(tl.maximum(ex, -126), 127))
-        khat = off[None, :] + codes.to(tl.float32) * sigma[None, :]
-        s = tl.sum(q[:, None, :] * khat[None, :, :], axis=2)  # [GP, N]
-        s = tl.where(valid & gm[:, None], s, float("-inf"))
-        mb = tl.max(s, axis=1)
-        fin = tl.abs(mb) < float("inf")
-        mref = tl.where(fin, mb, 0.0)
-        lb = tl.where(
-            fin, mref + tl.log(tl.maximum(tl.sum(tl.exp(s - mref[:, None]), axis=1), 1.0)), mb
-        )  # sum ≥ 1 when fin
-        dl = tl.sum(qa * sigma[None, :], axis=1) * DELTA_F
-        kmag = tl.maximum(tl.abs(off), tl.abs(off + 255.0 * sigma)) + sigma
-        rb = tl.sum(qa * kmag[None, :], axis=1) * ROUND_F
+        base = ((bid // M) * H + h) * (M * PAGE_BYTES) + (bid % M) * PAGE_BYTES  # [BLK, 1, 1]
+        vm = valid & dmv
         e_b = tl.load(pages_f32 + (base + HEADER) // 4, mask=valid, other=0.0)
         n_b = tl.load(pages_f32 + (base + HEADER) // 4 + 1, mask=valid, other=0.0)
         flags = tl.load(pages_u8 + base + HEADER + 9, mask=valid, other=1).to(tl.int32)
-        badv = badv | (valid & (((flags & 2) != 0) | ((flags & 1) == 0))).to(tl.int32)
-        srow = ((rk * B + b) * G + g[:, None]) * N + n[None, :]
-        tl.store(scores + srow, s, mask=as_mask(valid & gm[:, None]))
-        orow = (rk * G + g) * B + b
-        tl.store(l8 + orow, tl.where(valid, lb, float("-inf")), mask=as_mask(gm & inb))
-        tl.store(m8 + orow, tl.where(valid, mb, float("-inf")), mask=as_mask(gm & inb))
-        tl.store(delta + orow, tl.where(valid, dl, 0.0), mask=as_mask(gm & inb))
-        tl.store(eta + rk * B + b, tl.where(valid, e_b, 0.0), mask=inb)
-        tl.store(nu + rk * B + b, tl.where(valid, n_b, 0.0), mask=inb)
-        rm = tl.maximum(rm, tl.where(valid, rb, 0.0))
-        sa = tl.max(tl.where(tl.abs(s) < float("inf"), tl.abs(s), 0.0), axis=1)
-        am = tl.maximum(am, tl.where(valid, sa, 0.0))
-    tl.store(rmax + (rk * G + g) * S + split, rm, mask=gm)
-    tl.store(amax + (rk * G + g) * S + split, am, mask=gm)
-    tl.store(bad + rk * S + split + tl.arange(0, 1), badv)
+        ex = tl.load(pages_i8 + base + HEADER + 8, mask=valid, other=0).to(tl.int32)
+        off = tl.load(pages_f16 + (base + K_OFFSET) // 2 + dv, mask=vm, other=0.0).to(tl.float32)  # [BLK, 1, DP]
+        sc = tl.load(pages_u8 + base + K_SCODE + dv, mask=vm, other=0).to(tl.int32)
+        sigma = key_scale_sigma(sc, ex)  # = LUT[sc]·2^E (no gather)
+        codes = tl.load((pages_u8 + base) + (nv * D + dv), mask=vm, other=0)  # [BLK, N, DP]
+        khat = off + codes.to(tl.float32) * sigma  # [BLK, N, DP]
+        kmag = tl.maximum(tl.abs(off), tl.abs(off + 255.0 * sigma)) + sigma  # [BLK, 1, DP]
+        badb = (valid & (((flags & 2) != 0) | ((flags & 1) == 0))).to(tl.int32)
+        pb = rk * B + bv  # [BLK, 1, 1]
+        tl.store(eta + pb, tl.where(valid, e_b, 0.0), mask=inb)
+        tl.store(nu + pb, tl.where(valid, n_b, 0.0), mask=inb)
+        tl.store(bad + pb, badb, mask=inb)
+        # per query head: scores and block statistics, gathered into [BLK, N, GP] / [BLK, GP, 1] tiles
+        # (row g only) so that each output is stored once per iteration
+        s_all = tl.zeros([BLK, N, GP], tl.float32)
+        l_all = tl.zeros([BLK, GP, 1], tl.float32)
+        m_all = tl.zeros([BLK, GP, 1], tl.float32)
+        d_all = tl.zeros([BLK, GP, 1], tl.float32)
+        r_all = tl.zeros([BLK, GP, 1], tl.float32)
+        a_all = tl.zeros([BLK, GP, 1], tl.float32)
+        for g in tl.static_range(G):
+            qg = tl.sum(tl.where(gq == g, q2, 0.0), axis=0)[None, None, :]  # [1, 1, DP] row g of q (exact)
+            qa = tl.abs(qg)
+            s = tl.sum(khat * qg, axis=2, keep_dims=True)  # [BLK, N, 1] D-term float32 dot products
+            s = tl.where(valid, s, float("-inf"))
+            mb = tl.max(s, axis=1, keep_dims=True)  # [BLK, 1, 1]
+            fin = tl.abs(mb) < float("inf")
+            mref = tl.where(fin, mb, 0.0)
+            ssum = tl.sum(tl.exp(s - mref), axis=1, keep_dims=True)
+            lb = tl.where(fin, mref + tl.log(tl.maximum(ssum, 1.0)), mb)  # ssum ≥ 1 when fin
+            dl = tl.sum(qa * sigma, axis=2, keep_dims=True) * DELTA_F  # [BLK, 1, 1]
+            rb = tl.sum(qa * kmag, axis=2, keep_dims=True) * ROUND_F
+            sa = tl.max(tl.where(tl.abs(s) < float("inf"), tl.abs(s), 0.0), axis=1, keep_dims=True)
+            s_all = tl.where(gs == g, s, s_all)
+            rowg = gr == g
+            l_all = tl.where(rowg, lb, l_all)
+            m_all = tl.where(rowg, mb, m_all)
+            d_all = tl.where(rowg, dl, d_all)
+            r_all = tl.where(rowg, rb, r_all)
+            a_all = tl.where(rowg, sa, a_all)
+        tl.store((scores + pb * (G * N)) + (gs * N + nv), s_all, mask=valid & (gs < G))
+        orow = (rk * G + gr) * B + bv  # [BLK, GP, 1]
+        om = inb & (gr < G)
+        tl.store(l8 + orow, tl.where(valid, l_all, float("-inf")), mask=om)
+        tl.store(m8 + orow, tl.where(valid, m_all, float("-inf")), mask=om)
+        tl.store(delta + orow, tl.where(valid, d_all, 0.0), mask=om)
+        tl.store(rmax + orow, tl.where(valid, r_all, 0.0), mask=om)
+        tl.store(amax + orow, tl.where(valid, a_all, 0.0), mask=om)
 
 
 @dataclass
@@ -152,6 +181,8 @@ def phase1(
     rounding_factor: float,
     splits: int,
     blocks_per_split: int,
+    blk: int | None = None,
+    num_warps: int | None = None,
 ) -> Phase1Out:
     """Launch phase 1.
 
@@ -161,12 +192,17 @@ def phase1(
         tables: ``[R, B]`` int64 block ids; nfull: ``[R]`` int64 full blocks per row.
         lut: ``[256]`` float32 :func:`~certvllm.formats.layout.key_scale_lut` on the device.
         splits, blocks_per_split: the split-K plan (``splits·blocks_per_split ≥ B``).
+        blk, num_warps: blocks per loop iteration and warps per program (defaults: ``PHASE1_BLK``,
+            ``PHASE1_WARPS``, or the environment variables ``CERTVLLM_P1_BLK`` / ``CERTVLLM_P1_WARPS``).
 
     Returns:
         :class:`Phase1Out` with scores ``[R, H_kv, B, G, 16]``, l8/m8/delta ``[R, H_kv, G, B]``,
-        eta/nu ``[R, H_kv, B]``, rmax/amax ``[R, H_kv, G, S]`` float32 and bad ``[R, H_kv, S]`` int32.
+        eta/nu ``[R, H_kv, B]``, rmax/amax ``[R, H_kv, G, B]`` float32 and bad ``[R, H_kv, B]`` int32
+        (per block: reduce over the last axis).
     """
     launch_device_ok(pages)
+    blk = next_pow2(blk or int(os.environ.get("CERTVLLM_P1_BLK", PHASE1_BLK)))
+    num_warps = num_warps or int(os.environ.get("CERTVLLM_P1_WARPS", PHASE1_WARPS))
     R, Hq, D = qs.shape
     K = num_kv_heads
     G = Hq // K
@@ -180,18 +216,18 @@ def phase1(
         delta=torch.empty(R, K, G, B, **f32),
         eta=torch.empty(R, K, B, **f32),
         nu=torch.empty(R, K, B, **f32),
-        rmax=torch.empty(R, K, G, splits, **f32),
-        amax=torch.empty(R, K, G, splits, **f32),
-        bad=torch.empty(R, K, splits, dtype=torch.int32, device=dev),
+        rmax=torch.empty(R, K, G, B, **f32),
+        amax=torch.empty(R, K, G, B, **f32),
+        bad=torch.empty(R, K, B, dtype=torch.int32, device=dev),
     )
     num_blocks = pages.shape[0] * sub_blocks
     _phase1_kernel[(R * K, splits)](
         qs, pages, pages.view(torch.int8), pages.view(torch.float16), pages.view(torch.float32),
         tables, nfull, lut,
         out.scores, out.l8, out.m8, out.delta, out.eta, out.nu, out.rmax, out.amax, out.bad,
-        num_blocks, B, tables.stride(0), splits, blocks_per_split, delta_factor, rounding_factor,
-        H=K, G=G, GP=next_pow2(G), D=D, DP=next_pow2(D), M=sub_blocks, PAGE_BYTES=layout.page_bytes,
+        num_blocks, B, tables.stride(0), blocks_per_split, delta_factor, rounding_factor,
+        H=K, G=G, GP=next_pow2(G), D=D, DP=next_pow2(D), M=sub_blocks, BLK=blk, PAGE_BYTES=layout.page_bytes,
         K_OFFSET=layout.k_offset, K_SCODE=layout.k_scale_code, HEADER=layout.header,
-        num_warps=4 if G <= 4 else 8,
+        num_warps=num_warps,
     )  # fmt: skip
     return out

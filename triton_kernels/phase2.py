@@ -22,6 +22,7 @@ rungs 3/4 on the device sets it for the escalated groups only.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -30,7 +31,7 @@ import triton.language as tl
 
 from certvllm.formats.layout import PageLayout
 
-from .common import as_mask, device_arg, exp_f32, launch_device_ok, next_pow2, precise
+from .common import device_arg, exp_f32, launch_device_ok, next_pow2, precise
 
 
 @triton.jit
@@ -61,6 +62,7 @@ def _promote_kernel(
     M: tl.constexpr,  # 16-token blocks per engine block
     CHANNEL_MAJOR: tl.constexpr,  # shadow keys stored [D, m·N] (the CPU layout)
     CANARY: tl.constexpr,  # run the canary (loads keys of value-only promoted blocks too)
+    PB: tl.constexpr,  # blocks per tile of the bitmask scan
 ):
     N: tl.constexpr = 16
     rk = tl.program_id(0).to(tl.int64)
@@ -73,47 +75,61 @@ def _promote_kernel(
     gm = g < G
     dm = d < D
     act = tl.load(active + rk)
-    n_iter = tl.where(act != 0, BPS, 0)
+    n_tiles = tl.where(act != 0, tl.cdiv(BPS, PB), 0)
     q = tl.load(qs + (r * (H * G) + h * G + g[:, None]) * D + d[None, :], mask=gm[:, None] & dm[None, :], other=0.0)
     r1 = tl.load(round1 + rk * G + g, mask=gm, other=0.0)
     nf = tl.load(nfull + r)
     run_max = tl.full([GP], float("-inf"), tl.float32)
     run_abs = tl.zeros([GP], tl.float32)
     key_bits = (1 << G) - 1
-    for i in range(0, n_iter):
-        b = split * BPS + i
-        valid = (b < B) & (b < nf)
-        bb = tl.load(bits + rk * B + b, mask=valid, other=0)
-        kb = (((bb >> g) & 1) != 0) & gm
-        m8b = tl.load(m8 + (rk * G + g) * B + b, mask=as_mask(valid & gm), other=float("-inf"))
-        run_max = tl.maximum(run_max, tl.where(kb, float("-inf"), m8b))
+    jt = tl.arange(0, PB)
+    for t in range(0, n_tiles):
+        # PB blocks at once: bitmasks and INT8 block maxima (the common case: nothing promoted)
+        it = t * PB + jt
+        bt = split * BPS + it
+        vt = (bt < B) & (it < BPS) & (bt < nf)
+        bbt = tl.load(bits + rk * B + bt, mask=vt, other=0)  # [PB]
+        kbt = (((bbt[None, :] >> g[:, None]) & 1) != 0) & gm[:, None]  # [GP, PB]
+        m8t = tl.load(m8 + (rk * G + g[:, None]) * B + bt[None, :], mask=vt[None, :] & gm[:, None], other=float("-inf"))
+        run_max = tl.maximum(run_max, tl.max(tl.where(kbt, float("-inf"), m8t), axis=1))
         if CANARY:
-            need = bb != 0
+            need_t = bbt != 0
         else:
-            need = (bb & key_bits) != 0
-        if need:
-            bid = tl.load(tables + r * TB_STRIDE + b)
-            bid = tl.minimum(tl.maximum(bid, 0), num_blocks - 1)
-            kbase = (((bid // M) * H + h) * 2) * (M * N * D)
-            if CHANNEL_MAJOR:
-                koffs = d[None, :] * (M * N) + (bid % M) * N + n[:, None]
-            else:
-                koffs = ((bid % M) * N + n[:, None]) * D + d[None, :]
-            kt = tl.load(shadow + kbase + koffs, mask=dm[None, :], other=0.0).to(tl.float32)
-            se = tl.sum(q[:, None, :] * kt[None, :, :], axis=2)  # [GP, N] exact-key scores
-            srow = ((rk * B + b) * G + g[:, None]) * N + n[None, :]
-            if CANARY:
-                s8 = tl.load(scores + srow, mask=gm[:, None], other=0.0)
-                dl = tl.load(delta + (rk * G + g) * B + b, mask=gm, other=0.0)
-                allowed = (dl + 2.0 * r1) * (1.0 + 2.0**-10)
-                diff = tl.abs(se - s8)
-                viol = ((diff > allowed[:, None]) | ~(diff < float("inf"))) & gm[:, None]
-                nviol = tl.sum(tl.sum(viol.to(tl.int32), axis=1), axis=0)
-                tl.atomic_max(canary + r, (nviol > 0).to(tl.int32))
-            tl.store(scores + srow, se, mask=kb[:, None])
-            run_max = tl.maximum(run_max, tl.where(kb, tl.max(se, axis=1), float("-inf")))
-            sa = tl.max(tl.where(tl.abs(se) < float("inf"), tl.abs(se), 0.0), axis=1)
-            run_abs = tl.maximum(run_abs, tl.where(kb, sa, 0.0))
+            need_t = (bbt & key_bits) != 0
+        if tl.sum(need_t.to(tl.int32), axis=0) > 0:
+            for j in range(0, PB):
+                i = t * PB + j
+                b = split * BPS + i
+                valid = (b < B) & (i < BPS) & (b < nf)
+                bb = tl.load(bits + rk * B + b, mask=valid, other=0)
+                kb = (((bb >> g) & 1) != 0) & gm
+                if CANARY:
+                    need = bb != 0
+                else:
+                    need = (bb & key_bits) != 0
+                if need:
+                    bid = tl.load(tables + r * TB_STRIDE + b)
+                    bid = tl.minimum(tl.maximum(bid, 0), num_blocks - 1)
+                    kbase = (((bid // M) * H + h) * 2) * (M * N * D)
+                    if CHANNEL_MAJOR:
+                        koffs = d[None, :] * (M * N) + (bid % M) * N + n[:, None]
+                    else:
+                        koffs = ((bid % M) * N + n[:, None]) * D + d[None, :]
+                    kt = tl.load(shadow + kbase + koffs, mask=dm[None, :], other=0.0).to(tl.float32)
+                    se = tl.sum(q[:, None, :] * kt[None, :, :], axis=2)  # [GP, N] exact-key scores
+                    srow = ((rk * B + b) * G + g[:, None]) * N + n[None, :]
+                    if CANARY:
+                        s8 = tl.load(scores + srow, mask=gm[:, None], other=0.0)
+                        dl = tl.load(delta + (rk * G + g) * B + b, mask=gm, other=0.0)
+                        allowed = (dl + 2.0 * r1) * (1.0 + 2.0**-10)
+                        diff = tl.abs(se - s8)
+                        viol = ((diff > allowed[:, None]) | ~(diff < float("inf"))) & gm[:, None]
+                        nviol = tl.sum(tl.sum(viol.to(tl.int32), axis=1), axis=0)
+                        tl.atomic_max(canary + r, (nviol > 0).to(tl.int32))
+                    tl.store(scores + srow, se, mask=kb[:, None])
+                    run_max = tl.maximum(run_max, tl.where(kb, tl.max(se, axis=1), float("-inf")))
+                    sa = tl.max(tl.where(tl.abs(se) < float("inf"), tl.abs(se), 0.0), axis=1)
+                    run_abs = tl.maximum(run_abs, tl.where(kb, sa, 0.0))
     tl.store(smax + (rk * G + g) * S + split, run_max, mask=gm)
     tl.store(sabs + (rk * G + g) * S + split, run_abs, mask=gm)
 
@@ -148,6 +164,7 @@ def _attend_kernel(
     M: tl.constexpr,  # 16-token blocks per engine block
     GRP: tl.constexpr,  # value group size g
     NG: tl.constexpr,  # value groups per token
+    BLK: tl.constexpr,  # blocks per loop iteration (power of two)
     PAGE_BYTES: tl.constexpr,  # page size
     V_CODES: tl.constexpr,  # byte offsets of the value fields
     V_SCALE: tl.constexpr,
@@ -155,67 +172,104 @@ def _attend_kernel(
     HEADER: tl.constexpr,
     PRECISE: tl.constexpr,  # libdevice expf (compiled) / NumPy exp (interpreter)
 ):
+    # Tiles [BLK, N, DP/2] over the value bytes (blocks, tokens, byte k = channels 2k and 2k+1): the 16 tokens
+    # of a block sit in each thread's registers, so den_b and num_b (16-term float32 sums over the block's
+    # tokens) need no data exchange; even and odd channels (low and high nibbles) are kept as two tiles.
+    # Per query head g the block sums are converted to float64 and added into [BLK, GP, ·] accumulators
+    # (row g only: the other rows add an exact 0), reduced over BLK once at the end.
     N: tl.constexpr = 16
+    DH: tl.constexpr = DP // 2
     rk = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     r = rk // H
     h = rk % H
-    g = tl.arange(0, GP)
-    d = tl.arange(0, DP)
-    n = tl.arange(0, N)
-    gm = g < G
-    dm = d < D
+    kk = tl.arange(0, DH)
+    k2 = kk % 2 + (kk // 2) * 2  # = kk, seen by the compiler as runs of 2 bytes
+    kv = k2[None, None, :]  # [1, 1, DH]
+    km = kv < D // 2
+    nv = tl.arange(0, N)[None, :, None]  # [1, N, 1]
+    jv = tl.arange(0, BLK)[:, None, None]  # [BLK, 1, 1]
+    gv = tl.arange(0, GP)[None, :, None]  # [1, GP, 1]
     act = tl.load(active + rk)
-    n_iter = tl.where(act != 0, BPS, 0)
-    mg = tl.load(mmax + rk * G + g, mask=gm, other=0.0)
+    n_iter = tl.where(act != 0, tl.cdiv(BPS, BLK), 0)
     nf = tl.load(nfull + r)
-    acc64 = tl.zeros([GP, DP], tl.float64)
-    den64 = tl.zeros([GP], tl.float64)
-    av64 = tl.zeros([GP], tl.float64)
-    at64 = tl.zeros([GP], tl.float64)
-    for i in range(0, n_iter):
-        b = split * BPS + i
-        valid = (b < B) & (b < nf)
-        bb = tl.load(bits + rk * B + b, mask=valid, other=0)
-        kb = (((bb >> g) & 1) != 0) & gm
-        vb = (((bb >> (G + g)) & 1) != 0) & gm
-        bid = tl.load(tables + r * TB_STRIDE + b, mask=valid, other=0)
+    acc_e = tl.zeros([BLK, GP, DH], tl.float64)
+    acc_o = tl.zeros([BLK, GP, DH], tl.float64)
+    den64 = tl.zeros([BLK, GP, 1], tl.float64)
+    av64 = tl.zeros([BLK, GP, 1], tl.float64)
+    at64 = tl.zeros([BLK, GP, 1], tl.float64)
+    for it in range(0, n_iter):
+        iv = it * BLK + jv
+        bv = split * BPS + iv  # [BLK, 1, 1]
+        inb = (bv < B) & (iv < BPS)
+        valid = inb & (bv < nf)
+        bb = tl.load(bits + rk * B + bv, mask=valid, other=0)
+        bid = tl.load(tables + r * TB_STRIDE + bv, mask=valid, other=0)
         bid = tl.minimum(tl.maximum(bid, 0), num_blocks - 1)
-        base = ((bid // M) * H + h) * (M * PAGE_BYTES) + (bid % M) * PAGE_BYTES
-        s = tl.load(
-            scores + ((rk * B + b) * G + g[:, None]) * N + n[None, :],
-            mask=as_mask(valid & gm[:, None]),
-            other=float("-inf"),
-        )
-        w = exp_f32(s - mg[:, None], PRECISE)  # [GP, N]
-        den_b = tl.sum(w, axis=1)
-        vm = valid & dm[None, :]
-        byte = tl.load(pages_u8 + base + V_CODES + n[:, None] * (D // 2) + d[None, :] // 2, mask=as_mask(vm), other=0)
-        code = (byte.to(tl.int32) >> ((d[None, :] & 1) * 4)) & 15
-        vsc = tl.load(
-            pages_f16 + (base + V_SCALE) // 2 + n[:, None] * NG + d[None, :] // GRP, mask=as_mask(vm), other=0.0
-        )
-        vze = tl.load(
-            pages_f16 + (base + V_ZERO) // 2 + n[:, None] * NG + d[None, :] // GRP, mask=as_mask(vm), other=0.0
-        )
-        vhat = vze.to(tl.float32) + code.to(tl.float32) * vsc.to(tl.float32)  # [N, DP]
-        num = tl.sum(w[:, :, None] * vhat[None, :, :], axis=1)  # [GP, DP]
-        if (bb >> G) != 0:
-            vbase = (((bid // M) * H + h) * 2 + 1) * (M * N * D) + (bid % M) * (N * D)
-            v16 = tl.load(shadow + vbase + n[:, None] * D + d[None, :], mask=dm[None, :], other=0.0).to(tl.float32)
-            num = tl.where(vb[:, None], tl.sum(w[:, :, None] * v16[None, :, :], axis=1), num)
-        acc64 += num.to(tl.float64)
-        den64 += den_b.to(tl.float64)
+        base = ((bid // M) * H + h) * (M * PAGE_BYTES) + (bid % M) * PAGE_BYTES  # [BLK, 1, 1]
         eta_b = tl.load(pages_f32 + (base + HEADER) // 4, mask=valid, other=0.0).to(tl.float64)
-        av64 += tl.where(valid & ~vb & gm, den_b.to(tl.float64) * eta_b, 0.0)
-        at64 += tl.where(valid & ~kb & gm, den_b.to(tl.float64), 0.0)
-        lm = tl.where(den_b > 0, mg + tl.log(tl.where(den_b > 0, den_b, 1.0)), float("-inf"))
-        tl.store(exact_lm + (rk * G + g) * B + b, lm, mask=as_mask(kb & valid))
-    orow = (rk * S + split) * G + g
-    tl.store(acc + orow[:, None] * D + d[None, :], acc64, mask=gm[:, None] & dm[None, :])
-    tl.store(den + orow, den64, mask=gm)
-    tl.store(aval + orow, av64, mask=gm)
-    tl.store(atail + orow, at64, mask=gm)
+        vm = valid & km
+        anyv = tl.max(tl.max(tl.max(bb >> G, axis=2), axis=1), axis=0) != 0
+        # unquantized values of value-promoted blocks, zero-copy from the shadow (rare: only if any)
+        f_e = tl.zeros([BLK, N, DH], tl.float32)
+        f_o = tl.zeros([BLK, N, DH], tl.float32)
+        if anyv:
+            vbase = (((bid // M) * H + h) * 2 + 1) * (M * N * D) + (bid % M) * (N * D)
+            vrow = shadow + vbase + nv * D + 2 * kv
+            vsel = valid & (((bb >> G) & ((1 << G) - 1)) != 0) & km
+            f_e = tl.load(vrow, mask=vsel, other=0.0).to(tl.float32)
+            f_o = tl.load(vrow + 1, mask=vsel, other=0.0).to(tl.float32)
+        # scales and zeros: one [BLK, N, NG] load each, expanded to the channel pairs of each group
+        gi = tl.arange(0, NG)[None, None, :]
+        gm_ = valid & (gi < NG)
+        vsc = tl.load(pages_f16 + (base + V_SCALE) // 2 + nv * NG + gi, mask=gm_, other=0.0).to(tl.float32)
+        vze = tl.load(pages_f16 + (base + V_ZERO) // 2 + nv * NG + gi, mask=gm_, other=0.0).to(tl.float32)
+        vsc = tl.reshape(tl.broadcast_to(vsc[:, :, :, None], [BLK, N, NG, GRP // 2]), [BLK, N, DH])
+        vze = tl.reshape(tl.broadcast_to(vze[:, :, :, None], [BLK, N, NG, GRP // 2]), [BLK, N, DH])
+        # the value codes last: the layout of the last large load decides the layout of the arithmetic
+        byte = tl.load((pages_u8 + base + V_CODES) + (nv * (D // 2) + kv), mask=vm, other=0).to(tl.int32)
+        v_e = vze + (byte & 15).to(tl.float32) * vsc  # [BLK, N, DH] channels 2k
+        v_o = vze + (byte >> 4).to(tl.float32) * vsc  # channels 2k + 1
+        # per query head: the block sums, gathered into [BLK, GP, ·] tiles (row g only), then converted to
+        # float64 and accumulated once per iteration
+        ne_all = tl.zeros([BLK, GP, DH], tl.float32)
+        no_all = tl.zeros([BLK, GP, DH], tl.float32)
+        den_all = tl.zeros([BLK, GP, 1], tl.float32)
+        for g in tl.static_range(G):
+            mg = tl.load(mmax + rk * G + g)
+            s = tl.load(scores + ((rk * B + bv) * G + g) * N + nv, mask=valid, other=float("-inf"))  # [BLK, N, 1]
+            w = exp_f32(s - mg, PRECISE)
+            den_b = tl.sum(w, axis=1, keep_dims=True)  # [BLK, 1, 1]
+            num_e = tl.sum(w * v_e, axis=1, keep_dims=True)  # [BLK, 1, DH]
+            num_o = tl.sum(w * v_o, axis=1, keep_dims=True)
+            if anyv:
+                vb = ((bb >> (G + g)) & 1) != 0
+                num_e = tl.where(vb, tl.sum(w * f_e, axis=1, keep_dims=True), num_e)
+                num_o = tl.where(vb, tl.sum(w * f_o, axis=1, keep_dims=True), num_o)
+            rowg = gv == g
+            ne_all = tl.where(rowg, num_e, ne_all)
+            no_all = tl.where(rowg, num_o, no_all)
+            den_all = tl.where(rowg, den_b, den_all)
+        acc_e += ne_all.to(tl.float64)
+        acc_o += no_all.to(tl.float64)
+        d64 = den_all.to(tl.float64)  # [BLK, GP, 1]
+        den64 += d64
+        kb = ((bb >> gv) & 1) != 0  # [BLK, GP, 1]
+        vb = ((bb >> (G + gv)) & 1) != 0
+        av64 += tl.where(valid & ~vb, d64 * eta_b, 0.0)
+        at64 += tl.where(valid & ~kb, d64, 0.0)
+        mg_all = tl.load(mmax + rk * G + gv, mask=gv < G, other=0.0)  # [1, GP, 1]
+        lm = tl.where(den_all > 0, mg_all + tl.log(tl.where(den_all > 0, den_all, 1.0)), float("-inf"))
+        tl.store(exact_lm + (rk * G + gv) * B + bv, lm, mask=kb & valid & (gv < G))
+    gq = tl.arange(0, GP)[:, None]
+    orow = (rk * S + split) * G + gq  # [GP, 1]
+    om = gq < G
+    kq = tl.arange(0, DH)[None, :]
+    tl.store(acc + orow * D + 2 * kq, tl.sum(acc_e, axis=0), mask=om & (kq < D // 2))
+    tl.store(acc + orow * D + 2 * kq + 1, tl.sum(acc_o, axis=0), mask=om & (kq < D // 2))
+    tl.store(den + orow, tl.sum(den64, axis=0), mask=om)
+    tl.store(aval + orow, tl.sum(av64, axis=0), mask=om)
+    tl.store(atail + orow, tl.sum(at64, axis=0), mask=om)
 
 
 @dataclass
@@ -230,6 +284,8 @@ class Phase2Geometry:
     splits: int
     blocks_per_split: int
     channel_major: bool = False
+    attend_blk: int = int(os.environ.get("CERTVLLM_ATTEND_BLK", "4"))  # blocks per attend-loop iteration
+    attend_warps: int = int(os.environ.get("CERTVLLM_ATTEND_WARPS", "4"))
 
 
 def promote(
@@ -263,7 +319,7 @@ def promote(
         qs, device_arg(shadow), tables, nfull, bits, active, scores, m8, delta, round1, canary, smax, sabs,
         geo.num_blocks, B, tables.stride(0), S, geo.blocks_per_split,
         H=K, G=G, GP=next_pow2(G), D=D, DP=next_pow2(D), M=geo.sub_blocks, CHANNEL_MAJOR=geo.channel_major,
-        CANARY=run_canary, num_warps=4 if G <= 4 else 8,
+        CANARY=run_canary, PB=64, num_warps=4 if G <= 4 else 8,
     )  # fmt: skip
     return smax, sabs
 
@@ -313,7 +369,7 @@ def attend(
         tables, nfull, bits, active, out.acc, out.den, out.aval, out.atail, exact_lm,
         geo.num_blocks, B, tables.stride(0), S, geo.blocks_per_split,
         H=K, G=G, GP=next_pow2(G), D=D, DP=next_pow2(D), M=geo.sub_blocks, GRP=lay.value_group, NG=lay.groups,
-        PAGE_BYTES=lay.page_bytes, V_CODES=lay.v_codes, V_SCALE=lay.v_scale, V_ZERO=lay.v_zero, HEADER=lay.header,
-        PRECISE=precise(), num_warps=4 if G <= 4 else 8,
+        BLK=geo.attend_blk, PAGE_BYTES=lay.page_bytes, V_CODES=lay.v_codes, V_SCALE=lay.v_scale, V_ZERO=lay.v_zero, HEADER=lay.header,
+        PRECISE=precise(), num_warps=geo.attend_warps,
     )  # fmt: skip
     return out
