@@ -63,8 +63,10 @@ class CertConfig(BaseModel):
         description="Queries of a prefill that read cached blocks: exact dense over the originals, or certified.",
     )
     host_memory_gb: float | None = Field(
-        None, gt=0.0, description="Host (tier-2) memory budget for shadow pages in GiB; None: half of the host "
-        "memory available at startup (within the container's cgroup limit)."
+        None,
+        gt=0.0,
+        description="Host (tier-2) memory budget for shadow pages in GiB; None: half of the host "
+        "memory available at startup (within the container's cgroup limit).",
     )
     seed: int = Field(0, ge=0, description="Seed of the exploration draws.")
     force_fallback: Literal["none", "head", "layer"] = Field(
@@ -76,9 +78,7 @@ class CertConfig(BaseModel):
     @model_validator(mode="after")
     def _check_relations(self) -> CertConfig:
         if self.k_min > self.k_max:
-            raise ValueError(
-                f"k_min={self.k_min} must be ≤ k_max={self.k_max}; raise k_max or lower k_min"
-            )
+            raise ValueError(f"k_min={self.k_min} must be ≤ k_max={self.k_max}; raise k_max or lower k_min")
         return self
 
 

@@ -45,9 +45,7 @@ def exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     return torch.einsum("kgt,tkd->kgd", torch.softmax(scores, dim=-1), v.double()).reshape(q.shape[0], d)
 
 
-def make_case(
-    family: str, t: int, hq: int, hkv: int, d: int, dtype: torch.dtype, gen: torch.Generator
-) -> Case:
+def make_case(family: str, t: int, hq: int, hkv: int, d: int, dtype: torch.dtype, gen: torch.Generator) -> Case:
     """Draw one case of ``family`` (see :data:`FAMILIES`)."""
     if family not in FAMILIES:
         raise ValueError(f"unknown family {family!r}; choose one of {FAMILIES}")

@@ -361,15 +361,11 @@ def test_kubernetes_manifest():
 # The dashboard against a real /metrics scrape
 
 
-
-
 def _get(url: str, data: dict | None = None, timeout: float = 120) -> bytes:
     body = json.dumps(data).encode() if data is not None else None
     req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"} if body else {})
     with urllib.request.urlopen(req, timeout=timeout) as resp:
         return resp.read()
-
-
 
 
 @pytest.mark.slow

@@ -24,8 +24,6 @@ NAME = "smollm2"
 LAYERS, HEADS = 30, 9
 
 
-
-
 def _get(url: str, timeout: float = 10) -> str:
     with urllib.request.urlopen(url, timeout=timeout) as resp:
         return resp.read().decode()
@@ -35,8 +33,6 @@ def _post(url: str, body: dict, timeout: float = 120) -> dict:
     req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=timeout) as resp:
         return json.loads(resp.read())
-
-
 
 
 @pytest.fixture(scope="module")

@@ -63,7 +63,5 @@ def certified_decode(
         raise ValueError("k and v need at least one token")
     config = config or _default_config()
     cache, table = paged_copy(k, v, config.value_group_size)
-    res = certified_attention(
-        q.unsqueeze(0), cache, table.unsqueeze(0), torch.tensor([k.shape[0]]), config, scale
-    )
+    res = certified_attention(q.unsqueeze(0), cache, table.unsqueeze(0), torch.tensor([k.shape[0]]), config, scale)
     return CertifiedOutput(res.out[0], res.report.select(0))

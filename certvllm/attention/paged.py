@@ -87,9 +87,7 @@ def validate_shapes(q: torch.Tensor, cache: LayerKVCache, block_tables: torch.Te
     if q.dim() != 3 or q.shape[-1] != cache.layout.head_dim:
         raise ValueError(f"Invalid shape of q: expected [R, H_q, {cache.layout.head_dim}], got {list(q.shape)}")
     if q.shape[1] % cache.num_kv_heads != 0:
-        raise ValueError(
-            f"H_q={q.shape[1]} is not a multiple of H_kv={cache.num_kv_heads}; GQA needs whole groups"
-        )
+        raise ValueError(f"H_q={q.shape[1]} is not a multiple of H_kv={cache.num_kv_heads}; GQA needs whole groups")
     if block_tables.dim() != 2 or block_tables.shape[0] != q.shape[0] or seq_lens.shape != (q.shape[0],):
         raise ValueError(
             f"Invalid block_tables {list(block_tables.shape)} / seq_lens {list(seq_lens.shape)} for {q.shape[0]} rows"

@@ -30,8 +30,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("tasks", help="ppl, niah, ruler, file or all (comma-separated for several)")
     p.add_argument("--model", default=DEFAULT_MODEL, help="HF model folder (default: the bundled SmolLM2-135M)")
     p.add_argument("--contexts", default="1k,2k,4k,8k", help="context lengths in tokens (1k = 1024)")
-    p.add_argument("--configs", default="dense,certified:paper,naive",
-                   help="dense, naive, certified or certified:PRESET_OR_YAML (the first dense one is the reference)")
+    p.add_argument(
+        "--configs",
+        default="dense,certified:paper,naive",
+        help="dense, naive, certified or certified:PRESET_OR_YAML (the first dense one is the reference)",
+    )
     p.add_argument("--n", type=int, default=10, help="items per task and context (default 10)")
     p.add_argument("--n-ppl", type=int, help="perplexity windows per context (default --n)")
     p.add_argument("--n-niah", type=int, help="NIAH trials per context (default --n)")
@@ -42,10 +45,18 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--cache-dir", type=Path, default=None, help="downloads and generated tasks "
                    "(default $CERTVLLM_EVAL_CACHE or ~/.cache/certvllm/eval)")  # fmt: skip
     p.add_argument("--seed", type=int, default=20260416, help="seed of every generated item (paired across configs)")
-    p.add_argument("--ppl-score-tokens", type=int, default=128,
-                   help="tokens scored at the end of each perplexity window (each a certified row)")
-    p.add_argument("--prefill", choices=("exact", "certified"), default="exact",
-                   help="generation tasks: prefill exactly (default, the paper's protocol) or certified")
+    p.add_argument(
+        "--ppl-score-tokens",
+        type=int,
+        default=128,
+        help="tokens scored at the end of each perplexity window (each a certified row)",
+    )
+    p.add_argument(
+        "--prefill",
+        choices=("exact", "certified"),
+        default="exact",
+        help="generation tasks: prefill exactly (default, the paper's protocol) or certified",
+    )
     p.add_argument("--kv-space-gb", type=float, default=2.0, help="VLLM_CPU_KVCACHE_SPACE for each engine")
     p.add_argument("--batch", type=int, default=16, help="generation requests per phase (a resumable unit)")
     p.add_argument("--report-only", action="store_true", help="only rebuild the report from stored results")

@@ -165,11 +165,18 @@ def _rungs(out: Path, slugs: dict[str, str]) -> dict[str, Any]:
                                 "prompt_tokens": m.get("vllm:prompt_tokens_total{}", 0.0)}  # fmt: skip
         if total:
             bound_n = m.get("vllm:cert_bound_relative_count{}", 0.0)
-            cell.update(rung_fraction=[s / total for s in steps], fallback_rate=(steps[3] + steps[4]) / total,
-                        head_fallbacks=heads, layer_fallbacks=layers,
-                        exact_tokens={k.split("reason=")[1].rstrip("}"): v for k, v in m.items()
-                                      if k.startswith("vllm:cert_exact_tokens_total")},
-                        mean_bound_relative=m.get("vllm:cert_bound_relative_sum{}", 0.0) / bound_n if bound_n else None)
+            cell.update(
+                rung_fraction=[s / total for s in steps],
+                fallback_rate=(steps[3] + steps[4]) / total,
+                head_fallbacks=heads,
+                layer_fallbacks=layers,
+                exact_tokens={
+                    k.split("reason=")[1].rstrip("}"): v
+                    for k, v in m.items()
+                    if k.startswith("vllm:cert_exact_tokens_total")
+                },
+                mean_bound_relative=m.get("vllm:cert_bound_relative_sum{}", 0.0) / bound_n if bound_n else None,
+            )
         table.setdefault(task, {})[cfg] = cell
     return table
 
@@ -213,6 +220,25 @@ def build(out: Path, seed: int = 20260425) -> dict[str, Any]:
 
 
 # -- plots -------------------------------------------------------------------------------------------
+def _ci_series(ax: Any, values: list[float | None], cis: list[list[float] | None], offset: float, label: str) -> None:
+    """One config's points with CI error bars at x = context index + ``offset``; missing values are gaps."""
+    ys = [math.nan if v is None else v for v in values]
+    lo = [0.0 if v is None or ci is None else v - ci[0] for v, ci in zip(values, cis, strict=True)]
+    hi = [0.0 if v is None or ci is None else ci[1] - v for v, ci in zip(values, cis, strict=True)]
+    ax.errorbar([k + offset for k in range(len(ys))], ys, yerr=[lo, hi], marker="o", capsize=3, label=label)
+
+
+def _context_axes(ax: Any, ctxs: list[str], ylabel: str, title: str) -> None:
+    """Shared styling of a by-context panel."""
+    ax.set_xticks(range(len(ctxs)), ctxs)
+    ax.set_xlim(-0.5, len(ctxs) - 0.5)
+    ax.set_xlabel("context")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+
+
 def _plots(report: dict[str, Any], out: Path) -> list[str]:
     import matplotlib
 
@@ -229,21 +255,11 @@ def _plots(report: dict[str, Any], out: Path) -> list[str]:
         for ax, (title, table) in zip(axes[0], panels, strict=True):
             ctxs = [c for c in table if c not in ("all", "file")]
             for i, cfg in enumerate(configs):
-                ys = [table[c].get(cfg, {}).get("acc") for c in ctxs]
-                cis = [(table[c].get(cfg, {}).get("acc_ci") or [y, y]) for c, y in zip(ctxs, ys, strict=True)]
-                lo = [y - ci[0] if y is not None else 0 for y, ci in zip(ys, cis, strict=True)]
-                hi = [ci[1] - y if y is not None else 0 for y, ci in zip(ys, cis, strict=True)]
-                xs = [k + (i - 1) * 0.06 for k in range(len(ctxs))]
-                ax.errorbar(xs, [y if y is not None else math.nan for y in ys], yerr=[lo, hi], marker="o", capsize=3,
-                            label=cfg)  # fmt: skip
-            ax.set_xticks(range(len(ctxs)), ctxs)
-            ax.set_xlim(-0.5, len(ctxs) - 0.5)
+                cells = [table[c].get(cfg, {}) for c in ctxs]
+                _ci_series(ax, [cell.get("acc") for cell in cells], [cell.get("acc_ci") for cell in cells],
+                           (i - 1) * 0.06, cfg)  # fmt: skip
             ax.set_ylim(-0.05, 1.05)
-            ax.set_xlabel("context")
-            ax.set_ylabel("accuracy (95% bootstrap CI)")
-            ax.set_title(title)
-            ax.grid(alpha=0.3)
-            ax.legend()
+            _context_axes(ax, ctxs, "accuracy (95% bootstrap CI)", title)
         fig.tight_layout()
         fig.savefig(out / "accuracy_by_context.png", dpi=110)
         plt.close(fig)
@@ -254,21 +270,11 @@ def _plots(report: dict[str, Any], out: Path) -> list[str]:
         ctxs = list(ppl)
         others = [c for c in configs if c != report["reference"]]
         for i, cfg in enumerate(others):
-            ds = [ppl[c].get(cfg, {}).get("delta") for c in ctxs]
-            cis = [ppl[c].get(cfg, {}).get("delta_ci") or [d, d] for c, d in zip(ctxs, ds, strict=True)]
-            xs = [k + (i - 0.5) * 0.1 for k in range(len(ctxs))]
-            ax.errorbar(xs, [d if d is not None else math.nan for d in ds],
-                        yerr=[[d - ci[0] if d is not None else 0 for d, ci in zip(ds, cis, strict=True)],
-                              [ci[1] - d if d is not None else 0 for d, ci in zip(ds, cis, strict=True)]],
-                        marker="o", capsize=3, label=cfg)  # fmt: skip
+            cells = [ppl[c].get(cfg, {}) for c in ctxs]
+            _ci_series(ax, [cell.get("delta") for cell in cells], [cell.get("delta_ci") for cell in cells],
+                       (i - 0.5) * 0.1, cfg)  # fmt: skip
         ax.axhline(0, color="k", lw=0.8)
-        ax.set_xticks(range(len(ctxs)), ctxs)
-        ax.set_xlim(-0.5, len(ctxs) - 0.5)
-        ax.set_xlabel("context")
-        ax.set_ylabel(f"Δ perplexity vs {report['reference']} (95% CI)")
-        ax.set_title("Perplexity delta (Gutenberg plays)")
-        ax.grid(alpha=0.3)
-        ax.legend()
+        _context_axes(ax, ctxs, f"Δ perplexity vs {report['reference']} (95% CI)", "Perplexity delta (Gutenberg plays)")
         fig.tight_layout()
         fig.savefig(out / "ppl_delta.png", dpi=110)
         plt.close(fig)
@@ -350,9 +356,13 @@ def _markdown(report: dict[str, Any], plots: list[str]) -> str:
             md.append(row + " |")
         md.append("")
     if "niah" in report["accuracy"]:
-        md += ["## Needle in a haystack", "",
-               "Paul Graham essays; 10 needles per trial at depths 0–90 %, one asked per trial (the asked depth "
-               "cycles with the trial index); exact match of the 7-digit value. Paired trials (same seed).", ""]
+        md += [
+            "## Needle in a haystack",
+            "",
+            "Paul Graham essays; 10 needles per trial at depths 0–90 %, one asked per trial (the asked depth "
+            "cycles with the trial index); exact match of the 7-digit value. Paired trials (same seed).",
+            "",
+        ]
         md += _acc_table(report["accuracy"]["niah"], configs, ref) + [""]
         if report["niah_by_depth"]:
             others = [c for c in configs if c != ref]
@@ -391,15 +401,23 @@ def _markdown(report: dict[str, Any], plots: list[str]) -> str:
                 rungs = " | ".join(_f(x, ".4f") for x in rf) if rf else " | ".join("–" for _ in RUNGS)
                 heads = ", ".join(f"{k}: {int(v)}" for k, v in sorted(cell.get("head_fallbacks", {}).items())) or "–"
                 bound, rate = _f(cell.get("mean_bound_relative"), ".4f"), _f(cell.get("fallback_rate"), ".4f")
-                md.append(f"| {task} | {cfg} | {cell['items']} | {int(cell['head_steps']):,} | {rungs} | "
-                          f"{rate} | {heads} | {bound} | {cell['engine_seconds']:.0f} |")
+                md.append(
+                    f"| {task} | {cfg} | {cell['items']} | {int(cell['head_steps']):,} | {rungs} | "
+                    f"{rate} | {heads} | {bound} | {cell['engine_seconds']:.0f} |"
+                )
         md.append("")
     if report["runs"]:
-        md += ["## Engine runs", "", "| when | kind | config | items | phases | init s | wall s | KV tokens |",
-               "|---|---|---|---|---|---|---|---|"]
+        md += [
+            "## Engine runs",
+            "",
+            "| when | kind | config | items | phases | init s | wall s | KV tokens |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
         for r in report["runs"]:
-            md.append(f"| {r.get('started', '')} | {r['kind']} | {r['config']} | {r['items']} | {r['phases']} | "
-                      f"{r['init_seconds']:.0f} | {r['wall_seconds']:.0f} | {r.get('kv_cache_tokens') or '–'} |")
+            md.append(
+                f"| {r.get('started', '')} | {r['kind']} | {r['config']} | {r['items']} | {r['phases']} | "
+                f"{r['init_seconds']:.0f} | {r['wall_seconds']:.0f} | {r.get('kv_cache_tokens') or '–'} |"
+            )
         md.append("")
     for p in plots:
         md += [f"![{p}]({p})", ""]

@@ -105,8 +105,11 @@ class Options:
 
 
 def _metric_delta(now: dict[str, float], before: dict[str, float]) -> dict[str, float]:
-    keep = {k: v for k, v in now.items()
-            if k.startswith(KEEP_METRICS) and "_bucket{" not in k and not k.startswith("vllm:cert_host_tier_bytes")}
+    keep = {
+        k: v
+        for k, v in now.items()
+        if k.startswith(KEEP_METRICS) and "_bucket{" not in k and not k.startswith("vllm:cert_host_tier_bytes")
+    }
     return {k: v - before.get(k, 0.0) for k, v in keep.items() if v - before.get(k, 0.0)}
 
 

@@ -41,7 +41,7 @@ def encode_pages(k: torch.Tensor, v: torch.Tensor, layout: PageLayout) -> torch.
     header[..., 0:8].view(torch.float32).copy_(torch.stack((qv.eta, qv.nu), dim=-1))
     header[..., 8].copy_(qk.exponent.view(torch.uint8))
     flags = torch.full(lead, FLAG_VALID, dtype=torch.uint8, device=k.device)
-    flags |= ((qk.violated | qv.violated).to(torch.uint8) * FLAG_PRECONDITION)
+    flags |= (qk.violated | qv.violated).to(torch.uint8) * FLAG_PRECONDITION
     header[..., 9].copy_(flags)
     return pages
 

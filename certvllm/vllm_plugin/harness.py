@@ -65,6 +65,7 @@ def _run(spec: dict[str, Any]) -> dict[str, Any]:
     start = time.perf_counter()
     llm = LLM(spec["model"], kv_cache_dtype=spec.get("kv_cache_dtype", "auto"), disable_log_stats=False, **engine)
     init = time.perf_counter() - start
+
     def params(r: dict[str, Any]) -> Any:
         return SamplingParams(
             max_tokens=r.get("max_tokens", 32), temperature=0.0, ignore_eos=r.get("ignore_eos", False),
@@ -120,8 +121,7 @@ def _run(spec: dict[str, Any]) -> dict[str, Any]:
     return {**phases[0], "phases": phases, "init_seconds": init, "metrics": metrics}
 
 
-def _follow(proc: subprocess.Popen, progress: Path, on_phase: Callable[[dict[str, Any]], None],
-            timeout: float) -> int:
+def _follow(proc: subprocess.Popen, progress: Path, on_phase: Callable[[dict[str, Any]], None], timeout: float) -> int:
     """Wait for ``proc``, handing every complete line appended to ``progress`` to ``on_phase``."""
     deadline, offset = time.monotonic() + timeout, 0
 

@@ -65,7 +65,8 @@ def _check_layer(attn_selector_config: Any, backend: Any) -> None:
         problems.append(f"model dtype {cfg.dtype} is not supported (use --dtype bfloat16 or float16)")
     if problems:
         raise ValueError(
-            "--kv-cache-dtype certified cannot serve this model: " + "; ".join(problems)
+            "--kv-cache-dtype certified cannot serve this model: "
+            + "; ".join(problems)
             + ". Serve it with --kv-cache-dtype auto."
         )
 
