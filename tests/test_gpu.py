@@ -299,3 +299,71 @@ def test_cuda_extension_gather_matches_triton():
     assert torch.equal(out, gather_pages(shadow, ids, heads, torch.device("cuda")))
     torch.cuda.synchronize()
     torch.cuda.cudart().cudaHostUnregister(shadow.data_ptr())
+
+
+@pytest.mark.parametrize("hq,hkv,d", [(32, 8, 128), (24, 3, 64), (8, 8, 64)])
+def test_gluon_phase1_matches_the_triton_kernel(hq, hkv, d):
+    """The Gluon phase-1 kernel against the Triton one on the same pages: page fields and flags equal,
+    scores within the sum of both kernels' rounding bounds R_b (different D-term summation orders), block
+    statistics to float32 rounding."""
+    from certvllm.triton_kernels import phase1 as p1mod
+    from certvllm.triton_kernels.common import split_plan
+
+    from certvllm.attention.gpu import _lut
+    from certvllm.bounds import delta_factor, rounding_factor
+    from certvllm.testing import make_case
+
+    if not p1mod.use_gluon(d, hq // hkv, p1mod.PHASE1_WARPS):
+        pytest.skip("Gluon phase 1 not available for this shape")
+    gen = torch.Generator().manual_seed(9)
+    cases = [make_case(f, t, hq, hkv, d, torch.float16, gen) for f, t in (("random", 700), ("outlier_channels", 333))]
+    cache, tables, lens, _ = cuda_batch(cases)
+    tables, lens = tables.long().contiguous(), lens.long()
+    q = (torch.stack([c.q for c in cases]).cuda().float() * (1 / math.sqrt(d))).contiguous()
+    B = tables.shape[1]
+    splits, bps = split_plan(B, len(cases) * hkv, 5)
+    args = (q, cache.pages, tables, lens // 16, _lut(q.device), cache.layout, hkv, cache.sub_blocks,
+            delta_factor(d), rounding_factor(d), splits, bps)  # fmt: skip
+    got = p1mod.phase1(*args)
+    os.environ["CERTVLLM_P1_GLUON"] = "0"
+    try:
+        ref = p1mod.phase1(*args)
+    finally:
+        del os.environ["CERTVLLM_P1_GLUON"]
+    for name in ("eta", "nu", "bad", "delta", "rmax"):
+        torch.testing.assert_close(getattr(got, name), getattr(ref, name), rtol=1e-6, atol=0.0, msg=name)
+    valid = (torch.arange(B, device="cuda") < (lens // 16).unsqueeze(1)).view(len(cases), 1, B, 1, 1)
+    r_sum = got.rmax + ref.rmax  # [R, K, G, B]: both kernels are within their R_b of the exact scores
+    diff = torch.where(valid, (got.scores - ref.scores).abs(), 0.0)
+    assert bool((diff <= r_sum.permute(0, 1, 3, 2).unsqueeze(-1)).all())
+    fin = torch.isfinite(ref.m8)
+    assert torch.equal(fin, torch.isfinite(got.m8)) and torch.equal(fin, torch.isfinite(got.l8))
+    assert bool(((got.m8 - ref.m8).abs()[fin] <= r_sum[fin]).all())
+    # the block log-mass also carries tl.exp's approximation (selection heuristics only)
+    assert bool(((got.l8 - ref.l8).abs()[fin] <= r_sum[fin] + 1e-5 * (1 + ref.l8.abs()[fin])).all())
+
+
+def test_gluon_kernels_match_the_triton_kernels_end_to_end():
+    """The whole CUDA path with the Gluon phase-1 and attend kernels against the same path with the Triton
+    kernels: equal selections, outputs to float32 rounding, bounds to float32 rounding."""
+    from certvllm.attention.gpu import certified_attention_gpu
+    from certvllm.config import load_config
+    from certvllm.testing import make_case
+
+    gen = torch.Generator().manual_seed(21)
+    cases = [make_case(f, t, 32, 8, 128, torch.float16, gen) for f, t in (("retrieval_peaks", 1500), ("random", 400))]
+    cache, tables, lens, _ = cuda_batch(cases)
+    q = torch.stack([c.q for c in cases]).cuda()
+    cfg = load_config("default")
+    got = certified_attention_gpu(q, cache, tables, lens, cfg, fallback="device")
+    os.environ["CERTVLLM_P1_GLUON"] = os.environ["CERTVLLM_ATTEND_GLUON"] = "0"
+    try:
+        ref = certified_attention_gpu(q, cache, tables, lens, cfg, fallback="device")
+    finally:
+        del os.environ["CERTVLLM_P1_GLUON"], os.environ["CERTVLLM_ATTEND_GLUON"]
+    both = (got.report.rung <= 2) & (ref.report.rung <= 2)
+    assert float(both.float().mean()) >= 0.95
+    assert float((got.report.k_star == ref.report.k_star).float().mean()) >= 0.98
+    vmax = float(ref.report.v_max.max())
+    assert float((got.out - ref.out).abs()[both].max()) <= 1e-4 * vmax
+    torch.testing.assert_close(got.report.bound[both], ref.report.bound[both], rtol=1e-3, atol=1e-9 * vmax)

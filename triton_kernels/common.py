@@ -73,14 +73,15 @@ def next_pow2(n: int) -> int:
 
 def split_plan(num_blocks: int, groups: int, blocks_per_split: int | None = None) -> tuple[int, int]:
     """Split-K plan ``(splits, blocks_per_split)`` for ``groups`` (row, KV head) programs over
-    ``num_blocks`` blocks: about ``CERTVLLM_GPU_PROGRAMS_PER_SM`` (default 8) programs per multiprocessor,
-    at least 4 blocks per program."""
+    ``num_blocks`` blocks: at most ``CERTVLLM_GPU_PROGRAMS_PER_SM`` (default 8) programs per multiprocessor
+    (rounded down, so that the programs fill whole waves of resident blocks), at least 4 blocks per
+    program."""
     if blocks_per_split is None:
         sms = 132
         if torch.cuda.is_available() and not interpreting():
             sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
         per_sm = int(os.environ.get("CERTVLLM_GPU_PROGRAMS_PER_SM", "8"))
-        want = max(1, -(-per_sm * sms // max(1, groups)))
+        want = max(1, per_sm * sms // max(1, groups))  # rounded down: no partial last wave of programs
         blocks_per_split = max(4, -(-num_blocks // want))
     blocks_per_split = max(1, min(int(blocks_per_split), max(1, num_blocks)))
     return max(1, -(-num_blocks // blocks_per_split)), blocks_per_split

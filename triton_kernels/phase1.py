@@ -9,9 +9,14 @@ s̃⁸ = ⟨q·λ, k̂⟩ (elementwise products and a D-term reduction: no TF32,
 * Δ_b = delta_factor · Σ_c |q_c·λ| σ_c (``bounds.block_delta``),
 * η_b, ν_b from the page header,
 
-and per split the largest score rounding R_b (``bounds.score_rounding``), the largest finite |s̃⁸| and
-whether any valid page carries a precondition flag or lacks ``FLAG_VALID``. Blocks past a row's last
-full block get the reference's neutral values (ℓ = −inf, Δ = η = ν = 0).
+and per block the score rounding R_b (``bounds.score_rounding``), the largest finite |s̃⁸| and whether the
+page carries a precondition flag or lacks ``FLAG_VALID`` (the caller reduces them over the blocks). Blocks
+past a row's last full block get the reference's neutral values (ℓ = −inf, Δ = η = ν = R = 0).
+
+Each loop iteration takes ``BLK`` blocks as one [BLK, 16, D] tile, one block per warp. On CUDA the Gluon
+kernel (``phase1_gluon``: the same arithmetic with a hand-chosen register layout) runs when it supports
+the shape; the Triton kernel below runs under the interpreter and otherwise. Both form σ exactly as
+``LUT[code]·2^E`` (the Triton kernel without a gather, ``common.key_scale_sigma``).
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import triton.language as tl
 
 from certvllm.formats.layout import PageLayout
 
-from .common import key_scale_sigma, launch_device_ok, next_pow2
+from .common import interpreting, key_scale_sigma, launch_device_ok, next_pow2
 
 PHASE1_BLK = 4  # blocks per loop iteration
 PHASE1_WARPS = 4  # warps per program
@@ -153,6 +158,18 @@ def _phase1_kernel(
         tl.store(amax + orow, tl.where(valid, a_all, 0.0), mask=om)
 
 
+def use_gluon(head_dim: int, group: int, num_warps: int) -> bool:
+    """Whether :func:`phase1` runs the Gluon kernel (``phase1_gluon``): compiled (not the interpreter),
+    Gluon importable, a supported shape, and ``CERTVLLM_P1_GLUON`` not ``0``."""
+    if interpreting() or os.environ.get("CERTVLLM_P1_GLUON", "1") == "0":
+        return False
+    try:
+        from . import phase1_gluon
+    except ImportError:  # a Triton without Gluon
+        return False
+    return phase1_gluon.supported(head_dim, group, num_warps, num_warps)
+
+
 @dataclass
 class Phase1Out:
     """Phase-1 results (shapes as in :func:`phase1`)."""
@@ -221,6 +238,12 @@ def phase1(
         bad=torch.empty(R, K, B, dtype=torch.int32, device=dev),
     )
     num_blocks = pages.shape[0] * sub_blocks
+    if use_gluon(D, G, num_warps):
+        from . import phase1_gluon
+
+        phase1_gluon.launch(out, qs, pages, tables, nfull, lut, layout, K, sub_blocks, delta_factor, rounding_factor,
+                            splits, blocks_per_split, num_warps, num_warps)  # fmt: skip
+        return out
     _phase1_kernel[(R * K, splits)](
         qs, pages, pages.view(torch.int8), pages.view(torch.float16), pages.view(torch.float32),
         tables, nfull, lut,

@@ -18,6 +18,11 @@ from the tier-1 page and the phase-1 scores.
 
 Programs of an (row, KV head) group whose ``active`` flag is 0 do nothing: the exact-only re-run used for
 rungs 3/4 on the device sets it for the escalated groups only.
+
+The promotion pass scans the bitmasks ``PB`` blocks at a time and visits single blocks only in tiles that
+promote something. The attend pass takes ``BLK`` blocks per iteration ([BLK, 16, ·] tiles, the tokens of a
+block in registers); on CUDA its Gluon version (``attend_gluon``, same arithmetic, hand-chosen layout)
+runs when it supports the shape.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ import triton.language as tl
 
 from certvllm.formats.layout import PageLayout
 
-from .common import device_arg, exp_f32, launch_device_ok, next_pow2, precise
+from .common import device_arg, exp_f32, interpreting, launch_device_ok, next_pow2, precise
 
 
 @triton.jit
@@ -288,6 +293,19 @@ class Phase2Geometry:
     attend_warps: int = int(os.environ.get("CERTVLLM_ATTEND_WARPS", "4"))
 
 
+def use_gluon_attend(geo: Phase2Geometry) -> bool:
+    """Whether :func:`attend` runs the Gluon kernel (``attend_gluon``): compiled (not the interpreter), Gluon
+    importable, a supported shape, and ``CERTVLLM_ATTEND_GLUON`` not ``0``."""
+    if interpreting() or os.environ.get("CERTVLLM_ATTEND_GLUON", "1") == "0":
+        return False
+    try:
+        from . import attend_gluon
+    except ImportError:  # a Triton without Gluon
+        return False
+    lay = geo.layout
+    return attend_gluon.supported(lay.head_dim, geo.group, geo.attend_warps, geo.attend_warps, lay.value_group)
+
+
 def promote(
     geo: Phase2Geometry,
     qs: torch.Tensor,
@@ -364,6 +382,12 @@ def attend(
         aval=torch.empty(R, K, S, G, **f64),
         atail=torch.empty(R, K, S, G, **f64),
     )
+    if use_gluon_attend(geo):
+        from . import attend_gluon
+
+        attend_gluon.launch(out, geo, scores, mmax, shadow, pages, tables, nfull, bits, active, exact_lm,
+                            geo.attend_warps)  # fmt: skip
+        return out
     _attend_kernel[(R * K, S)](
         scores, mmax, device_arg(shadow), pages, pages.view(torch.float16), pages.view(torch.float32),
         tables, nfull, bits, active, out.acc, out.den, out.aval, out.atail, exact_lm,

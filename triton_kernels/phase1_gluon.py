@@ -1,0 +1,154 @@
+"""Phase 1 in Gluon (Triton's explicit-layout dialect): the same outputs and the same arithmetic as
+``phase1._phase1_kernel``, with the register layout chosen by hand instead of by Triton's layout
+propagation.
+
+One layout ``L`` serves every tile of the loop, ``[BLK, 16, DP]`` (blocks, tokens, channels): ``VEC``
+contiguous channels per thread (one 16-byte load of key codes per token), the channels of a token over
+``DP/VEC`` lanes, the 16 tokens over the remaining lanes (and in registers), one block per warp. So
+
+* the D-term dot products reduce ``VEC`` products in a thread, then over ``DP/VEC`` lanes (3 shuffle
+  rounds at D = 128) — any summation order is allowed by the certificate (γ_D, docs/certification.md §5);
+* per-block reductions over the tokens stay inside one warp;
+* nothing is converted between layouts inside the loop (no shared-memory round trips, no barriers).
+
+Used on CUDA when Gluon is available and the shape fits (``supported``); the Triton kernel remains the
+implementation under the interpreter (CPU tests) and the fallback.
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+
+VEC = 16  # key-code bytes per thread and token
+
+
+def supported(head_dim: int, group: int, num_warps: int, blk: int) -> bool:
+    """Shapes the Gluon kernel handles: 32 ≤ D (a power of two ≤ 512) and one block per warp."""
+    dp = 1 << max(0, (head_dim - 1).bit_length())
+    return dp == head_dim and 32 <= head_dim <= 512 and blk == num_warps and group >= 1
+
+
+@gluon.jit
+def _phase1_gluon_kernel(
+    qs,  # [R, H_q, D] float32 scaled queries fl(q·λ)
+    pages_u8,  # cache.pages viewed as uint8
+    pages_i8,  # as int8 (the exponent byte)
+    pages_f16,  # as float16 (key offsets)
+    pages_f32,  # as float32 (η, ν)
+    tables,  # [R, ≥B] int64 block ids (row stride TB_STRIDE)
+    nfull,  # [R] int64 full blocks per row
+    lut,  # [256] float32 key-scale mantissas
+    scores,  # out [R, H_kv, B, G, N] float32
+    l8,  # out [R, H_kv, G, B]
+    m8,  # out [R, H_kv, G, B]
+    delta,  # out [R, H_kv, G, B]
+    eta,  # out [R, H_kv, B]
+    nu,  # out [R, H_kv, B]
+    rmax,  # out [R, H_kv, G, B]
+    amax,  # out [R, H_kv, G, B]
+    bad,  # out [R, H_kv, B] int32
+    num_blocks,
+    B,
+    TB_STRIDE,
+    BPS,
+    DELTA_F,
+    ROUND_F,
+    H: gl.constexpr,
+    G: gl.constexpr,
+    D: gl.constexpr,
+    M: gl.constexpr,
+    BLK: gl.constexpr,
+    PAGE_BYTES: gl.constexpr,
+    K_OFFSET: gl.constexpr,
+    K_SCODE: gl.constexpr,
+    HEADER: gl.constexpr,
+    VEC: gl.constexpr,
+):
+    N: gl.constexpr = 16
+    TD: gl.constexpr = D // VEC  # lanes over the channels
+    TN: gl.constexpr = 32 // TD  # lanes over the tokens
+    L: gl.constexpr = gl.BlockedLayout([1, 1, VEC], [1, TN, TD], [BLK, 1, 1], [2, 1, 0])
+    L_b: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, L))
+    L_n: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(2, L))
+    L_d: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(1, L))
+    rk = gl.program_id(0).to(gl.int64)
+    split = gl.program_id(1)
+    r = rk // H
+    h = rk % H
+    # per-block values live in 1-D tensors (one register per thread) and are expanded only where they
+    # meet a tile: a [BLK, 1, 1] tensor in L would hold VEC copies per thread
+    jb = gl.arange(0, BLK, layout=L_b)  # [BLK]
+    n1 = gl.arange(0, N, layout=L_n)
+    n2 = gl.expand_dims(n1, 0)  # [1, N] (scores)
+    nv = gl.expand_dims(n2, 2)  # [1, N, 1]
+    dv = gl.expand_dims(gl.expand_dims(gl.arange(0, D, layout=L_d), 0), 1)  # [1, 1, D]
+    nf = gl.load(nfull + r)
+    qrow = qs + (r * (H * G) + h * G) * D
+    for it in range(0, gl.cdiv(BPS, BLK)):
+        ib = it * BLK + jb
+        bb = split * BPS + ib  # [BLK] block column
+        inb = (bb < B) & (ib < BPS)
+        valid = inb & (bb < nf)
+        bid = gl.load(tables + r * TB_STRIDE + bb, mask=inb, other=0)
+        bid = gl.minimum(gl.maximum(bid, 0), num_blocks - 1)
+        base = ((bid // M) * H + h) * (M * PAGE_BYTES) + (bid % M) * PAGE_BYTES  # [BLK]
+        ex = gl.load(pages_i8 + base + HEADER + 8, mask=valid, other=0).to(gl.int32)
+        ex = gl.minimum(gl.maximum(ex, -126), 127)
+        two_e = ((ex + 127) << 23).to(gl.float32, bitcast=True)  # 2^E exactly
+        e_b = gl.load(pages_f32 + (base + HEADER) // 4, mask=valid, other=0.0)
+        n_b = gl.load(pages_f32 + (base + HEADER) // 4 + 1, mask=valid, other=0.0)
+        flags = gl.load(pages_u8 + base + HEADER + 9, mask=valid, other=1).to(gl.int32)
+        badb = (valid & (((flags & 2) != 0) | ((flags & 1) == 0))).to(gl.int32)
+        pb = rk * B + bb  # [BLK]
+        gl.store(eta + pb, gl.where(valid, e_b, 0.0), mask=inb)
+        gl.store(nu + pb, gl.where(valid, n_b, 0.0), mask=inb)
+        gl.store(bad + pb, badb, mask=inb)
+        base3 = gl.expand_dims(gl.expand_dims(base, 1), 2)  # [BLK, 1, 1]
+        valid2 = gl.expand_dims(valid, 1)  # [BLK, 1]
+        valid3 = gl.expand_dims(valid2, 2)
+        vd = valid3 & (dv < D)  # [BLK, 1, D]
+        off = gl.load(pages_f16 + (base3 + K_OFFSET) // 2 + dv, mask=vd, other=0.0).to(gl.float32)
+        sc = gl.load(pages_u8 + base3 + K_SCODE + dv, mask=vd, other=0).to(gl.int32)
+        sigma = gl.load(lut + sc) * gl.expand_dims(gl.expand_dims(two_e, 1), 2)  # [BLK, 1, D] LUT[code]·2^E
+        codes = gl.load((pages_u8 + base3) + (nv * D + dv), mask=vd & (nv < N), other=0)  # [BLK, N, D]
+        khat = off + codes.to(gl.float32) * sigma  # [BLK, N, D]
+        kmag = gl.maximum(gl.abs(off), gl.abs(off + 255.0 * sigma)) + sigma  # [BLK, 1, D]
+        srow = (scores + gl.expand_dims(pb, 1) * (G * N)) + n2  # [BLK, N]
+        smask = valid2 & (n2 < N)
+        for g in gl.static_range(G):
+            qg = gl.load(qrow + g * D + dv)  # [1, 1, D]
+            qa = gl.abs(qg)
+            s = gl.sum(khat * qg, axis=2)  # [BLK, N] D-term float32 dot products
+            s = gl.where(valid2, s, float("-inf"))
+            mb = gl.max(s, axis=1)  # [BLK]
+            fin = gl.abs(mb) < float("inf")
+            mref = gl.where(fin, mb, 0.0)
+            ssum = gl.sum(gl.exp(s - gl.expand_dims(mref, 1)), axis=1)
+            lb = gl.where(fin, mref + gl.log(gl.maximum(ssum, 1.0)), mb)  # ssum ≥ 1 when fin
+            dl = gl.sum(gl.sum(qa * sigma, axis=2), axis=1) * DELTA_F  # [BLK]
+            rb = gl.sum(gl.sum(qa * kmag, axis=2), axis=1) * ROUND_F
+            sa = gl.max(gl.where(gl.abs(s) < float("inf"), gl.abs(s), 0.0), axis=1)
+            gl.store(srow + g * N, s, mask=smask)
+            orow = (rk * G + g) * B + bb
+            gl.store(l8 + orow, gl.where(valid, lb, float("-inf")), mask=inb)
+            gl.store(m8 + orow, gl.where(valid, mb, float("-inf")), mask=inb)
+            gl.store(delta + orow, gl.where(valid, dl, 0.0), mask=inb)
+            gl.store(rmax + orow, gl.where(valid, rb, 0.0), mask=inb)
+            gl.store(amax + orow, gl.where(valid, sa, 0.0), mask=inb)
+
+
+def launch(out, qs: torch.Tensor, pages: torch.Tensor, tables, nfull, lut, layout, K, sub_blocks, delta_factor,
+           rounding_factor, splits, blocks_per_split, blk, num_warps) -> None:  # fmt: skip
+    """Launch the Gluon kernel into the :class:`phase1.Phase1Out` buffers ``out``."""
+    R, Hq, D = qs.shape
+    _phase1_gluon_kernel[(R * K, splits)](
+        qs, pages, pages.view(torch.int8), pages.view(torch.float16), pages.view(torch.float32),
+        tables, nfull, lut,
+        out.scores, out.l8, out.m8, out.delta, out.eta, out.nu, out.rmax, out.amax, out.bad,
+        pages.shape[0] * sub_blocks, tables.shape[1], tables.stride(0), blocks_per_split, delta_factor,
+        rounding_factor,
+        H=K, G=Hq // K, D=D, M=sub_blocks, BLK=blk, PAGE_BYTES=layout.page_bytes, K_OFFSET=layout.k_offset,
+        K_SCODE=layout.k_scale_code, HEADER=layout.header, VEC=VEC, num_warps=num_warps,
+    )  # fmt: skip
