@@ -57,6 +57,7 @@ test-quick: install
 
 lint: install
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check certvllm tests benchmarks scripts triton_kernels
 
 bench-soundness: install
 	$(BIN)/python benchmarks/bench_soundness.py
