@@ -133,6 +133,21 @@ def build_cache(k: torch.Tensor, v: torch.Tensor, lens: list[int], seed: int = 0
     return LayerKVCache(pages, shadow, lay), tables
 
 
+def append_tokens(cache, tables, seq_lens, k, v) -> None:
+    """Append one token to every row through the CUDA write path: its originals (taken from ``k``/``v`` at
+    the row's current length) into the shadow, the pages of the blocks this completes encoded on the device
+    (both bump the blocks' write generations); ``seq_lens`` (device) grows by one in place."""
+    from certvllm.kv.cuda_pagein import encode_blocks_from_shadow
+
+    rows = torch.arange(k.shape[0], device=k.device)
+    pos = seq_lens.to(torch.int64)
+    slots = tables[rows, pos // 16] * 16 + pos % 16
+    full = cache.write_shadow(k[rows, pos], v[rows, pos], slots.cpu())
+    if full.numel():
+        encode_blocks_from_shadow(cache, full.to(k.device))
+    seq_lens += 1
+
+
 def release_cache(cache) -> None:
     """Unregister the pinned shadow before it is freed (the allocator may hand its address out again)."""
     torch.cuda.synchronize()
@@ -230,9 +245,24 @@ def run_point(batch: int, ctx: int, args, results: list[dict]) -> None:
         stages = stage_times(timings)
         stats = eng.take_stats()
         r = {"preset": preset}
+        pool = cache.promotion_cache if cfg.promotion_cache_fraction > 0 and cfg.mode == "certified" else None
+        if pool is not None:
+            pool.take_stats()
         r["eager_ms"] = time_eager(call, args.iters)
-        r["graph_ms"] = time_graph(call, args.iters)
+        r["graph_ms"] = time_graph(call, args.iters)  # warm: the same step replayed, the pool holds its pages
         r["ms"] = r["graph_ms"] or r["eager_ms"]
+        if pool is not None:
+            st = pool.take_stats()
+            r["pool_repeat_hit_rate"] = st["hits"] / max(1, st["lookups"])
+            off = cfg.model_copy(update={"promotion_cache_fraction": 0.0})
+            r["nocache_ms"] = time_graph(lambda off=off: call(cfg=off), args.iters)
+
+            def cold(cfg=cfg, pool=pool):  # every slot emptied first: each page misses (and is filled)
+                pool.tag.fill_(-1)
+                return call(cfg=cfg)
+
+            r["cold_ms"] = time_graph(cold, args.iters)
+            pool.take_stats()
         if preset == "default":
             r["eager_sdpa_fallback_ms"] = time_eager(lambda: call("sdpa"), max(5, args.iters // 3))
         r["ratio_to_dense"] = r["ms"] / rec["dense_ms"]
@@ -262,7 +292,12 @@ def run_point(batch: int, ctx: int, args, results: list[dict]) -> None:
         print(f"    {preset:8s} graph {gms} ms, eager {r['eager_ms']:.3f} ms, ×{r['ratio_to_dense']:.2f} dense, "
               f"K* {r['k_star_mean']:.0f}, rungs {r['rung_histogram']}, page-in {stats.bytes / 1e6:.1f} MB, "
               f"stages {r['stages_ms']}", flush=True)  # fmt: skip
+        if "nocache_ms" in r:
+            print(f"             promotion cache: no cache {_fmt(r['nocache_ms'])} ms, cold {_fmt(r['cold_ms'])} ms, "
+                  f"warm (same step) {gms} ms, hit rate {r['pool_repeat_hit_rate']:.3f}", flush=True)  # fmt: skip
         del res
+    if args.steps > 0:
+        rec["multistep"] = multistep(cache, tables, q, k, v, lens, args)
 
     # zero-copy gather rate for as many pages as the default preset promoted (at least 4096)
     npages = max(4096, rec["default"]["pagein_bytes"] // (2 * 16 * D * 2))
@@ -272,8 +307,95 @@ def run_point(batch: int, ctx: int, args, results: list[dict]) -> None:
     ms = time_eager(lambda: gather_pages(cache.shadow, ids, heads, dev, out=out), 10)
     rec["zero_copy_gather_GBps"] = out.numel() * 2 / (ms * 1e-3) / 1e9
     rec["device_bytes_per_token_ratio"] = cache.layout.page_bytes / 16 / cache.layout.fp16_bytes_per_token()
+    pool = cache.promotion_cache
+    pool_per_token = pool.nbytes / (cache.num_blocks * 16 * HKV) if pool is not None else 0.0
+    rec["pool_bytes"] = pool.nbytes if pool is not None else 0
+    rec["pool_slots"] = pool.slots if pool is not None else 0
+    rec["device_bytes_per_token_ratio_with_pool"] = (
+        cache.layout.page_bytes / 16 + pool_per_token
+    ) / cache.layout.fp16_bytes_per_token()
     results.append(rec)
     release_cache(cache)
+
+
+def _fmt(ms: float | None) -> str:
+    return "n/a" if ms is None else f"{ms:.3f}"
+
+
+def multistep(cache, tables, q, k, v, lens, args) -> dict:
+    """Decode steps that differ: before each CUDA-graph replay one token is appended to every row (CUDA write
+    path; a block that fills is encoded and its generation bumped) and the queries move. Two query regimes:
+    ``walk`` (q ← q + 0.1·N(0, 1) per coordinate each step: the direction drifts ~9 % per step) and
+    ``fresh`` (the per-head part ε of q = √D(u + 0.5ε) drawn anew each step: only the shared direction u, which
+    carries the sink / recency / peak structure, persists). Each regime runs without the promotion cache
+    and with it (a fresh pool; the graph's two warm-up calls and its capture run step 0's query first).
+    Rows start 32 tokens shorter than the main case, so the appended tokens are the context's own."""
+    from certvllm.attention.gpu import certified_attention_gpu
+    from certvllm.config import load_config
+    from certvllm.kv.cache import LayerKVCache
+    from certvllm.kv.cuda_pagein import CudaPageInEngine
+
+    dev = q.device
+    batch = q.shape[0]
+    scale = 1.0 / math.sqrt(D)
+    start = [n - 32 for n in lens]
+    base = load_config("default")
+    out: dict = {"steps": args.steps, "start_len": start[0], "fraction": base.promotion_cache_fraction}
+    g = HQ // HKV
+    for regime in ("walk", "fresh"):
+        for fraction in (0.0, base.promotion_cache_fraction):
+            cfg = base.model_copy(update={"promotion_cache_fraction": fraction})
+            view = LayerKVCache(cache.pages, cache.shadow, cache.layout)  # a fresh pool, its own generations
+            seq = torch.tensor(start, device=dev, dtype=torch.int64)
+            gen = torch.Generator(device=dev).manual_seed(1)
+            static_q = q.clone()
+            eng = CudaPageInEngine(dev)
+
+            def call(view=view, cfg=cfg, seq=seq, static_q=static_q, eng=eng):
+                return certified_attention_gpu(static_q, view, tables, seq, cfg, scale, eng, fallback="device")
+
+            for _ in range(2):
+                call()
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                call()
+            pool = view.promotion_cache
+            if pool is not None:
+                pool.take_stats()
+            times, hits, looks, fills, bypass = [], 0, 0, 0, 0
+            u = None
+            if regime == "fresh":  # recover u from the group's mean query direction (q = √D(u + 0.5ε))
+                u = q.float().view(batch, HKV, g, D).mean(dim=2, keepdim=True) / math.sqrt(D)
+            for _ in range(args.steps):
+                append_tokens(view, tables, seq, k, v)
+                if regime == "walk":
+                    static_q.copy_(static_q.float() + 0.1 * torch.randn(q.shape, generator=gen, device=dev))
+                else:
+                    eps = torch.randn(batch, HKV, g, D, generator=gen, device=dev)
+                    eps = eps / eps.norm(dim=-1, keepdim=True)
+                    eps[..., torch.arange(4, device=dev) * (D // 4) + 3] *= 0.1  # as synthetic_kv's outliers
+                    static_q.copy_((math.sqrt(D) * (u + 0.5 * eps)).reshape(q.shape))
+                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                e0.record()
+                graph.replay()
+                e1.record()
+                e1.synchronize()
+                times.append(e0.elapsed_time(e1))
+                if pool is not None:
+                    st = pool.take_stats()
+                    hits, looks = hits + st["hits"], looks + st["lookups"]
+                    fills, bypass = fills + st["fills"], bypass + st["bypass"]
+            del graph
+            key = f"{regime}_{'pool' if fraction > 0 else 'nocache'}"
+            out[key] = {"median_ms": statistics.median(times), "first_ms": times[0], "ms": times}
+            if pool is not None:
+                out[key].update(hit_rate=hits / max(1, looks), lookups_per_step=looks / args.steps,
+                                fills_per_step=fills / args.steps, bypass_per_step=bypass / args.steps)  # fmt: skip
+            msg = f"hit rate {hits / max(1, looks):.3f}, {looks / args.steps:.0f} pages/step" if pool else ""
+            print(f"    multi-step {key:14s} median {out[key]['median_ms']:.3f} ms (first {times[0]:.3f}) {msg}",
+                  flush=True)  # fmt: skip
+    return out
 
 
 def main() -> None:
@@ -282,6 +404,7 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--diffuse-mass", type=float, default=0.02)
+    ap.add_argument("--steps", type=int, default=16, help="multi-step case: decode steps per regime (0: skip)")
     ap.add_argument("--out", type=Path, default=Path("runs/decode.json"))
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -316,6 +439,21 @@ def main() -> None:
         print(f"| {r['batch']} | {r['context'] // 1024}K | {r['dense_ms']:.3f} | {' | '.join(cells)} | "
               f"{r['default']['k_star_mean']:.0f} | {r['default']['rung_histogram']} | "
               f"{r['default']['pagein_bytes'] / 1e6:.1f} | {r['zero_copy_gather_GBps']:.1f} |")  # fmt: skip
+    print("\nPromotion cache, default preset (ms per layer call, ×dense; hit rates of the pool):")
+    print("| batch | context | no cache | cold (pool emptied) | warm (same step) | walk: no cache / pool (hits) | "
+          "fresh: no cache / pool (hits) | VRAM/FP16 with pool |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
+    for r in results:
+        d, dm = r["default"], r["dense_ms"]
+        x = lambda ms, dm=dm: "n/a" if ms is None else f"{ms:.3f} ({ms / dm:.2f}×)"  # noqa: E731
+        mst = r.get("multistep", {})
+        cells = []
+        for regime in ("walk", "fresh"):
+            a, b = mst.get(f"{regime}_nocache"), mst.get(f"{regime}_pool")
+            cells.append(f"{x(a['median_ms'])} / {x(b['median_ms'])} ({b['hit_rate']:.2f})" if a and b else "n/a")
+        print(f"| {r['batch']} | {r['context'] // 1024}K | {x(d.get('nocache_ms'))} | {x(d.get('cold_ms'))} | "
+              f"{x(d['ms'])} ({d.get('pool_repeat_hit_rate', 0):.2f}) | {' | '.join(cells)} | "
+              f"{r['device_bytes_per_token_ratio_with_pool']:.3f} |")  # fmt: skip
     print(f"wrote {args.out}")
 
 

@@ -68,6 +68,18 @@ class CertConfig(BaseModel):
         description="Host (tier-2) memory budget for shadow pages in GiB; None: half of the host "
         "memory available at startup (within the container's cgroup limit).",
     )
+    promotion_cache_fraction: float = Field(
+        0.0625,
+        ge=0.0,
+        le=1.0,
+        description="CUDA path only: device-resident promotion cache. Per layer, a VRAM pool of unquantized "
+        "key pages (one 16-token block of one KV head each) with this fraction of the layer's (block, KV head) "
+        "pages as slots, reused across decode steps so that blocks promoted again are not paged in over PCIe "
+        "again. Costs fraction × (2·D + 1) bytes per token per KV head of device memory (0.0625: 16 B at "
+        "D = 128, i.e. 272 of FP16's 512). 0 disables it. Direct-mapped by block id; a slot is served only "
+        "when its (block, KV head) and the block's write generation both match, so it never serves a "
+        "rewritten block (docs/certification.md §5.1). The CPU path ignores it.",
+    )
     seed: int = Field(0, ge=0, description="Seed of the exploration draws.")
     force_fallback: Literal["none", "head", "layer"] = Field(
         "none",

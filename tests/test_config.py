@@ -37,6 +37,8 @@ def test_overrides_apply_and_yaml_files_load(tmp_path):
         ("v_tol", -0.1, "greater than or equal to 0"),
         ("mode", "fp8", "certified"),
         ("rank_depth", 0, "greater than or equal to 1"),
+        ("promotion_cache_fraction", 1.5, "less than or equal to 1"),
+        ("promotion_cache_fraction", -0.1, "greater than or equal to 0"),
     ],
 )
 def test_invalid_values_name_field_range_and_value(field, value, needle):
@@ -59,3 +61,8 @@ def test_unknown_preset_lists_the_choices(tmp_path):
         load_config("bogus")
     with pytest.raises(CertConfigError, match="does not exist"):
         load_config(str(tmp_path / "missing.yaml"))
+
+
+def test_promotion_cache_fraction_default_and_off():
+    assert load_config().promotion_cache_fraction == 0.0625  # 16 of 512 FP16 bytes per token at D = 128
+    assert load_config("default", promotion_cache_fraction=0).promotion_cache_fraction == 0.0

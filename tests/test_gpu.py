@@ -256,6 +256,8 @@ def test_device_fallback_is_sync_free_and_graph_capturable():
     torch.cuda.synchronize()
     assert torch.equal(captured.out, eager.out) and torch.equal(captured.report.rung, eager.report.rung)
     assert bool((eager.report.rung == 3).any())
+    # the default config runs the promotion cache: created by the first (eager) call, used by the others
+    assert cfg.promotion_cache_fraction > 0 and cache.promotion_cache.take_stats()["hits"] > 0
 
 
 def test_gpu_canary_catches_corrupted_pages():
@@ -367,3 +369,153 @@ def test_gluon_kernels_match_the_triton_kernels_end_to_end():
     vmax = float(ref.report.v_max.max())
     assert float((got.out - ref.out).abs()[both].max()) <= 1e-4 * vmax
     torch.testing.assert_close(got.report.bound[both], ref.report.bound[both], rtol=1e-3, atol=1e-9 * vmax)
+
+
+def _assert_identical(a, b) -> None:
+    assert torch.equal(a.out, b.out)
+    for field in ("rung", "k_star", "v_promoted", "e_key", "e_val", "e_round"):
+        assert torch.equal(getattr(a.report, field), getattr(b.report, field)), field
+
+
+def test_promotion_cache_at_llama_shapes_hits_rewrites_and_graph_replays():
+    """Hits are bit-identical to the path without the cache, eagerly and in CUDA-graph replays whose queries
+    drift and whose cache is written between replays (tokens appended through the CUDA write path, a
+    promoted block rewritten with other originals): the pool never serves the old content."""
+    from certvllm.attention.gpu import certified_attention_gpu
+    from certvllm.config import load_config
+    from certvllm.kv.cache import LayerKVCache
+    from certvllm.kv.cuda_pagein import CudaPageInEngine, encode_blocks_from_shadow
+
+    bench = _bench()
+    q, k, v = bench.synthetic_kv(4, 32768, seed=3)
+    lens = [32768 - 40, 32768 - 8, 32768 - 40, 9001]  # the block table has room for rows 0 and 2 to grow
+    cache, tables = bench.build_cache(k, v, lens)
+    seq = torch.tensor(lens, device="cuda")
+    plain = LayerKVCache(cache.pages, cache.shadow, cache.layout)  # the same storage, no pool
+    eng = CudaPageInEngine("cuda")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def call(c, cfg, qq):
+        return certified_attention_gpu(qq, c, tables, seq, cfg, pagein=eng, fallback="device")
+
+    def drift(qq):
+        return (qq.float() + 0.1 * torch.randn(qq.shape, generator=gen, device="cuda")).to(qq.dtype)
+
+    on, off = load_config("default"), load_config("default", promotion_cache_fraction=0.0)
+    qs = q.clone()
+    for _ in range(3):  # eager: cold, then drifted steps
+        _assert_identical(call(cache, on, qs), call(plain, off, qs))
+        qs = drift(qs)
+    pc = cache.promotion_cache
+    st = pc.take_stats()
+    print(f"eager: {st}, pool {pc.slots} slots, {pc.nbytes / 2**20:.1f} MiB")
+    assert st["hits"] > 0 and st["fills"] > 0
+
+    # graph replays, canary off (a stale key page must not be rescued by rung 4), over a second view of the
+    # same storage with one slot per page (no conflicts: every promoted page is pooled); the writes below
+    # go through this view, and the first one is not used again
+    cache = LayerKVCache(cache.pages, cache.shadow, cache.layout)
+    on_nc = on.model_copy(update={"canary": False, "promotion_cache_fraction": 1.0})
+    off_nc = off.model_copy(update={"canary": False})
+    static_q = qs.clone()
+    for _ in range(2):
+        call(cache, on_nc, static_q)
+    pc = cache.promotion_cache
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = call(cache, on_nc, static_q)
+    graph.replay()
+    before = captured.out.clone()
+    _assert_identical(captured, call(plain, off_nc, static_q))
+    pc.take_stats()
+    sink = tables[0, 0].view(1)  # block 0 of row 0 (the attention sink): promoted at every step
+    for step in range(10):
+        if step == 3:  # rewrite the sink block with other keys (same slots), CUDA write path
+            assert bool(torch.isin(sink * 8 + torch.arange(8, device="cuda"), pc.tag).any())  # pooled now
+            pos = torch.arange(16)
+            slots = (sink.cpu() * 16 + pos).cpu()
+            kn = (k[0, :16].float() + torch.randn(16, 8, 128, generator=gen, device="cuda")).half()
+            cache.write_shadow(kn, v[0, :16], slots)
+            encode_blocks_from_shadow(cache, sink)
+        else:  # one token appended to rows 0 and 2 (their partial blocks fill at step 8)
+            rows = torch.tensor([0, 2])
+            pos = seq[rows.cuda()].cpu()
+            slots = tables[rows.cuda(), (pos // 16).cuda()].cpu() * 16 + pos % 16
+            full = cache.write_shadow(k[rows, pos], v[rows, pos], slots)
+            if full.numel():
+                encode_blocks_from_shadow(cache, full.cuda())
+            seq[rows.cuda()] += 1
+        static_q.copy_(drift(static_q))
+        graph.replay()
+        ref = call(plain, off_nc, static_q)
+        _assert_identical(captured, ref)  # at step 3: the pooled sink pages were not served
+    assert not torch.equal(captured.out[0], before[0])
+    st = pc.take_stats()
+    print(f"graph replays: {st}")
+    assert st["hits"] > 0
+    del graph
+    bench.release_cache(cache)
+
+
+def test_soundness_with_a_warm_promotion_cache():
+    """The soundness property over the families with the pool warm: several steps per cache, the queries
+    drifting between them."""
+    from certvllm.attention.gpu import certified_attention_gpu
+    from certvllm.config import load_config
+    from certvllm.testing import FAMILIES, exact_attention, make_case
+
+    gen = torch.Generator().manual_seed(99)
+    total = violations = hits = 0
+    for i, family in enumerate(FAMILIES):
+        hq, hkv, d = SHAPES[i % len(SHAPES)]
+        lengths = torch.randint(200, 3000, (4,), generator=gen).tolist()
+        cases = [make_case(family, t, hq, hkv, d, torch.float16, gen) for t in lengths]
+        cache, tables, lens, _ = cuda_batch(cases)
+        cfg = load_config(("default", "paper", "strict")[i % 3], promotion_cache_fraction=0.25)
+        q = torch.stack([c.q for c in cases])
+        for _ in range(3):
+            res = certified_attention_gpu(q.cuda(), cache, tables, lens, cfg, fallback="device")
+            for j, c in enumerate(cases):
+                ref = exact_attention(q[j].cuda(), c.k.cuda(), c.v.cuda(), 1 / math.sqrt(d))
+                err = torch.linalg.vector_norm(res.out[j].double() - ref, dim=-1)
+                cert = res.report.rung[j] <= 2
+                violations += int((cert & ~(err <= res.report.bound[j].double())).sum())
+                total += int(cert.sum())
+            q = (q.float() + 0.1 * torch.randn(q.shape, generator=gen)).to(q.dtype)
+        hits += cache.promotion_cache.take_stats()["hits"]
+    print(f"certified head-steps {total}, violations {violations}, pool hits {hits}")
+    assert violations == 0 and hits > 0
+
+
+def test_pool_lookup_kernels_equal_the_torch_reference_at_full_shape():
+    from certvllm.formats.layout import PageLayout
+    from certvllm.kv.cache import LayerKVCache
+    from certvllm.kv.host import allocate_host
+    from certvllm.kv.promotion_cache import PromotionCache
+
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    lay = PageLayout(128)
+    B = 4096
+    nb, H = 8 * B + 1, 8
+    shadow = allocate_host((nb, H, 2, 16, 128), torch.float16, pin=True)
+    shadow.copy_(torch.randn(nb, H, 2, 16, 128, device="cuda", generator=gen).half())
+    cache = LayerKVCache(torch.zeros(nb, H, lay.page_bytes, dtype=torch.uint8, device="cuda"), shadow, lay)
+    pools = [PromotionCache(cache, nb * H // 16) for _ in range(2)]
+    pools[1].impl = "torch"
+    tables = (torch.randperm(nb - 1, device="cuda", generator=gen) + 1)[: 8 * B].view(8, B)
+    nfull = torch.full((8,), B - 2, device="cuda")
+    dense = torch.rand(8, H, B, device="cuda", generator=gen) < 0.06
+    for _ in range(4):
+        dense = dense ^ (torch.rand(8, H, B, device="cuda", generator=gen) < 0.01)  # the set drifts
+        bits = torch.where(dense, 1 << 2, 0).to(torch.int32)
+        out = [pc.lookup(cache, tables, nfull, bits, -1) for pc in pools]
+        assert torch.equal(out[0][0], out[1][0]) and torch.equal(out[0][1], out[1][1])
+        for name in ("tag", "tag_gen", "pool", "counts"):
+            assert torch.equal(getattr(pools[0], name), getattr(pools[1], name)), name
+        cache.bump_generation(tables[0, :64])
+    st = pools[0].take_stats()
+    print(f"lookup kernels vs torch: {st}")
+    assert st["hits"] > 0 and st["bypass"] > 0
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaHostUnregister(shadow.data_ptr())

@@ -75,3 +75,129 @@ def test_copy_blocks_copies_pages_and_shadows(gen):
     cache.copy_blocks(torch.tensor([3]), torch.tensor([12]))
     assert torch.equal(cache.shadow_blocks(torch.tensor([12])), cache.shadow_blocks(torch.tensor([3])))
     assert torch.equal(cache.read_pages(torch.tensor([12])), cache.read_pages(torch.tensor([3])))
+
+
+# -- write generations and the promotion cache's lookup (pure torch; the kernels are tested in
+#    tests/test_triton_kernels.py and tests/test_gpu.py) ----------------------------------------------------
+def test_every_writer_bumps_the_write_generation(gen):
+    cache = _engine_cache(4, 2, 2, 64, torch.float16, False)  # 8 16-token blocks
+    k = torch.randn(BLOCK_SIZE + 3, 2, 64, generator=gen).half()
+    cache.write(k, k, torch.arange(BLOCK_SIZE + 3) + 2 * BLOCK_SIZE)  # off: nothing counted, nothing breaks
+    assert cache.generation is None
+    g = cache.enable_generations()
+    assert cache.enable_generations() is g and g.shape == (8,) and not g.any()
+
+    def changed(fn) -> set[int]:
+        before = g.clone()
+        fn()
+        return set((g != before).nonzero().flatten().tolist())
+
+    # a partial write (block 4, slots 3..5), then a write that completes block 3 (shadow and page)
+    assert changed(lambda: cache.write_shadow(k[:3], k[:3], torch.arange(3) + 4 * BLOCK_SIZE + 3)) == {4}
+    assert changed(lambda: cache.write(k[:1], k[:1], torch.tensor([4 * BLOCK_SIZE - 1]))) == {3}
+    assert changed(lambda: cache.encode_completed(torch.tensor([3 * BLOCK_SIZE - 1]))) == {2}
+    assert changed(lambda: cache.write_pages(torch.tensor([6]), cache.read_pages(torch.tensor([2])))) == {6}
+    assert changed(lambda: cache.copy_blocks(torch.tensor([2]), torch.tensor([7]))) == {7}
+    assert changed(lambda: cache.bump_generation(torch.tensor([[0, 0]]))) == {0}
+    assert changed(lambda: cache.write_shadow(k[:1], k[:1], torch.tensor([-1]))) == set()  # padding only
+    assert (g >= 0).all() and int(g[0]) == 2  # duplicates count twice: counters only grow
+
+
+def _pool(slots: int, blocks: int = 8, heads: int = 2):
+    from certvllm.kv.promotion_cache import PromotionCache
+
+    cache = _engine_cache(blocks, 1, heads, 64, torch.float16, False)
+    return cache, PromotionCache(cache, slots)
+
+
+def test_promotion_cache_slots_and_bytes():
+    from certvllm.kv.promotion_cache import PromotionCache, bytes_per_slot, pool_slots
+
+    cache = _engine_cache(100, 1, 8, 128, torch.float16, False)
+    assert pool_slots(cache, 0.0) == 0 and PromotionCache.attach(cache, 0.0) is None
+    assert pool_slots(cache, 1 / 16) == 50 and pool_slots(cache, 1e-9) == 1 and pool_slots(cache, 1.0) == 800
+    assert bytes_per_slot(cache) == 16 * 128 * 2 + 16
+    pc = PromotionCache.attach(cache, 1 / 16)
+    assert pc is cache.promotion_cache and pc.nbytes == 50 * (4096 + 16) and pc.pool.shape == (50, 16, 128)
+    assert PromotionCache.attach(cache, 0.5) is pc  # sized once
+    with pytest.raises(ValueError, match="at least one slot"):
+        PromotionCache(cache, 0)
+
+
+def _check_resolve(pc, cache, tables, need) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run ``resolve`` and check its contract by brute force; returns ``(slot_map, claim)``."""
+    hit_code = 1 << 62
+    slot_map, claim, hit = pc.resolve(tables, need, cache.num_blocks)
+    R, K, B = need.shape
+    served: dict[int, set[int]] = {}
+    for r in range(R):
+        for h in range(K):
+            for b in range(B):
+                blk = int(tables[r, b])
+                e = blk * K + h
+                s1, s2 = (int(x) for x in pc.slots_of(torch.tensor(e)))
+                gen = int(cache.generation[blk])
+                valid = [s for s in (s1, s2) if int(pc.tag[s]) == e and int(pc.tag_gen[s]) == gen]
+                sm = int(slot_map[r, h, b])
+                if not need[r, h, b]:
+                    assert sm == -1 and not hit[r, h, b]
+                    continue
+                assert bool(hit[r, h, b]) == bool(valid)  # a hit iff a slot holds (e, current generation)
+                if valid:
+                    assert sm == valid[0] and int(claim[sm]) == e + hit_code
+                if sm >= 0:
+                    assert sm in (s1, s2) and int(claim[sm]) % hit_code == e
+                    served.setdefault(sm, set()).add(e)
+                else:  # not served: both of its slots went to other pages
+                    assert int(claim[s1]) % hit_code != e and int(claim[s1]) >= 0
+                    assert int(claim[s2]) % hit_code != e and int(claim[s2]) >= 0
+    assert all(len(pages) == 1 for pages in served.values())  # a slot serves one page per step
+    assert all(int(claim[s]) < 0 or s in served for s in range(pc.slots))  # no slot claimed for nothing
+    return slot_map, claim
+
+
+def _apply_fill(pc, claim) -> None:
+    """What ``lookup`` does to the tags (the kernel copies the pages)."""
+    fill = (claim >= 0) & (claim < 1 << 62)
+    gen = pc.generation.index_select(0, torch.where(fill, claim, 0) // pc.num_kv_heads)
+    pc.tag_gen.copy_(torch.where(fill, gen, pc.tag_gen))
+    pc.tag.copy_(torch.where(fill, claim, pc.tag))
+
+
+def test_promotion_cache_lookup_claims_hits_and_generations():
+    cache, pc = _pool(slots=4)  # 8 blocks × 2 heads = 16 pages onto 4 slots
+    tables = torch.tensor([[1, 3, 5], [2, 3, 7]])  # pages e = 2·block + head
+    need = torch.zeros(2, 2, 3, dtype=torch.bool)
+    need[0, 0, 0] = need[0, 1, 2] = need[1, 0, 0] = need[1, 0, 2] = need[1, 1, 1] = need[0, 1, 1] = True
+    slot_map, claim = _check_resolve(pc, cache, tables, need)
+    assert (claim < 1 << 62).all() and (slot_map >= 0).sum() >= 3  # cold: no hits; misses fill the slots
+    _apply_fill(pc, claim)
+    slot_map2, claim2 = _check_resolve(pc, cache, tables, need)
+    assert torch.equal(slot_map2, slot_map)  # the same step again: every served page is a hit
+    assert torch.equal(claim2 >= 1 << 62, claim >= 0)
+    # a rewritten block is never served from the copy taken before; it is filled again
+    blocks = tables.unsqueeze(1).expand(2, 2, 3)
+    bumped = blocks[slot_map >= 0][0]
+    cache.bump_generation(bumped.view(1))
+    slot_map3, claim3 = _check_resolve(pc, cache, tables, need)
+    for s in range(pc.slots):
+        if int(claim2[s]) >= 0:
+            page = int(claim2[s]) - (1 << 62)
+            assert (int(claim3[s]) >= 1 << 62) == (page // 2 != int(bumped))  # only the rewritten one misses
+    # a page that is not needed is never served, even if its slot holds it
+    slot_map4, _ = _check_resolve(pc, cache, tables, torch.zeros_like(need))
+    assert (slot_map4 == -1).all()
+
+
+def test_promotion_cache_lookup_contract_on_random_steps():
+    gen = torch.Generator().manual_seed(3)
+    cache, pc = _pool(slots=7, blocks=24, heads=3)
+    hits = 0
+    for _ in range(12):
+        tables = torch.randperm(24, generator=gen)[:10].view(2, 5)
+        need = torch.rand(2, 3, 5, generator=gen) < 0.6
+        _, claim = _check_resolve(pc, cache, tables, need)
+        hits += int((claim >= 1 << 62).sum())
+        _apply_fill(pc, claim)
+        cache.bump_generation(torch.randint(0, 24, (2,), generator=gen))  # writes between steps
+    assert hits > 0

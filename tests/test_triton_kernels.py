@@ -187,6 +187,126 @@ def test_paper_preset_exploration_draws_on_the_device(gen):
     assert (res.report.k_star[0] > 2).all()
 
 
+# -- the device-resident promotion cache (certvllm.kv.promotion_cache) -------------------------------------
+@pytest.mark.parametrize("sub,channel_major", [(1, False), (4, False), (4, True)])
+def test_pool_fill_copies_key_pages_from_the_shadow(sub, channel_major, gen):
+    from certvllm.triton_kernels.gather import fill_pool
+
+    lay = PageLayout(64)
+    shadow = torch.randn(5, 3, 2, sub * BLOCK_SIZE, 64, generator=gen).bfloat16()
+    cache = LayerKVCache(torch.zeros(5, 3, sub * lay.page_bytes, dtype=torch.uint8, device=DEV), shadow, lay,
+                         keys_channel_major=channel_major)  # fmt: skip
+    pool = torch.full((4, BLOCK_SIZE, 64), 7.0, dtype=torch.bfloat16, device=DEV)
+    ids, heads = torch.tensor([5 * sub - 1, 0, 3]), torch.tensor([1, 2, 0])
+    fill = torch.tensor([ids[0] * 3 + heads[0], -1, ids[1] * 3 + heads[1], ids[2] * 3 + heads[2]])
+    fill_pool(pool, shadow, fill.to(DEV), 3, sub, channel_major)
+    keys = cache.shadow_pages(ids, heads)[:, 0]
+    assert torch.equal(pool[[0, 2, 3]].cpu(), keys) and (pool[1] == 7.0).all()  # slot 1 left alone
+
+
+@pytest.mark.parametrize("sub,channel_major", [(1, False), (2, True)])
+def test_pool_lookup_kernels_equal_the_torch_reference(sub, channel_major, gen):
+    from certvllm.kv.promotion_cache import PromotionCache
+
+    lay = PageLayout(64)
+    E, H, G = 12 // sub, 2, 2
+    shadow = torch.randn(E, H, 2, sub * BLOCK_SIZE, 64, generator=gen).half()
+    cache = LayerKVCache(torch.zeros(E, H, sub * lay.page_bytes, dtype=torch.uint8, device=DEV), shadow, lay,
+                         keys_channel_major=channel_major)  # fmt: skip
+    pools = [PromotionCache(cache, 5) for _ in range(2)]
+    pools[1].impl = "torch"
+    for step in range(6):
+        tables = torch.randperm(12, generator=gen)[:10].view(2, 5).to(DEV)
+        nfull = torch.tensor([5, 3]).to(DEV)
+        bits = torch.randint(0, 1 << (2 * G), (2, H, 5), generator=gen).to(torch.int32)
+        bits = torch.where(torch.rand(2, H, 5, generator=gen) < 0.5, bits, 0).to(DEV)
+        need_mask = -1 if step % 2 else (1 << G) - 1
+        out = [pc.lookup(cache, tables, nfull, bits, need_mask) for pc in pools]
+        assert torch.equal(out[0][0], out[1][0]) and int(out[0][1]) == int(out[1][1])
+        for name in ("tag", "tag_gen", "counts"):
+            assert torch.equal(getattr(pools[0], name), getattr(pools[1], name)), name
+        filled = pools[0].tag >= 0
+        assert torch.equal(pools[0].pool[filled], pools[1].pool[filled])
+        pages = pools[0].tag[filled].cpu()
+        want = cache.shadow_pages(pages // H, pages % H)[:, 0]  # each filled slot holds its page's keys
+        assert torch.equal(pools[0].pool[filled].cpu(), want)
+        cache.bump_generation(torch.randint(0, 12, (2,), generator=gen))
+    st = pools[0].take_stats()
+    assert st["hits"] > 0 and st["fills"] > 0 and st["bypass"] > 0
+
+
+def _certified_call(cache, q, tables, lens, cfg):
+    return certified_attention_gpu(q, cache, tables, lens, cfg, fallback="device")
+
+
+def _assert_identical(a, b) -> None:
+    assert torch.equal(a.out, b.out)
+    for field in ("rung", "k_star", "v_promoted", "e_key", "e_val", "e_round"):
+        assert torch.equal(getattr(a.report, field), getattr(b.report, field)), field
+
+
+@pytest.mark.parametrize("fraction", [1.0, 0.05])
+def test_promotion_cache_hits_are_bit_identical_to_no_cache(fraction, gen):
+    cases = [make_case("sink_and_recency", t, 8, 2, 64, torch.float16, gen) for t in (130, 261)]
+    cache, tables, lens = paged_batch(cases)
+    tables, lens = tables.to(DEV), lens.to(DEV)
+    q = torch.stack([c.q for c in cases]).to(DEV)
+    off = load_config("default", promotion_cache_fraction=0.0)
+    on = load_config("default", promotion_cache_fraction=fraction)
+    plain, pooled = _to_device(cache), _to_device(cache)
+    cold = _certified_call(pooled, q, tables, lens, on)
+    pc = pooled.promotion_cache
+    assert plain.promotion_cache is None and pc is not None
+    st = pc.take_stats()
+    assert st["hits"] == 0 and st["fills"] > 0 and st["lookups"] == st["fills"] + st["bypass"]
+    _assert_identical(cold, _certified_call(plain, q, tables, lens, off))
+    assert plain.promotion_cache is None  # the disabled config allocates nothing
+    for step in range(2):  # the same step again, then drifted queries
+        qs = q if step == 0 else (q.float() + 0.2 * torch.randn(q.shape, generator=gen).to(DEV)).half()
+        _assert_identical(_certified_call(pooled, qs, tables, lens, on), _certified_call(plain, qs, tables, lens, off))
+        st = pc.take_stats()
+        assert st["hits"] > 0
+        if fraction == 1.0:  # one slot per page: no conflicts, a repeated step is all hits
+            assert st["bypass"] == 0 and (step > 0 or st["hits"] == st["lookups"])
+        else:
+            assert st["bypass"] > 0  # 3 slots for 54 pages: conflicts, served from the shadow
+
+
+def test_promotion_cache_never_serves_a_rewritten_block(gen, monkeypatch):
+    # the canary is off so that a stale key page could not be caught (and recomputed exactly) by rung 4
+    cfg = load_config("default", promotion_cache_fraction=1.0, canary=False)
+    off = cfg.model_copy(update={"promotion_cache_fraction": 0.0})
+    cases = [make_case("sink_and_recency", 200, 8, 2, 64, torch.float16, gen) for _ in range(2)]
+    cache, tables, lens = paged_batch(cases)
+    tables, lens = tables.to(DEV), lens.to(DEV)
+    q = torch.stack([c.q for c in cases]).to(DEV)
+    pooled = _to_device(cache)
+    first = _certified_call(pooled, q, tables, lens, cfg)
+    pc = pooled.promotion_cache
+    assert pc.take_stats()["fills"] > 0
+    pos = torch.arange(12 * BLOCK_SIZE)  # every full block of row 0
+    slots = tables[0, pos // BLOCK_SIZE].cpu() * BLOCK_SIZE + pos % BLOCK_SIZE
+
+    def rewrite() -> None:  # the same tokens, perturbed: the selection stays much the same
+        k, v = cases[0].k[: pos.numel()], cases[0].v[: pos.numel()]
+        pooled.write((k.float() + 0.5 * torch.randn(k.shape, generator=gen)).half(), v, slots)
+
+    rewrite()
+    again = _certified_call(pooled, q, tables, lens, cfg)
+    fresh = LayerKVCache(pooled.pages, pooled.shadow, pooled.layout)  # no pool: the reference
+    _assert_identical(again, _certified_call(fresh, q, tables, lens, off))
+    assert not torch.equal(again.out[0], first.out[0])  # the rewrite changed row 0's output
+    assert torch.equal(again.out[1], first.out[1])
+    st = pc.take_stats()
+    assert 0 < st["hits"] < st["lookups"]  # row 1 hit, row 0's rewritten pages were filled again
+    # control: with the generation bump disabled the same construction does serve stale keys, which this
+    # test would catch
+    monkeypatch.setattr(LayerKVCache, "bump_generation", lambda self, ids: None)
+    rewrite()
+    stale = _certified_call(pooled, q, tables, lens, cfg)
+    assert not torch.equal(stale.out[0], _certified_call(fresh, q, tables, lens, off).out[0])
+
+
 @triton.jit
 def _sigma_kernel(codes, exps, out, n, BLOCK: tl.constexpr):
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)

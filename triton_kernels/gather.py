@@ -77,3 +77,61 @@ def gather_pages(
         H=h, M=mn // 16, D=d, DP=next_pow2(d), CHANNEL_MAJOR=channel_major, num_warps=4,
     )  # fmt: skip
     return out
+
+
+@triton.jit
+def _fill_pool_kernel(
+    src,  # shadow storage [E, H, 2, m*N, D] (float16/bfloat16), host-pinned or device
+    pool,  # [P, N, D] promotion-cache key pages (same dtype), device
+    fill_page,  # [P] int64: page id e = block·H + head to copy into slot p, or −1 (leave the slot)
+    H: tl.constexpr,  # KV heads of the shadow
+    M: tl.constexpr,  # 16-token blocks per engine block (m)
+    D: tl.constexpr,  # head dim
+    DP: tl.constexpr,  # next power of two ≥ D
+    CHANNEL_MAJOR: tl.constexpr,  # keys stored [D, m*N] per (engine block, head)
+):
+    N: tl.constexpr = 16
+    p = tl.program_id(0).to(tl.int64)
+    e = tl.load(fill_page + p)
+    if e >= 0:
+        bid = e // H
+        h = e % H
+        base = ((bid // M) * H + h) * 2 * (M * N * D)  # key run of (engine block, head)
+        t = tl.arange(0, N)
+        d = tl.arange(0, DP)
+        dm = d[None, :] < D
+        if CHANNEL_MAJOR:
+            offs = d[None, :] * (M * N) + (bid % M) * N + t[:, None]
+        else:
+            offs = ((bid % M) * N + t[:, None]) * D + d[None, :]
+        x = tl.load(src + base + offs, mask=dm, other=0.0)
+        tl.store(pool + p * (N * D) + t[:, None] * D + d[None, :], x, mask=dm)
+
+
+def fill_pool(
+    pool: torch.Tensor,
+    shadow: torch.Tensor,
+    fill_page: torch.Tensor,
+    num_kv_heads: int,
+    sub_blocks: int,
+    channel_major: bool = False,
+) -> None:
+    """Copy the unquantized keys of page ``fill_page[p]`` (``block·H_kv + head``) into promotion-cache slot
+    ``p`` (token-major ``[N, D]``), for every ``p`` with ``fill_page[p] ≥ 0``; zero-copy from the pinned
+    shadow, one program per slot, no host synchronisation.
+
+    Args:
+        pool: ``[P, N, D]`` on the device, the shadow's dtype.
+        shadow: ``[E, H_kv, 2, m·N, D]`` (pinned host memory, or device memory).
+        fill_page: ``[P]`` int64 on the pool's device.
+        num_kv_heads, sub_blocks: ``H_kv`` and ``m`` of the shadow.
+        channel_major: keys are stored ``[D, m·N]`` per (engine block, head).
+    """
+    p, n, d = pool.shape
+    if p == 0:
+        return
+    launch_device_ok(pool)
+    _fill_pool_kernel[(p,)](
+        device_arg(shadow), pool, fill_page,
+        H=num_kv_heads, M=sub_blocks, D=d, DP=next_pow2(d), CHANNEL_MAJOR=channel_major, num_warps=4,
+    )  # fmt: skip

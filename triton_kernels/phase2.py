@@ -54,6 +54,8 @@ def _promote_kernel(
     canary,  # out [R] int32, set to 1 when a promoted block breaks |s − s̃⁸| ≤ Δ_b + 2R
     smax,  # out [R, H_kv, G, S] float32 per-split max phase-2 score
     sabs,  # out [R, H_kv, G, S] float32 per-split max finite |exact score| on key-promoted blocks
+    pool,  # [P, N, D] promotion-cache key pages (device; read when USE_POOL and the slot is ≥ 0)
+    kslot,  # [R, H_kv, B] int32 pool slot of each needed key page, −1: read the shadow (USE_POOL only)
     num_blocks,  # total 16-token blocks (ids are clamped)
     B,  # block-table columns
     TB_STRIDE,  # row stride of tables
@@ -68,6 +70,7 @@ def _promote_kernel(
     CHANNEL_MAJOR: tl.constexpr,  # shadow keys stored [D, m·N] (the CPU layout)
     CANARY: tl.constexpr,  # run the canary (loads keys of value-only promoted blocks too)
     PB: tl.constexpr,  # blocks per tile of the bitmask scan
+    USE_POOL: tl.constexpr,  # read key pages from the promotion cache where kslot ≥ 0
 ):
     N: tl.constexpr = 16
     rk = tl.program_id(0).to(tl.int64)
@@ -120,7 +123,15 @@ def _promote_kernel(
                         koffs = d[None, :] * (M * N) + (bid % M) * N + n[:, None]
                     else:
                         koffs = ((bid % M) * N + n[:, None]) * D + d[None, :]
-                    kt = tl.load(shadow + kbase + koffs, mask=dm[None, :], other=0.0).to(tl.float32)
+                    if USE_POOL:
+                        ks = tl.load(kslot + rk * B + b).to(tl.int64)
+                        if ks >= 0:  # the promotion cache holds this page (same bytes as the shadow)
+                            kt = tl.load(pool + ks * (N * D) + n[:, None] * D + d[None, :], mask=dm[None, :],
+                                         other=0.0).to(tl.float32)  # fmt: skip
+                        else:
+                            kt = tl.load(shadow + kbase + koffs, mask=dm[None, :], other=0.0).to(tl.float32)
+                    else:
+                        kt = tl.load(shadow + kbase + koffs, mask=dm[None, :], other=0.0).to(tl.float32)
                     se = tl.sum(q[:, None, :] * kt[None, :, :], axis=2)  # [GP, N] exact-key scores
                     srow = ((rk * B + b) * G + g[:, None]) * N + n[None, :]
                     if CANARY:
@@ -320,8 +331,13 @@ def promote(
     round1: torch.Tensor,
     canary: torch.Tensor,
     run_canary: bool,
+    pool: torch.Tensor | None = None,
+    kslot: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the promotion pass (shapes as in the kernel's parameter comments).
+
+    ``pool``/``kslot``: the promotion cache's key pages and the step's slot map
+    (``certvllm.kv.promotion_cache``); None reads every key page from the shadow.
 
     Returns:
         ``(smax, sabs)`` each ``[R, H_kv, G, S]`` float32.
@@ -333,11 +349,14 @@ def promote(
     smax = torch.empty(R, K, G, S, dtype=torch.float32, device=qs.device)
     sabs = torch.empty(R, K, G, S, dtype=torch.float32, device=qs.device)
     D = geo.layout.head_dim
+    use_pool = pool is not None and kslot is not None
+    if not use_pool:
+        pool, kslot = smax, bits  # placeholders, never read
     _promote_kernel[(R * K, S)](
         qs, device_arg(shadow), tables, nfull, bits, active, scores, m8, delta, round1, canary, smax, sabs,
-        geo.num_blocks, B, tables.stride(0), S, geo.blocks_per_split,
+        pool, kslot, geo.num_blocks, B, tables.stride(0), S, geo.blocks_per_split,
         H=K, G=G, GP=next_pow2(G), D=D, DP=next_pow2(D), M=geo.sub_blocks, CHANNEL_MAJOR=geo.channel_major,
-        CANARY=run_canary, PB=64, num_warps=4 if G <= 4 else 8,
+        CANARY=run_canary, PB=64, USE_POOL=use_pool, num_warps=4 if G <= 4 else 8,
     )  # fmt: skip
     return smax, sabs
 

@@ -10,8 +10,10 @@ Same algorithm, same certificate and same report as :func:`certvllm.attention.pa
 3. selection (``selection.select_keys``/``select_values``, batched torch on the device; exploration draws
    on the device), rank/boundary tests (``checks.rank_and_boundary``);
 4. phase 2 (``triton_kernels.phase2``): promotion pass (exact scores of promoted blocks read zero-copy
-   from the shadow, canary), then one attend pass mixing unquantized and INT8/INT4 blocks with float64
-   accumulation across blocks and splits, plus the bound accumulators;
+   from the shadow, or from the device-resident promotion cache ``certvllm.kv.promotion_cache`` when the
+   config enables it and the page is there under its current write generation; canary), then one
+   attend pass mixing unquantized and INT8/INT4 blocks with float64 accumulation across blocks and
+   splits, plus the bound accumulators;
 5. bounds (``certvllm.bounds``) and checks on device tensors; the report is assembled with ``where``
    (no boolean-mask indexing, which would synchronise);
 6. rungs 3/4: ``fallback="sdpa"`` (default) recomputes escalated rows with ``dense_fn`` (default
@@ -61,6 +63,7 @@ from certvllm.formats.layout import key_scale_lut
 from certvllm.kv.cache import LayerKVCache
 from certvllm.kv.cuda_pagein import CudaPageInEngine, ensure_device_readable
 from certvllm.kv.pagein import PageInEngine
+from certvllm.kv.promotion_cache import PromotionCache
 from certvllm.triton_kernels.common import split_plan
 from certvllm.triton_kernels.phase1 import phase1
 from certvllm.triton_kernels.phase2 import Phase2Geometry, attend, promote
@@ -260,8 +263,15 @@ def _certified_rows(q, cache, block_tables, seq_lens, cfg, scale, pagein, genera
     active = torch.ones(R, K, dtype=torch.int32, device=dev)
     canary = torch.zeros(R, dtype=torch.int32, device=dev)
     run_canary = certified and cfg.canary
+    pcache = PromotionCache.for_call(cache, cfg)
+    pool = kslot = key_paged = None
+    if pcache is not None:  # device-resident promotion cache: hits are read from VRAM, not over PCIe
+        need_mask = -1 if run_canary else (1 << G) - 1  # the bits for which the promotion pass reads keys
+        kslot, key_paged = pcache.lookup(cache, tables, nfull, bits, need_mask)
+        pool = pcache.pool
+        _mark(timings, "pool")
     smax, sabs = promote(geo, qs, shadow, tables, nfull, bits, active, p1.scores, p1.m8, p1.delta,
-                         round1.contiguous(), canary, run_canary)  # fmt: skip
+                         round1.contiguous(), canary, run_canary, pool, kslot)  # fmt: skip
     m = torch.maximum(smax.amax(dim=-1), s_tail.amax(dim=-1)).contiguous()  # (R, K, G)
     exact_lm = torch.empty(R, K, G, B, dtype=torch.float32, device=dev)
     _mark(timings, "promote")
@@ -274,11 +284,14 @@ def _certified_rows(q, cache, block_tables, seq_lens, cfg, scale, pagein, genera
     out = (num / den.unsqueeze(-1)).float().reshape(R, Hq, D)
 
     if isinstance(pagein, CudaPageInEngine):
-        key_loads = (bits != 0) if run_canary else ((bits & ((1 << G) - 1)) != 0)
         value_loads = (bits >> G) != 0
         page_half = N * D * cache.shadow.element_size()
+        if key_paged is None:
+            key_reads = ((bits != 0) if run_canary else ((bits & ((1 << G) - 1)) != 0)).sum()
+        else:
+            key_reads = key_paged  # pool hits cross no PCIe
         pagein.add_device_counts(key_mask.any(dim=2).sum(), value_mask.any(dim=2).sum(),
-                                 (key_loads.sum() + value_loads.sum()) * page_half)  # fmt: skip
+                                 (key_reads + value_loads.sum()) * page_half)  # fmt: skip
 
     # ---- bounds on the output actually computed
     e_val = value_bound((parts.aval.sum(dim=2) / den).unsqueeze(-1), torch.ones_like(den).unsqueeze(-1), N)

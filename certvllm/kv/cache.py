@@ -17,6 +17,13 @@ exact attention runs vLLM's own kernel on it.
 Write rule: every token is written to the shadow at its slot; when a write lands on the last slot of
 a 16-token block the block is full and its page is encoded from the shadow. A page is therefore valid
 exactly when its block is full, and it is rewritten whenever a reused block fills again.
+
+Write generations: once :meth:`LayerKVCache.enable_generations` has been called (the CUDA promotion cache
+does, ``certvllm.kv.promotion_cache``), ``generation`` ``[num_blocks]`` int64 on the pages' device counts
+writes per 16-token block: every method here that writes a block's shadow or page adds 1 to it (a device
+op, ordered on the current stream, no synchronisation), and so does the CUDA write path
+(``cuda_pagein.encode_blocks_from_shadow``). Counters only grow, so a copy tagged with an older value can
+never match again. Code that writes ``shadow`` or ``pages`` directly must call :meth:`bump_generation`.
 """
 
 from __future__ import annotations
@@ -61,6 +68,8 @@ class LayerKVCache:
         self.shadow = shadow
         self.layout = layout
         self.keys_channel_major = keys_channel_major
+        self.generation: torch.Tensor | None = None  # [num_blocks] int64 write counters (enable_generations)
+        self.promotion_cache = None  # certvllm.kv.promotion_cache.PromotionCache, attached on the CUDA path
 
     @classmethod
     def allocate(
@@ -93,6 +102,23 @@ class LayerKVCache:
     def dtype(self) -> torch.dtype:
         return self.shadow.dtype
 
+    # -- write generations -------------------------------------------------------------------------
+    def enable_generations(self) -> torch.Tensor:
+        """Start counting writes per block (idempotent); returns the ``[num_blocks]`` int64 counters on the
+        pages' device. Copies of blocks taken before this call must not be trusted (none exist: the only
+        consumer, the promotion cache, enables the counters when it is created empty)."""
+        if self.generation is None:
+            self.generation = torch.zeros(self.num_blocks, dtype=torch.int64, device=self.pages.device)
+        return self.generation
+
+    def bump_generation(self, block_ids: torch.Tensor) -> None:
+        """Record a write to the shadow or page of 16-token blocks ``block_ids`` (any shape, any device):
+        adds 1 to their counters, on the device, without synchronising. No-op until generations are on."""
+        if self.generation is None:
+            return
+        ids = block_ids.reshape(-1).to(self.generation.device, torch.int64, non_blocking=True)
+        self.generation.index_add_(0, ids, torch.ones_like(ids))
+
     # -- tier 1 ----------------------------------------------------------------------------------
     def _page_view(self) -> torch.Tensor:
         e, h, _ = self.pages.shape
@@ -108,6 +134,7 @@ class LayerKVCache:
         ids = block_ids.to(self.pages.device)
         m = self.sub_blocks
         self._page_view()[ids // m, :, ids % m] = pages
+        self.bump_generation(ids)
 
     # -- tier 2 ----------------------------------------------------------------------------------
     def _shadow_views(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -165,6 +192,7 @@ class LayerKVCache:
         keys, values = self._shadow_views()
         keys[block // m, :, block % m, offset] = key[keep.to(key.device)].to(self.shadow.device)
         values[block // m, :, block % m, offset] = value[keep.to(value.device)].to(self.shadow.device)
+        self.bump_generation(block)
         return torch.unique(block[offset == n - 1])
 
     def encode_completed(self, slots: torch.Tensor) -> torch.Tensor:
@@ -189,4 +217,4 @@ class LayerKVCache:
         s, d = src.to(self.shadow.device), dst.to(self.shadow.device)
         keys[d // m, :, d % m] = keys[s // m, :, s % m]
         values[d // m, :, d % m] = values[s // m, :, s % m]
-        self.write_pages(dst, self.read_pages(src))
+        self.write_pages(dst, self.read_pages(src))  # bumps the generation of dst

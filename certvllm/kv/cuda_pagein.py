@@ -197,3 +197,4 @@ def encode_blocks_from_shadow(cache: LayerKVCache, block_ids: torch.Tensor) -> N
     v_off = kbase + run + sub * n * d
     dst = ((e * h + heads) * m + sub) * pb
     encode_into(cache.pages, dst, shadow, k_off, shadow, v_off, cache.layout, stride)
+    cache.bump_generation(ids)  # the pages changed: copies taken before are stale (promotion cache)

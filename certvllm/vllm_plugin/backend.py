@@ -267,6 +267,14 @@ class CertifiedAttentionImpl(AttentionImpl[CertifiedMetadata]):
         cache = tier.layer(layer.layer_name, kv_cache, self.head_size, self.dtype, self.config.value_group_size)
         if tier.allocations != allocations:
             self.metrics.set_host_tier_bytes(tier.nbytes)
+            if cache.pages.device.type == "cuda" and self.config.promotion_cache_fraction > 0:
+                # CUDA: the layer's device-resident promotion cache, allocated with its cache (outside any
+                # graph capture); the CPU path has none
+                from certvllm.kv.promotion_cache import PromotionCache
+
+                pool = PromotionCache.attach(cache, self.config.promotion_cache_fraction)
+                logger.debug("certvllm: %s promotion cache %d slots, %.1f MiB", layer.layer_name, pool.slots,
+                             pool.nbytes / 2**20)  # fmt: skip
         return cache
 
     # -- forward ------------------------------------------------------------------------------------

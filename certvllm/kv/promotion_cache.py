@@ -1,0 +1,220 @@
+"""Device-resident promotion cache: a bounded VRAM pool of unquantized key pages reused across decode steps.
+
+The promotion pass (``triton_kernels.phase2.promote``) reads the unquantized keys of every promoted
+(row, KV head, block) from the pinned host shadow over PCIe (zero-copy, ~48 GB/s on the H200). The top
+blocks of a head change little from one decode step to the next, so most of those reads repeat. This pool
+keeps copies of key pages (one 16-token block of one KV head: ``[16, D]`` in the shadow's dtype,
+token-major) in device memory:
+
+* ``slots`` entries per layer, sized by ``CertConfig.promotion_cache_fraction`` of the layer's
+  (block, KV head) pages, allocated once (``PromotionCache.attach``) and counted in the VRAM accounting
+  (:attr:`PromotionCache.nbytes`);
+* **two choices**: the page ``e = block·H_kv + head`` may live only in slot ``e mod slots`` or in a second
+  slot given by a multiplicative hash of ``e`` (:meth:`PromotionCache.slots_of`);
+* every slot holds a tag ``(e, generation)``; the block's write generation is
+  ``LayerKVCache.generation[block]`` (device memory), which every writer of the block's shadow or page
+  increments (``LayerKVCache.write_shadow``/``write_pages``/``copy_blocks``,
+  ``cuda_pagein.encode_blocks_from_shadow``). **A slot is served iff its tag equals (e, current
+  generation)**: a rewritten block has a larger generation than any copy taken before, so a stale copy is
+  never read. Misses read the shadow exactly as before.
+
+Per layer call, :meth:`PromotionCache.lookup` (four Triton kernels, ``triton_kernels.pool``, or the torch
+reference :meth:`PromotionCache.resolve`; no host synchronisation, CUDA-graph capturable) resolves the
+step's needed pages to slots:
+
+1. hit = the tag of one of the page's two slots matches (e, generation);
+2. each slot is claimed by at most one page per step: a hit keeps its slot; otherwise the missing page with
+   the largest ``e`` among those whose first slot it is wins it (``scatter_reduce`` amax: deterministic);
+   a miss that lost its first slot then claims its second slot if no page claimed that one, again the
+   largest ``e`` winning;
+3. the slots claimed by misses are filled from the shadow (zero-copy) and their tags set to
+   (e, the block's generation);
+4. pages that lost their slot (conflicts within the step) keep reading the shadow directly (``slot = -1``).
+
+All of this is stream-ordered: the lookup reads the generations after every write queued before the call,
+the fill runs before the promotion kernel, and the next call's lookup after this call's fill. A host write
+to the shadow happens after a synchronisation (``write_shadow`` copies its tokens to the host) and its
+generation bump is queued behind it, so a fill that raced with the host write carries the old generation
+and is never served.
+
+Only keys are pooled: value pages are promoted for about one block per head (rung 2) and are still read
+zero-copy by the attend pass.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from certvllm.config import CertConfig
+    from certvllm.kv.cache import LayerKVCache
+
+_HIT = 1 << 62  # added to a hit's page id in the claim: a hit outranks every miss
+HASH_MUL = 1540483477  # the second slot's multiplier (the same literal is in triton_kernels/pool.py)
+
+
+def pool_slots(cache: LayerKVCache, fraction: float) -> int:
+    """Slots for ``fraction`` of the cache's (block, KV head) pages (0 when ``fraction`` is 0)."""
+    if fraction <= 0:
+        return 0
+    return max(1, math.ceil(fraction * cache.num_blocks * cache.num_kv_heads))
+
+
+def bytes_per_slot(cache: LayerKVCache) -> int:
+    """Device bytes of one slot: the key page and its two int64 tags."""
+    return cache.layout.block_size * cache.layout.head_dim * cache.shadow.element_size() + 16
+
+
+class PromotionCache:
+    """The pool of one layer (see the module docstring).
+
+    Args:
+        cache: the layer's cache; its write generations are switched on here.
+        slots: number of pool slots (≥ 1).
+    """
+
+    def __init__(self, cache: LayerKVCache, slots: int) -> None:
+        if slots < 1:
+            raise ValueError(f"a promotion cache needs at least one slot, got {slots}")
+        dev = cache.pages.device
+        n, d = cache.layout.block_size, cache.layout.head_dim
+        self.slots = int(slots)
+        self.num_kv_heads = cache.num_kv_heads
+        self.generation = cache.enable_generations()
+        self.pool = torch.zeros(self.slots, n, d, dtype=cache.shadow.dtype, device=dev)
+        self.tag = torch.full((self.slots,), -1, dtype=torch.int64, device=dev)  # page id e, −1 empty
+        self.tag_gen = torch.full((self.slots,), -1, dtype=torch.int64, device=dev)  # its generation
+        # cumulative, on the device: pages looked up, hits, slots filled, pages read from the shadow (bypass)
+        self.counts = torch.zeros(4, dtype=torch.int64, device=dev)
+        self.nbytes = self.slots * bytes_per_slot(cache)
+        self.impl = os.environ.get("CERTVLLM_POOL_LOOKUP", "triton")
+        if self.impl not in ("triton", "torch"):
+            raise ValueError(f"CERTVLLM_POOL_LOOKUP={self.impl!r}: choose triton or torch")
+
+    # -- construction --------------------------------------------------------------------------------
+    @classmethod
+    def attach(cls, cache: LayerKVCache, fraction: float) -> PromotionCache | None:
+        """The cache's pool, created on first use with :func:`pool_slots` slots (None when ``fraction``
+        is 0). An existing pool is kept whatever its size (it is sized once)."""
+        if cache.promotion_cache is None and fraction > 0:
+            cache.promotion_cache = cls(cache, pool_slots(cache, fraction))
+        return cache.promotion_cache
+
+    @classmethod
+    def for_call(cls, cache: LayerKVCache, config: CertConfig) -> PromotionCache | None:
+        """The pool a layer call uses: none when the config disables it; created on first use, except
+        during CUDA-graph capture (allocations there would live in the graph's pool), where a layer
+        without a pool runs without one."""
+        if config.promotion_cache_fraction <= 0:
+            return None
+        if cache.promotion_cache is None:
+            capturing = cache.pages.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+            if capturing:
+                return None
+            cls.attach(cache, config.promotion_cache_fraction)
+        return cache.promotion_cache
+
+    # -- the per-call lookup -------------------------------------------------------------------------
+    def slots_of(self, page: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The two slots page ``e`` may occupy: ``e mod slots`` and a multiplicative hash of ``e`` (exact in
+        int64 for ``e < 2^32``)."""
+        return page % self.slots, ((page * HASH_MUL) >> 7) % self.slots
+
+    def resolve(
+        self, tables: torch.Tensor, need: torch.Tensor, num_blocks: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Steps 1–2 of the lookup, without side effects.
+
+        Args:
+            tables: ``[R, B]`` int64 block ids (clamped to ``[0, num_blocks)`` here, as the kernels do).
+            need: ``[R, H_kv, B]`` bool, the key pages the promotion pass will read.
+            num_blocks: the cache's 16-token block count.
+
+        Returns:
+            ``(slot_map, claim, hit)``: ``[R, H_kv, B]`` int32 slot of each needed page that the pool serves
+            (−1: read the shadow), ``[slots]`` int64 claim (``−1`` unclaimed, ``e`` a miss to fill,
+            ``e + 2^62`` a hit), and the ``[R, H_kv, B]`` bool hits.
+        """
+        R, K, B = need.shape
+        dev = need.device
+        bid = tables[:, :B].clamp(0, num_blocks - 1)
+        page = bid.unsqueeze(1) * K + torch.arange(K, device=dev, dtype=torch.int64).view(1, K, 1)  # [R, K, B]
+        s1, s2 = self.slots_of(page)
+        gen = self.generation.index_select(0, bid.reshape(-1)).view(R, 1, B)
+        hit1 = need & (self.tag.take(s1) == page) & (self.tag_gen.take(s1) == gen)
+        hit2 = need & ~hit1 & (self.tag.take(s2) == page) & (self.tag_gen.take(s2) == gen)
+        hit = hit1 | hit2
+        miss = need & ~hit
+        # round 1: a hit keeps its slot (it outranks every miss); a miss claims its first slot
+        claim = torch.full((self.slots,), -1, dtype=torch.int64, device=dev)
+        claim.scatter_reduce_(0, torch.where(hit2, s2, s1).reshape(-1),
+                              torch.where(hit, page + _HIT, torch.where(miss, page, -1)).reshape(-1),
+                              reduce="amax")  # fmt: skip
+        won1 = miss & (claim.take(s1) == page)
+        # round 2: a miss that lost its first slot claims its second one, if nobody claimed that in round 1
+        try2 = miss & ~won1 & (claim.take(s2) < 0)
+        claim2 = torch.full((self.slots,), -1, dtype=torch.int64, device=dev)
+        claim2.scatter_reduce_(0, s2.reshape(-1), torch.where(try2, page, -1).reshape(-1), reduce="amax")
+        won2 = try2 & (claim2.take(s2) == page)
+        claim = torch.where(claim >= 0, claim, claim2)
+        slot_map = torch.where(hit1 | won1, s1, torch.where(hit2 | won2, s2, -1)).to(torch.int32)
+        return slot_map, claim, hit
+
+    def lookup(
+        self, cache: LayerKVCache, tables: torch.Tensor, nfull: torch.Tensor, bits: torch.Tensor, need_mask: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Resolve, fill the claimed slots from the shadow and retag them. No host synchronisation.
+
+        Args:
+            cache: the layer's cache (the pool's).
+            tables: ``[R, B]`` int64 block ids; nfull: ``[R]`` int64 full blocks per row.
+            bits: ``[R, H_kv, B]`` int32 promotion bitmasks; the promotion pass reads a block's keys iff
+                the block is full and ``bits & need_mask != 0`` (``need_mask`` as int32, −1 = any bit).
+
+        Returns:
+            ``(slot_map, paged)``: the ``[R, H_kv, B]`` int32 slot map for the promotion kernel (see
+            :meth:`resolve`) and a 0-dim int64 device tensor, the key pages this step reads over PCIe
+            (slots filled + pages that bypass the pool).
+
+        The Triton kernels of ``triton_kernels.pool`` do this in four launches; ``CERTVLLM_POOL_LOOKUP=torch``
+        (or ``impl="torch"``) runs the torch reference (:meth:`resolve` and ``gather.fill_pool``) instead,
+        with the same result bit for bit.
+        """
+        from certvllm.kv.cuda_pagein import ensure_device_readable
+
+        shadow = ensure_device_readable(cache)
+        if self.impl == "triton":
+            from certvllm.triton_kernels.pool import pool_lookup
+
+            slot_map, step = pool_lookup(self.pool, self.tag, self.tag_gen, self.generation, shadow, tables, nfull,
+                                         bits, need_mask, cache.num_blocks, cache.sub_blocks,
+                                         cache.keys_channel_major)  # fmt: skip
+        else:
+            from certvllm.triton_kernels.gather import fill_pool
+
+            B = bits.shape[2]
+            valid = torch.arange(B, device=bits.device) < nfull.unsqueeze(1)
+            need = valid.unsqueeze(1) & ((bits & need_mask) != 0)
+            slot_map, claim, hit = self.resolve(tables, need, cache.num_blocks)
+            fill = (claim >= 0) & (claim < _HIT)
+            fill_page = torch.where(fill, claim, -1)
+            fill_bid = fill_page.clamp(min=0) // self.num_kv_heads
+            self.tag_gen.copy_(torch.where(fill, self.generation.index_select(0, fill_bid), self.tag_gen))
+            self.tag.copy_(torch.where(fill, claim, self.tag))
+            fill_pool(self.pool, shadow, fill_page, self.num_kv_heads, cache.sub_blocks, cache.keys_channel_major)
+            looked = need.sum()
+            step = torch.stack((looked, hit.sum(), fill.sum(), looked - (slot_map >= 0).sum()))
+        self.counts += step
+        return slot_map, step[2] + step[3]
+
+    def take_stats(self) -> dict[str, int]:
+        """Return and reset the counters (synchronises once): ``lookups`` (pages the promotion pass read),
+        ``hits`` (served from a slot that already held them), ``fills`` (slots filled from the shadow) and
+        ``bypass`` (pages read from the shadow because another page held their slot this step)."""
+        looked, hits, fills, bypass = (int(x) for x in self.counts.tolist())
+        self.counts.zero_()
+        return {"lookups": looked, "hits": hits, "fills": fills, "bypass": bypass}

@@ -1,0 +1,177 @@
+"""The promotion cache's per-call lookup in four small kernels (``certvllm.kv.promotion_cache``).
+
+Same result as the torch reference ``PromotionCache.resolve`` plus its fill, bit for bit (the claims are
+``atomic_max`` over the same candidates as torch's ``scatter_reduce`` amax, and a maximum does not depend
+on the order), in 4 launches instead of ~35 elementwise torch kernels over ``[R, H_kv, B]``:
+
+1. ``_claim1``: per (row, KV head, block): the page is needed (valid block, ``bits & need_mask``); hit =
+   one of its two slots holds (page, current generation); hits claim their slot with ``page + 2^62``,
+   misses claim their first slot with ``page``; the item's state (slot of a hit, −2 miss) is stored;
+2. ``_claim2``: a miss whose first slot's claim is its own page won it; otherwise it claims its second
+   slot in a second claim array if round 1 left that slot unclaimed (state −3);
+3. ``_claim3``: a state −3 item won its second slot iff the second claim array holds its page;
+4. ``_fill``: per slot, the final claim (round 1, else round 2); a claim by a miss retags the slot with
+   (page, generation) and copies the page's unquantized keys from the shadow (zero-copy).
+
+Step counters (pages needed, hits, slots filled, pages left to the shadow) are added into ``step`` with
+one atomic per program. No host synchronisation; CUDA-graph capturable.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import device_arg, launch_device_ok, next_pow2
+
+HASH_MUL = 1540483477  # second slot: ((page · HASH_MUL) >> 7) mod slots (exact in int64 for page < 2^32)
+
+
+@triton.jit
+def _items(tables, TB_STRIDE, nfull, bits, B, need_mask, num_blocks, P, H: tl.constexpr, BLK: tl.constexpr):
+    rk = tl.program_id(0).to(tl.int64)
+    r = rk // H
+    h = rk % H
+    b = tl.program_id(1) * BLK + tl.arange(0, BLK)
+    inb = b < B
+    valid = inb & (b < tl.load(nfull + r))
+    bb = tl.load(bits + rk * B + b, mask=valid, other=0)
+    need = valid & ((bb & need_mask) != 0)
+    bid = tl.load(tables + r * TB_STRIDE + b, mask=inb, other=0)
+    bid = tl.minimum(tl.maximum(bid, 0), num_blocks - 1)
+    page = bid * H + h
+    s1 = page % P
+    s2 = ((page * 1540483477) >> 7) % P
+    return rk * B + b, inb, need, bid, page, s1, s2
+
+
+@triton.jit
+def _claim1(tables, TB_STRIDE, nfull, bits, B, need_mask, num_blocks, P, gen, tag, tag_gen, claim, state, step,
+            H: tl.constexpr, BLK: tl.constexpr):  # fmt: skip
+    idx, inb, need, bid, page, s1, s2 = _items(tables, TB_STRIDE, nfull, bits, B, need_mask, num_blocks, P, H, BLK)
+    g = tl.load(gen + bid, mask=need, other=-2)
+    hit1 = need & (tl.load(tag + s1, mask=need, other=-1) == page) & (tl.load(tag_gen + s1, mask=need, other=-1) == g)
+    hit2 = need & ~hit1 & (tl.load(tag + s2, mask=need, other=-1) == page)
+    hit2 = hit2 & (tl.load(tag_gen + s2, mask=need, other=-1) == g)
+    hit = hit1 | hit2
+    cslot = tl.where(hit2, s2, s1)
+    tl.atomic_max(claim + cslot, tl.where(hit, page + 4611686018427387904, page), mask=need)
+    st = tl.where(hit, cslot, tl.where(need, -2, -1))
+    tl.store(state + idx, st.to(tl.int32), mask=inb)
+    tl.atomic_add(step + 0, tl.sum(need.to(tl.int64), axis=0))
+    tl.atomic_add(step + 1, tl.sum(hit.to(tl.int64), axis=0))
+
+
+@triton.jit
+def _claim2(tables, TB_STRIDE, nfull, bits, B, need_mask, num_blocks, P, claim, claim2, state, step,
+            H: tl.constexpr, BLK: tl.constexpr):  # fmt: skip
+    idx, inb, need, bid, page, s1, s2 = _items(tables, TB_STRIDE, nfull, bits, B, need_mask, num_blocks, P, H, BLK)
+    st = tl.load(state + idx, mask=inb, other=-1)
+    miss = st == -2
+    won1 = miss & (tl.load(claim + s1, mask=miss, other=-1) == page)
+    rest = miss & ~won1
+    try2 = rest & (tl.load(claim + s2, mask=rest, other=0) < 0)
+    tl.atomic_max(claim2 + s2, page, mask=try2)
+    st = tl.where(won1, s1, tl.where(try2, -3, tl.where(miss, -1, st)))
+    tl.store(state + idx, st.to(tl.int32), mask=inb)
+    tl.atomic_add(step + 3, tl.sum((rest & ~try2).to(tl.int64), axis=0))
+
+
+@triton.jit
+def _claim3(tables, TB_STRIDE, nfull, bits, B, need_mask, num_blocks, P, claim2, state, step,
+            H: tl.constexpr, BLK: tl.constexpr):  # fmt: skip
+    idx, inb, need, bid, page, s1, s2 = _items(tables, TB_STRIDE, nfull, bits, B, need_mask, num_blocks, P, H, BLK)
+    st = tl.load(state + idx, mask=inb, other=-1)
+    t = st == -3
+    won2 = t & (tl.load(claim2 + s2, mask=t, other=-1) == page)
+    st = tl.where(won2, s2, tl.where(t, -1, st))
+    tl.store(state + idx, st.to(tl.int32), mask=inb)
+    tl.atomic_add(step + 3, tl.sum((t & ~won2).to(tl.int64), axis=0))
+
+
+@triton.jit
+def _fill(src, pool, claim, claim2, gen, tag, tag_gen, step, P,
+          H: tl.constexpr, M: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, CHANNEL_MAJOR: tl.constexpr,
+          SPP: tl.constexpr):  # fmt: skip
+    N: tl.constexpr = 16
+    ps = tl.program_id(0).to(tl.int64) * SPP + tl.arange(0, SPP)
+    pm = ps < P
+    c1 = tl.load(claim + ps, mask=pm, other=-1)
+    c2 = tl.load(claim2 + ps, mask=pm, other=-1)
+    c = tl.where(c1 >= 0, c1, c2)
+    fill = pm & (c >= 0) & (c < 4611686018427387904)
+    fbid = tl.where(fill, c, 0) // H
+    tl.store(tag + ps, c, mask=fill)
+    tl.store(tag_gen + ps, tl.load(gen + fbid, mask=fill, other=0), mask=fill)
+    tl.atomic_add(step + 2, tl.sum(fill.to(tl.int64), axis=0))
+    t = tl.arange(0, N)
+    d = tl.arange(0, DP)
+    dm = d[None, :] < D
+    for j in range(0, SPP):
+        p = tl.program_id(0).to(tl.int64) * SPP + j
+        if p < P:
+            e1 = tl.load(claim + p)
+            e = tl.where(e1 >= 0, e1, tl.load(claim2 + p))
+            if (e >= 0) & (e < 4611686018427387904):
+                bid = e // H
+                h = e % H
+                base = ((bid // M) * H + h) * 2 * (M * N * D)  # key run of (engine block, head)
+                if CHANNEL_MAJOR:
+                    offs = d[None, :] * (M * N) + (bid % M) * N + t[:, None]
+                else:
+                    offs = ((bid % M) * N + t[:, None]) * D + d[None, :]
+                x = tl.load(src + base + offs, mask=dm, other=0.0)
+                tl.store(pool + p * (N * D) + t[:, None] * D + d[None, :], x, mask=dm)
+
+
+def pool_lookup(
+    pool: torch.Tensor,
+    tag: torch.Tensor,
+    tag_gen: torch.Tensor,
+    generation: torch.Tensor,
+    shadow: torch.Tensor,
+    tables: torch.Tensor,
+    nfull: torch.Tensor,
+    bits: torch.Tensor,
+    need_mask: int,
+    num_blocks: int,
+    sub_blocks: int,
+    channel_major: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The whole lookup (see the module docstring).
+
+    Args:
+        pool, tag, tag_gen: the cache's ``[P, N, D]`` pages and ``[P]`` int64 tags (updated in place).
+        generation: ``[num_blocks]`` int64 write generations.
+        shadow: ``[E, H_kv, 2, m·N, D]`` originals (pinned host or device).
+        tables: ``[R, ≥B]`` int64 block ids; nfull ``[R]`` int64; bits ``[R, H_kv, B]`` int32 promotion masks.
+        need_mask: the bits that make the promotion pass read a block's keys (as int32: −1 = any bit).
+        num_blocks, sub_blocks, channel_major: of the cache.
+
+    Returns:
+        ``(slot_map [R, H_kv, B] int32, step [4] int64)``: the slot map (−1: read the shadow) and this call's
+        counts (pages needed, hits, slots filled, pages left to the shadow).
+    """
+    launch_device_ok(pool)
+    R, H, B = bits.shape
+    P = pool.shape[0]
+    dev = bits.device
+    claims = torch.full((2, P), -1, dtype=torch.int64, device=dev)
+    step = torch.zeros(4, dtype=torch.int64, device=dev)
+    state = torch.empty(R, H, B, dtype=torch.int32, device=dev)
+    if R * B == 0:
+        return state, step
+    blk = min(256, next_pow2(B))
+    grid = (R * H, triton.cdiv(B, blk))
+    common = (tables, tables.stride(0), nfull, bits, B, need_mask, num_blocks, P)
+    _claim1[grid](*common, generation, tag, tag_gen, claims[0], state, step, H=H, BLK=blk, num_warps=4)
+    _claim2[grid](*common, claims[0], claims[1], state, step, H=H, BLK=blk, num_warps=4)
+    _claim3[grid](*common, claims[1], state, step, H=H, BLK=blk, num_warps=4)
+    spp = 16
+    d = pool.shape[2]
+    _fill[(triton.cdiv(P, spp),)](
+        device_arg(shadow), pool, claims[0], claims[1], generation, tag, tag_gen, step, P,
+        H=H, M=sub_blocks, D=d, DP=next_pow2(d), CHANNEL_MAJOR=channel_major, SPP=spp, num_warps=4,
+    )  # fmt: skip
+    return state, step
