@@ -76,7 +76,7 @@ class CertConfig(BaseModel):
         "key pages (one 16-token block of one KV head each) with this fraction of the layer's (block, KV head) "
         "pages as slots, reused across decode steps so that blocks promoted again are not paged in over PCIe "
         "again. Costs fraction × (2·D + 1) bytes per token per KV head of device memory (0.0625: 16 B at "
-        "D = 128, i.e. 272 of FP16's 512). 0 disables it. Direct-mapped by block id; a slot is served only "
+        "D = 128, i.e. 272 of FP16's 512). 0 disables it. Two candidate slots per page; a slot is served only "
         "when its (block, KV head) and the block's write generation both match, so it never serves a "
         "rewritten block (docs/certification.md §5.1). The CPU path ignores it.",
     )
