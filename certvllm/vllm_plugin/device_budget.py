@@ -1,0 +1,78 @@
+"""The device side of the KV budget: room for the CUDA promotion cache inside vLLM's KV memory.
+
+vLLM sizes the KV cache from the memory its profiler leaves free, in pages of ``C`` bytes per token per
+KV head (``CertifiedAttentionBackend.customize_spec``). On CUDA each layer also allocates a promotion
+cache (``certvllm.kv.promotion_cache``) after that profiling, so without a correction the pool would be
+carved out of memory vLLM believes is spare. The engine-side block-count hook therefore lowers the block
+count so that pages and pools together fit the memory vLLM planned for pages alone:
+
+    blocks' · (page + pool) + fixed ≤ blocks · page
+
+with, per vLLM block and across this rank's layers, ``page = L · H_kv · B · C`` and
+``pool = L · (f · H_kv · B/16 · slot + 8 · B/16)`` (``f`` = ``promotion_cache_fraction``, a slot is one
+``[16, D]`` key page in the model's dtype plus its two int64 tags, 8 bytes of write generation per
+16-token block), and ``fixed = L · slot`` for the one slot each layer's rounding up may add.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from certvllm.config import CertConfig
+from certvllm.formats.layout import BLOCK_SIZE, PageLayout
+
+logger = logging.getLogger("vllm.certvllm")
+
+TAG_BYTES = 16  # two int64 per slot: page id and write generation
+GENERATION_BYTES = 8  # int64 write counter per 16-token block
+
+
+def blocks_with_pool(
+    num_blocks: int, *, layers: int, kv_heads: int, block_size: int, head_size: int, itemsize: int, cfg: CertConfig
+) -> int:
+    """The largest vLLM block count whose pages plus promotion pools fit in ``num_blocks`` pages' memory.
+
+    Args:
+        num_blocks: blocks vLLM planned (pages only).
+        layers, kv_heads: attention layers and KV heads of this rank.
+        block_size: tokens per vLLM block (a multiple of 16).
+        head_size: D.
+        itemsize: bytes per element of the model's dtype (the shadow's and the pool's).
+        cfg: the run's settings (``promotion_cache_fraction``; 0 leaves ``num_blocks`` unchanged).
+    """
+    fraction = cfg.promotion_cache_fraction
+    if fraction <= 0 or num_blocks <= 0:
+        return num_blocks
+    subs = block_size // BLOCK_SIZE
+    slot = BLOCK_SIZE * head_size * itemsize + TAG_BYTES
+    page = layers * kv_heads * block_size * PageLayout(head_size, cfg.value_group_size).bytes_per_token
+    pool = layers * (fraction * kv_heads * subs * slot + GENERATION_BYTES * subs)
+    fixed = layers * slot
+    return max(int((num_blocks * page - fixed) // (page + pool)), 0)
+
+
+def fit_promotion_pool(vllm_config: Any, cfg: CertConfig, num_blocks: int) -> int:
+    """``num_blocks`` lowered for the CUDA promotion cache (unchanged off CUDA or with the pool off)."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cuda_alike() or cfg.promotion_cache_fraction <= 0:
+        return num_blocks
+    model, parallel = vllm_config.model_config, vllm_config.parallel_config
+    fitted = blocks_with_pool(
+        num_blocks,
+        layers=model.get_num_layers(parallel),
+        kv_heads=model.get_num_kv_heads(parallel),
+        block_size=vllm_config.cache_config.block_size,
+        head_size=model.get_head_size(),
+        itemsize=torch.empty((), dtype=model.dtype).element_size(),
+        cfg=cfg,
+    )
+    logger.info(
+        "certvllm: %d of %d planned KV blocks kept to leave room for the promotion cache "
+        "(promotion_cache_fraction=%g; 0 turns it off and keeps every block)",
+        fitted, num_blocks, cfg.promotion_cache_fraction,
+    )  # fmt: skip
+    return fitted
