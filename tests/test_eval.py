@@ -73,7 +73,7 @@ def test_store_resume_and_report_from_synthetic_results(tmp_path):
     items = [{"id": f"niah-1k-{i}", "hash": f"h{i}", "task": "niah", "context": "1k"} for i in range(6)]
     for cfg, correct in ((dense, [1, 1, 1, 1, 0, 1]), (cert, [1, 1, 0, 1, 0, 1])):
         rows = [{"id": it["id"], "hash": it["hash"], "task": "niah", "context": "1k", "config": cfg.name,
-                 "meta": {"depth": 0.1 * i}, "score": float(c), "correct": bool(c)}
+                 "meta": {"depth": 0.1 * i}, "score": float(c), "correct": bool(c), "output": f"v{c}"}
                 for i, (it, c) in enumerate(zip(items[:5], correct, strict=False))]  # fmt: skip
         store.append(store.path("niah", "1k", cfg), rows)
     store.append(store.path("niah", "1k", cert, ".phases.jsonl"), [{"ids": ["niah-1k-0"], "seconds": 1.0, "metrics": {
@@ -92,7 +92,11 @@ def test_store_resume_and_report_from_synthetic_results(tmp_path):
     assert cell["n"] == 5 and cell["mcnemar"]["b"] == 1 and cell["mcnemar"]["c"] == 0
     assert rep["perplexity"]["1k"]["certified:paper"]["delta"] > 0
     assert rep["rungs"]["niah"]["certified:paper"]["fallback_rate"] == pytest.approx(0.1)
+    agree = rep["agreement"]["1k"]["certified:paper"]  # one output ("v0" for "v1") and its score differ
+    assert (agree["n"], agree["identical"], agree["up"], agree["down"], agree["first_diff_chars"]) == (5, 4, 0, 1, 1)
+    assert rep["agreement"]["all"]["certified:paper"]["n"] == 5 and "dense" not in rep["agreement"]["1k"]
     text = (tmp_path / "report.md").read_text()
+    assert "## Output agreement with the reference" in text
     assert "## Needle in a haystack" in text and "## Perplexity" in text
     for png in ("accuracy_by_context.png", "ppl_delta.png", "rungs.png"):
         assert (tmp_path / png).stat().st_size > 1000

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -61,6 +62,35 @@ def load_phase_metrics(out: Path) -> dict[tuple[str, str], dict[str, float]]:
 def _paired(mine: dict[str, dict[str, Any]], base: dict[str, dict[str, Any]]) -> list[str]:
     """Ids present for both configs with the same content (hash)."""
     return sorted(i for i in set(mine) & set(base) if mine[i].get("hash") == base[i].get("hash"))
+
+
+def _agreement(
+    rows: dict[tuple[str, str, str], dict[str, dict[str, Any]]], ref: str, configs: list[str]
+) -> dict[str, dict[str, dict[str, Any]]]:
+    """Generated text against the reference on paired items, by context (``all`` pooled): ``n``,
+    ``identical`` outputs, items whose score went ``up``/``down``, and the mean length of the common
+    prefix of the outputs that differ (``first_diff_chars``)."""
+    table: dict[str, dict[str, dict[str, Any]]] = defaultdict(dict)
+    for (task, ctx, cfg), found in rows.items():
+        base = rows.get((task, ctx, ref))
+        if task == "ppl" or cfg == ref or base is None:
+            continue
+        for key in (ctx, "all"):
+            cell = table[key].setdefault(cfg, {"n": 0, "identical": 0, "up": 0, "down": 0, "_prefix": 0})
+            for i in _paired(found, base):
+                a, b = str(found[i].get("output", "")), str(base[i].get("output", ""))
+                cell["n"] += 1
+                cell["identical"] += a == b
+                cell["up"] += found[i]["score"] > base[i]["score"]
+                cell["down"] += found[i]["score"] < base[i]["score"]
+                if a != b:
+                    cell["_prefix"] += len(os.path.commonprefix([a, b]))
+    for cells in table.values():
+        for cell in cells.values():
+            differ = cell["n"] - cell["identical"]
+            cell["first_diff_chars"] = cell.pop("_prefix") / differ if differ else None
+    order = sorted((k for k in table if k != "all"), key=_ctx_key) + (["all"] if "all" in table else [])
+    return {k: {c: table[k][c] for c in configs if c in table[k]} for k in order}
 
 
 def _reference(configs: list[str]) -> str:
@@ -212,6 +242,7 @@ def build(out: Path, seed: int = 20260425) -> dict[str, Any]:
                                    "ref_acc": sum(y for _, y in v) / len(v)} for c, v in cs.items()}
                           for d, cs in sorted(niah_depth.items())},
         "rungs": _rungs(out, slugs),
+        "agreement": _agreement(rows, ref, configs),
     }  # fmt: skip
     (out / "report.json").write_text(json.dumps(report, indent=1))
     plots = _plots(report, out)
@@ -387,6 +418,18 @@ def _markdown(report: dict[str, Any], plots: list[str]) -> str:
     for task in report["accuracy"]:
         if task.startswith("file:"):
             md += [f"## Tasks file `{task[5:]}`", ""] + _acc_table(report["accuracy"][task], configs, ref) + [""]
+    if report.get("agreement"):
+        md += ["## Output agreement with the reference", "",
+               f"Generation items paired with **{ref}** (all tasks): outputs identical character for character, items "
+               "whose score rose or fell, and the mean common prefix (characters) of the outputs that differ.", "",
+               "| context | config | n | identical | share | score up / down | common prefix of differing |",
+               "|---|---|---|---|---|---|---|"]  # fmt: skip
+        for ctx, cells in report["agreement"].items():
+            for cfg, c in cells.items():
+                share = c["identical"] / c["n"] if c["n"] else None
+                md.append(f"| {ctx} | {cfg} | {c['n']} | {c['identical']} | {_f(share, '.2f')} | "
+                          f"{c['up']} / {c['down']} | {_f(c['first_diff_chars'], '.1f')} |")  # fmt: skip
+        md.append("")
     if report["rungs"]:
         md += ["## Rungs and fallbacks", "",
                "Share of head-steps by the highest rung used (0 certified … 3 head exact, 4 layer exact), from "
