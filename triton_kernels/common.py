@@ -217,3 +217,30 @@ def ceil_log2_f64(x):
 def as_mask(x):
     """A boolean mask from ``scalar & tensor`` (Triton's interpreter turns such a mix into integers)."""
     return x != 0
+
+
+@triton.jit
+def load_shadow_tile(src, bid, h, kv, H: tl.constexpr, M: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+                     CHANNEL_MAJOR: tl.constexpr):  # fmt: skip
+    """The ``[16, DP]`` tile of one shadow page: 16-token block ``bid``, KV head ``h``, ``kv`` (0 keys,
+    1 values) of ``src`` ``[E, H, 2, M·16, D]``; keys are ``[D, M·16]`` per (engine block, head) when
+    ``CHANNEL_MAJOR``. Channels ≥ D read as 0."""
+    N: tl.constexpr = 16
+    sub = bid % M
+    base = (((bid // M) * H + h) * 2 + kv) * (M * N * D)
+    t = tl.arange(0, N)
+    d = tl.arange(0, DP)
+    token_major = (sub * N + t[:, None]) * D + d[None, :]
+    if CHANNEL_MAJOR:
+        offs = tl.where(kv == 0, d[None, :] * (M * N) + sub * N + t[:, None], token_major)
+    else:
+        offs = token_major
+    return tl.load(src + base + offs, mask=d[None, :] < D, other=0.0)
+
+
+@triton.jit
+def store_page_tile(dst, x, D: tl.constexpr, DP: tl.constexpr):
+    """Store a ``[16, DP]`` tile token-major as the ``[16, D]`` page at ``dst`` (channels ≥ D dropped)."""
+    t = tl.arange(0, 16)
+    d = tl.arange(0, DP)
+    tl.store(dst + t[:, None] * D + d[None, :], x, mask=d[None, :] < D)

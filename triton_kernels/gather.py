@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import device_arg, launch_device_ok, next_pow2
+from .common import device_arg, launch_device_ok, load_shadow_tile, next_pow2, store_page_tile
 
 
 @triton.jit
@@ -27,25 +27,10 @@ def _gather_pages_kernel(
     DP: tl.constexpr,  # next power of two ≥ D
     CHANNEL_MAJOR: tl.constexpr,  # keys stored [D, m*N] per (engine block, head)
 ):
-    N: tl.constexpr = 16
     item = tl.program_id(0)
     kv = tl.program_id(1)  # 0 keys, 1 values
-    bid = tl.load(block_ids + item)
-    h = tl.load(heads + item)
-    e = bid // M
-    sub = bid % M
-    run = M * N * D  # elements of one (engine block, head, k|v) run
-    base = ((e * H + h) * 2 + kv) * run
-    t = tl.arange(0, N)
-    d = tl.arange(0, DP)
-    dm = d[None, :] < D
-    token_major = (sub * N + t[:, None]) * D + d[None, :]
-    if CHANNEL_MAJOR:
-        offs = tl.where(kv == 0, d[None, :] * (M * N) + sub * N + t[:, None], token_major)
-    else:
-        offs = token_major
-    x = tl.load(src + base + offs, mask=dm, other=0.0)
-    tl.store(out + (item * 2 + kv) * (N * D) + t[:, None] * D + d[None, :], x, mask=dm)
+    x = load_shadow_tile(src, tl.load(block_ids + item), tl.load(heads + item), kv, H, M, D, DP, CHANNEL_MAJOR)
+    store_page_tile(out + (item * 2 + kv) * (16 * D), x, D, DP)
 
 
 def gather_pages(
@@ -90,22 +75,11 @@ def _fill_pool_kernel(
     DP: tl.constexpr,  # next power of two ≥ D
     CHANNEL_MAJOR: tl.constexpr,  # keys stored [D, m*N] per (engine block, head)
 ):
-    N: tl.constexpr = 16
     p = tl.program_id(0).to(tl.int64)
     e = tl.load(fill_page + p)
     if e >= 0:
-        bid = e // H
-        h = e % H
-        base = ((bid // M) * H + h) * 2 * (M * N * D)  # key run of (engine block, head)
-        t = tl.arange(0, N)
-        d = tl.arange(0, DP)
-        dm = d[None, :] < D
-        if CHANNEL_MAJOR:
-            offs = d[None, :] * (M * N) + (bid % M) * N + t[:, None]
-        else:
-            offs = ((bid % M) * N + t[:, None]) * D + d[None, :]
-        x = tl.load(src + base + offs, mask=dm, other=0.0)
-        tl.store(pool + p * (N * D) + t[:, None] * D + d[None, :], x, mask=dm)
+        x = load_shadow_tile(src, e // H, e % H, 0, H, M, D, DP, CHANNEL_MAJOR)
+        store_page_tile(pool + p * (16 * D), x, D, DP)
 
 
 def fill_pool(

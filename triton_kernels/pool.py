@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import device_arg, launch_device_ok, next_pow2
+from .common import device_arg, launch_device_ok, load_shadow_tile, next_pow2, store_page_tile
 
 HASH_MUL = 1540483477  # second slot: ((page · HASH_MUL) >> 7) mod slots (exact in int64 for page < 2^32)
 
@@ -94,7 +94,6 @@ def _claim3(tables, TB_STRIDE, nfull, bits, B, need_mask, num_blocks, P, claim2,
 def _fill(src, pool, claim, claim2, gen, tag, tag_gen, step, P,
           H: tl.constexpr, M: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, CHANNEL_MAJOR: tl.constexpr,
           SPP: tl.constexpr):  # fmt: skip
-    N: tl.constexpr = 16
     ps = tl.program_id(0).to(tl.int64) * SPP + tl.arange(0, SPP)
     pm = ps < P
     c1 = tl.load(claim + ps, mask=pm, other=-1)
@@ -105,24 +104,14 @@ def _fill(src, pool, claim, claim2, gen, tag, tag_gen, step, P,
     tl.store(tag + ps, c, mask=fill)
     tl.store(tag_gen + ps, tl.load(gen + fbid, mask=fill, other=0), mask=fill)
     tl.atomic_add(step + 2, tl.sum(fill.to(tl.int64), axis=0))
-    t = tl.arange(0, N)
-    d = tl.arange(0, DP)
-    dm = d[None, :] < D
     for j in range(0, SPP):
         p = tl.program_id(0).to(tl.int64) * SPP + j
         if p < P:
             e1 = tl.load(claim + p)
             e = tl.where(e1 >= 0, e1, tl.load(claim2 + p))
             if (e >= 0) & (e < 4611686018427387904):
-                bid = e // H
-                h = e % H
-                base = ((bid // M) * H + h) * 2 * (M * N * D)  # key run of (engine block, head)
-                if CHANNEL_MAJOR:
-                    offs = d[None, :] * (M * N) + (bid % M) * N + t[:, None]
-                else:
-                    offs = ((bid % M) * N + t[:, None]) * D + d[None, :]
-                x = tl.load(src + base + offs, mask=dm, other=0.0)
-                tl.store(pool + p * (N * D) + t[:, None] * D + d[None, :], x, mask=dm)
+                x = load_shadow_tile(src, e // H, e % H, 0, H, M, D, DP, CHANNEL_MAJOR)
+                store_page_tile(pool + p * (16 * D), x, D, DP)
 
 
 def pool_lookup(
