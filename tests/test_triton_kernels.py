@@ -187,6 +187,55 @@ def test_paper_preset_exploration_draws_on_the_device(gen):
     assert (res.report.k_star[0] > 2).all()
 
 
+def _phase1_summary(R, K, G, B, nfull, kind, gen) -> "Phase1":
+    """A phase-1 summary of one of several shapes: spread log-masses, ties (equal masses), one dominant
+    block, a flat distribution (rung 1 widens), huge Δ (the estimate never meets the tolerance)."""
+    from certvllm.attention.selection import Phase1
+
+    l8 = torch.randn(R, K, G, B, generator=gen) * 3
+    if kind == "ties":
+        l8 = torch.randint(0, 3, (R, K, G, B), generator=gen).float()
+    elif kind == "peak":
+        l8[..., 0] += 30
+    elif kind == "flat":
+        l8 = torch.zeros(R, K, G, B) + 1e-3 * torch.randn(R, K, G, B, generator=gen)
+    delta = torch.rand(R, K, G, B, generator=gen) * (5.0 if kind == "huge_delta" else 0.05)
+    valid = (torch.arange(B) < nfull.unsqueeze(1))[:, None, None, :]
+    l8 = torch.where(valid, l8, float("-inf"))
+    delta = torch.where(valid, delta, 0.0)
+    l_tail = torch.randn(R, K, G, 1, generator=gen)
+    lse = torch.logsumexp(torch.cat((l8, l_tail), dim=-1), dim=-1, keepdim=True)
+    eta = torch.where(valid[:, :, 0], torch.rand(R, K, B, generator=gen), 0.0).unsqueeze(2)
+    return Phase1(log_mass=l8, mass=torch.exp(l8 - lse), delta=delta, rounding=torch.rand(R, K, G, generator=gen) * 1e-4,
+                  valid=valid, num_full=nfull.view(R, 1, 1), v_max=torch.rand(R, K, 1, generator=gen) + 0.5,
+                  eta=eta), lse  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", ["random", "ties", "peak", "flat", "huge_delta"])
+@pytest.mark.parametrize("B,preset", [(1, "default"), (7, "strict"), (32, "default"), (45, "fast"), (64, "paper")])
+def test_selection_kernel_equals_the_torch_reference(kind, B, preset, gen):
+    """``triton_kernels.select`` makes the decisions of ``select_keys``/``select_values``: the same key and
+    value masks and the same rung-1 flags, block for block (K_min/K_max clamps, rung 1, value caps)."""
+    from certvllm.attention.selection import VALUE_BUDGET_MARGIN, select_keys, select_values
+    from certvllm.triton_kernels.select import select_blocks
+
+    R, K, G = 3, 2, 3
+    cfg = load_config(preset, exploration_rate=0.0, k_min=1, k_max=min(B, 5), value_k_max=None if B % 2 else 2)
+    nfull = torch.tensor([B, max(0, B - 3), B // 2])
+    ph1, lse = _phase1_summary(R, K, G, B, nfull, kind, gen)
+    key_mask, widened = select_keys(ph1, cfg)
+    value_mask = select_values(ph1, key_mask, cfg)
+    budget = (cfg.v_tol * ph1.v_max.squeeze(-1)) / VALUE_BUDGET_MARGIN
+    bits, widened_k = select_blocks(ph1.log_mass.to(DEV), lse.squeeze(-1).to(DEV), ph1.delta.to(DEV),
+                                    ph1.rounding.to(DEV), nfull.to(DEV), ph1.eta.squeeze(2).to(DEV),
+                                    budget.to(DEV), cfg)  # fmt: skip
+    shifts = torch.arange(G).view(1, 1, G, 1)
+    bits = bits.cpu().unsqueeze(2)
+    assert torch.equal(((bits >> shifts) & 1).bool(), key_mask)
+    assert torch.equal(((bits >> (shifts + G)) & 1).bool(), value_mask)
+    assert torch.equal(widened_k.cpu(), widened)
+
+
 # -- the device-resident promotion cache (certvllm.kv.promotion_cache) -------------------------------------
 @pytest.mark.parametrize("sub,channel_major", [(1, False), (4, False), (4, True)])
 def test_pool_fill_copies_key_pages_from_the_shadow(sub, channel_major, gen):

@@ -46,7 +46,7 @@ from certvllm.attention.report import (
     CertifiedOutput,
     CertReport,
 )
-from certvllm.attention.selection import Phase1, select_keys, select_values
+from certvllm.attention.selection import VALUE_BUDGET_MARGIN, Phase1, select_keys, select_values
 from certvllm.bounds import (
     alpha_inflation,
     delta_factor,
@@ -67,6 +67,8 @@ from certvllm.kv.promotion_cache import PromotionCache
 from certvllm.triton_kernels.common import split_plan
 from certvllm.triton_kernels.phase1 import phase1
 from certvllm.triton_kernels.phase2 import Phase2Geometry, attend, promote
+from certvllm.triton_kernels.select import select_blocks
+from certvllm.triton_kernels.select import supported as select_supported
 
 NEG_INF = float("-inf")
 DenseFn = Callable[[list[int]], torch.Tensor]
@@ -236,25 +238,34 @@ def _certified_rows(q, cache, block_tables, seq_lens, cfg, scale, pagein, genera
     bad_page = p1.bad.amax(dim=(1, 2)) > 0  # (R,)
     l_tail = torch.logsumexp(s_tail, dim=-1)
     lse = torch.logsumexp(torch.cat((l8, l_tail.unsqueeze(-1)), dim=-1), dim=-1, keepdim=True)
-    ph1 = Phase1(
-        log_mass=l8, mass=torch.exp(l8 - lse), delta=p1.delta, rounding=round1, valid=valid4,
-        num_full=nfull.view(R, 1, 1), v_max=v_max, eta=eta,
-    )  # fmt: skip
 
-    # ---- selection (rungs 1 and 2), on the device
-    if certified:
-        key_mask, widened = select_keys(ph1, cfg.model_copy(update={"exploration_rate": 0.0}), None)
-        if cfg.exploration_rate > 0:
-            draw = torch.rand(key_mask.shape, generator=generator if _on(generator, dev) else None, device=dev)
-            key_mask = key_mask | ((draw < cfg.exploration_rate) & valid4)
-        value_mask = select_values(ph1, key_mask, cfg)
-    else:
-        key_mask = torch.zeros(R, K, G, B, dtype=torch.bool, device=dev)
-        value_mask = key_mask
-        widened = key_mask[..., 0]
+    # ---- selection (rungs 1 and 2), on the device: one kernel, or the torch reference
     shifts = torch.arange(G, device=dev, dtype=torch.int32).view(1, 1, G, 1)
-    bits = ((key_mask.to(torch.int32) << shifts) | (value_mask.to(torch.int32) << (shifts + G))).sum(dim=2)
-    bits = bits.to(torch.int32).contiguous()  # (R, K, B)
+    if certified and _fused_selection(B):
+        budget = (cfg.v_tol * v_max.squeeze(-1)) / VALUE_BUDGET_MARGIN
+        bits, widened = select_blocks(l8, lse.squeeze(-1), p1.delta, round1, nfull, p1.eta, budget, cfg)
+        if cfg.exploration_rate > 0:
+            draw = torch.rand((R, K, G, B), generator=generator if _on(generator, dev) else None, device=dev)
+            bits |= (((draw < cfg.exploration_rate) & valid4).to(torch.int32) << shifts).sum(dim=2, dtype=torch.int32)
+        key_mask = ((bits.unsqueeze(2) >> shifts) & 1).bool()
+        value_mask = ((bits.unsqueeze(2) >> (shifts + G)) & 1).bool()
+    else:
+        if certified:
+            ph1 = Phase1(
+                log_mass=l8, mass=torch.exp(l8 - lse), delta=p1.delta, rounding=round1, valid=valid4,
+                num_full=nfull.view(R, 1, 1), v_max=v_max, eta=eta,
+            )  # fmt: skip
+            key_mask, widened = select_keys(ph1, cfg.model_copy(update={"exploration_rate": 0.0}), None)
+            if cfg.exploration_rate > 0:
+                draw = torch.rand(key_mask.shape, generator=generator if _on(generator, dev) else None, device=dev)
+                key_mask = key_mask | ((draw < cfg.exploration_rate) & valid4)
+            value_mask = select_values(ph1, key_mask, cfg)
+        else:
+            key_mask = torch.zeros(R, K, G, B, dtype=torch.bool, device=dev)
+            value_mask = key_mask
+            widened = key_mask[..., 0]
+        bits = ((key_mask.to(torch.int32) << shifts) | (value_mask.to(torch.int32) << (shifts + G))).sum(dim=2)
+        bits = bits.to(torch.int32).contiguous()  # (R, K, B)
     _mark(timings, "selection")
 
     # ---- phase 2: promotion pass (zero-copy keys, canary), global max, attend pass
@@ -350,6 +361,12 @@ def _certified_rows(q, cache, block_tables, seq_lens, cfg, scale, pagein, genera
                m8=p1.m8, delta=p1.delta, round1=round1, pages=cache.pages, s_tail=s_tail, tail_v=tail_v,
                shape=(R, K, G, B, D))  # fmt: skip
     return out, report, ctx
+
+
+def _fused_selection(num_blocks: int) -> bool:
+    """The selection kernel (``triton_kernels.select``) unless ``CERTVLLM_SELECT=torch`` asks for the torch
+    reference, or the block table is wider than the kernel holds."""
+    return os.environ.get("CERTVLLM_SELECT", "kernel") != "torch" and select_supported(num_blocks)
 
 
 def _on(generator: torch.Generator | None, dev: torch.device) -> bool:

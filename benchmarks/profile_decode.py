@@ -1,0 +1,97 @@
+"""Where the time of one certified decode-attention layer call goes, kernel by kernel (CUDA only).
+
+Usage: python benchmarks/profile_decode.py [--points 1x8192 8x131072] [--presets naive default]
+                                           [--out runs/profile.json]
+
+For each point (batch × context, the synthetic K/V of ``bench_decode``) and preset it times CUDA-graph
+replays of the call (what the table of ``bench_decode`` reports), then profiles eager calls with
+``torch.profiler`` and prints, per call: the number of kernels, the sum of their device times, and the
+kernels ranked by device time. The gap between the graph time and the kernel sum is launch and dependency
+latency (one graph node after another); the ranking shows which kernels are worth fusing or speeding up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from bench_decode import D, build_cache, release_cache, synthetic_kv, time_graph
+from torch.profiler import ProfilerActivity, profile
+
+
+def _kernel_table(prof, calls: int) -> tuple[list[dict], int, float]:
+    """Per-call kernel count, summed device µs and the per-name breakdown (µs per call)."""
+    per_name: dict[str, list[float]] = defaultdict(list)
+    for evt in prof.events():
+        if evt.device_type == torch.autograd.DeviceType.CUDA:
+            per_name[evt.name].append(evt.device_time)
+    rows = [
+        {"kernel": name[:90], "count_per_call": len(t) / calls, "us_per_call": sum(t) / calls}
+        for name, t in per_name.items()
+    ]
+    rows.sort(key=lambda r: -r["us_per_call"])
+    count = sum(len(t) for t in per_name.values()) // calls
+    total = sum(sum(t) for t in per_name.values()) / calls
+    return rows, count, total
+
+
+def profile_point(batch: int, ctx: int, presets: list[str], calls: int, top: int) -> dict:
+    from certvllm.attention.gpu import certified_attention_gpu
+    from certvllm.config import load_config
+    from certvllm.kv.cuda_pagein import CudaPageInEngine
+
+    dev = torch.device("cuda")
+    q, k, v = synthetic_kv(batch, ctx, seed=ctx + batch)
+    lens = [ctx - 7] * batch
+    cache, tables = build_cache(k, v, lens)
+    seq_lens = torch.tensor(lens, device=dev)
+    scale = 1.0 / math.sqrt(D)
+    out: dict = {"batch": batch, "context": ctx}
+    for preset in presets:
+        cfg = load_config(preset)
+        eng = CudaPageInEngine(dev)
+
+        def call(cfg=cfg, eng=eng):
+            return certified_attention_gpu(q, cache, tables, seq_lens, cfg, scale, eng, fallback="device")
+
+        graph_ms = time_graph(call, 20)
+        for _ in range(3):
+            call()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(calls):
+                call()
+            torch.cuda.synchronize()
+        rows, count, total_us = _kernel_table(prof, calls)
+        out[preset] = {"graph_ms": graph_ms, "kernels_per_call": count, "kernel_us_per_call": total_us,
+                       "kernels": rows}  # fmt: skip
+        print(f"b={batch} ctx={ctx} {preset}: graph {graph_ms:.3f} ms, {count} kernels/call, "
+              f"kernel sum {total_us / 1e3:.3f} ms", flush=True)  # fmt: skip
+        for r in rows[:top]:
+            print(f"    {r['us_per_call']:9.1f} us  x{r['count_per_call']:5.1f}  {r['kernel']}", flush=True)
+    release_cache(cache)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--points", nargs="+", default=["1x8192", "1x131072", "8x131072"])
+    ap.add_argument("--presets", nargs="+", default=["naive", "default"])
+    ap.add_argument("--calls", type=int, default=5)
+    ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--out", type=Path, default=Path("runs/profile.json"))
+    args = ap.parse_args()
+    results = []
+    for p in args.points:
+        b, c = (int(x) for x in p.split("x"))
+        results.append(profile_point(b, c, args.presets, args.calls, args.top))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,215 @@
+"""Selection in one kernel: top-K* key promotion with rung 1 (widen coverage) and rung 2 (value promotion)
+for every (row, KV head, query head), written straight into the phase-2 promotion bitmask.
+
+The same decisions as ``certvllm.attention.selection.select_keys`` / ``select_values`` (the reference;
+read it first), without their ~60 torch launches per layer call. One program per (row, KV head, query
+head) holds the head's ``B`` blocks in registers (``BP`` = next power of two):
+
+1. p̂_b = exp(ℓ⁸_b − lse) on full blocks (0 elsewhere); a stable descending argsort as one ``tl.sort`` of
+   int64 keys ``bits(p̂_b) << 32 | (BP − 1 − b)`` (p̂ ≥ 0, so its float bits sort like the value, and the
+   low word puts the lower block first among ties, as ``torch.argsort(stable=True)``);
+2. α̂[k] (mass left on INT8 keys after the top k) as a reverse cumulative sum (float64 accumulation, as
+   torch's CPU cumsum), Δ suffix maxima, the K* rule with the K_min/K_max clamps and rung 1, exactly the
+   reference's expressions;
+3. rung 2: ρ̄_b·η_b sorted the same way, promoted greedily until the remaining estimate meets the budget;
+4. ``bits[r, h, b] |= 1 << g`` for promoted keys and ``1 << (G + g)`` for promoted values (atomic OR:
+   the G programs of a (row, KV head) share the words).
+
+Tested against the torch reference under the interpreter (``tests/test_triton_kernels.py``); the
+decisions may only differ where a comparison sits within float rounding of its threshold, and no
+certificate depends on them (the bounds are computed from whatever was selected).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from certvllm.bounds.rounding import GAMMA_SLACK
+from certvllm.config import CertConfig
+
+from .common import exp_f32, launch_device_ok, next_pow2, precise
+
+MAX_BLOCKS = 16384
+"""Most block-table columns the kernel holds in registers (256K tokens); wider tables use the reference."""
+
+
+def supported(num_blocks: int) -> bool:
+    return 1 <= num_blocks <= MAX_BLOCKS
+
+
+@triton.jit
+def _log_f32(x, PRECISE: tl.constexpr):
+    if PRECISE:
+        r = libdevice.log(x)
+    else:
+        r = tl.log(x)
+    return r
+
+
+@triton.jit
+def _expm1_f32(x, PRECISE: tl.constexpr):
+    if PRECISE:
+        r = libdevice.expm1(x)
+    else:
+        r = (tl.exp(x.to(tl.float64)) - 1.0).to(tl.float32)
+    return r
+
+
+@triton.jit
+def _tail_mass_upper(alpha, delta, rounding, GS, PRECISE: tl.constexpr):
+    """``bounds.tail_mass_upper``: exp(min(2(Δ + R) + log(α·slack), 0))."""
+    return exp_f32(tl.minimum(2.0 * (delta + rounding) + _log_f32(alpha * GS, PRECISE), 0.0), PRECISE)
+
+
+@triton.jit
+def _max(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _sorted_desc(x, pos, B, BP: tl.constexpr):
+    """Stable descending argsort of non-negative float32 ``x`` over positions < B: (values, block ids)."""
+    key = (x.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (BP - 1 - pos).to(tl.int64)
+    key = tl.sort(tl.where(pos < B, key, -1), descending=True)
+    idx = (BP - 1 - (key & 0xFFFFFFFF)).to(tl.int32)
+    val = tl.where(key >= 0, (key >> 32).to(tl.int32).to(tl.float32, bitcast=True), 0.0)
+    return val, idx
+
+
+@triton.jit
+def _suffix_sum(x):
+    """Σ_{j ≥ k} x_j per position, accumulated in float64, rounded to float32."""
+    return tl.cumsum(x.to(tl.float64), 0, reverse=True).to(tl.float32)
+
+
+@triton.jit
+def _first(cond, pos, default, BP: tl.constexpr):
+    """Smallest position where ``cond`` holds, else ``default``."""
+    first = tl.min(tl.where(cond, pos, BP), 0)
+    return tl.where(first < BP, first, default)
+
+
+@triton.jit
+def _at(x, pos, k):
+    """x[k] (0 when k is past the end)."""
+    return tl.sum(tl.where(pos == k, x, 0.0), 0)
+
+
+@triton.jit
+def _select_kernel(
+    l8,  # [R, H, G, B] float32 block log-mass ℓ⁸_b (−inf past the last full block)
+    lse,  # [R, H, G] float32 log of the total INT8 mass (full blocks and the partial one)
+    delta,  # [R, H, G, B] float32 Δ_b (0 past the last full block)
+    rounding,  # [R, H, G] float32 R
+    nfull,  # [R] int64 full blocks per row
+    eta,  # [R, H, B] float32 η_b
+    budget,  # [R, H] float32 v_tol·V_max / VALUE_BUDGET_MARGIN
+    bits,  # in/out [R, H, B] int32 promotion bitmask (zeroed by the caller)
+    widened,  # out [R, H, G] int8 rung 1 used
+    B,
+    GS,  # GAMMA_SLACK
+    TAU1,  # 1 − τ_cov
+    KMIN,
+    KMAX,
+    KMAX1,  # ceil(rung1_multiplier · K_max)
+    THR1,  # rung-1 tail threshold
+    KEY_TOL,
+    VKMAX,  # value_k_max, or −1 for no cap
+    H: tl.constexpr,
+    G: tl.constexpr,
+    BP: tl.constexpr,
+    PRECISE: tl.constexpr,
+):
+    pid = tl.program_id(0).to(tl.int64)
+    rk = pid // G
+    g = (pid % G).to(tl.int32)
+    r = rk // H
+    pos = tl.arange(0, BP)
+    nf = tl.load(nfull + r).to(tl.int32)
+    valid = pos < nf
+    row = pid * B
+    lg = tl.load(l8 + row + pos, mask=pos < B, other=float("-inf"))
+    p_hat = exp_f32(lg - tl.load(lse + pid), PRECISE)
+    mass = tl.where(valid, p_hat, 0.0)
+    dl = tl.load(delta + row + pos, mask=pos < B, other=0.0)
+    rr = tl.load(rounding + pid)
+    delta_all = tl.max(dl, 0)
+
+    # ---- keys: top-K*, rung 1 (selection.select_keys)
+    smass, order = _sorted_desc(mass, pos, B, BP)
+    alpha = _suffix_sum(smass)
+    dsuf = tl.associative_scan(tl.load(delta + row + order, mask=pos < B, other=0.0), 0, _max, reverse=True)
+    kmin = tl.minimum(nf, KMIN)
+    kmax = tl.minimum(nf, KMAX)
+    kmax1 = tl.minimum(nf, KMAX1)
+    base = _first((alpha <= TAU1) & (pos < B), pos, nf, BP)
+    base = tl.maximum(tl.minimum(base, kmax), kmin)
+    abar = _tail_mass_upper(alpha, delta_all, rr, GS, PRECISE)
+    growth = _expm1_f32(dsuf, PRECISE) + _expm1_f32(2.0 * dsuf, PRECISE)
+    est = tl.where(abar > 0, abar * growth, 0.0)
+    trigger = (_at(alpha, pos, base) > THR1) | (_at(est, pos, base) > KEY_TOL)
+    ok = (alpha <= THR1) & (est <= KEY_TOL) & (pos >= base) & (pos <= kmax1) & (pos < B)
+    k_star = tl.where(trigger, tl.maximum(_first(ok, pos, kmax1, BP), base), base)
+    tl.store(widened + pid, (k_star > base).to(tl.int8))
+    take = (pos < k_star) & (order < nf) & (pos < B)
+    tl.atomic_or(bits + rk * B + order, tl.full([BP], 1, tl.int32) << g, mask=take)
+
+    # ---- values: rung 2 (selection.select_values)
+    xi = delta_all + 3.0 * rr
+    rho = _tail_mass_upper(p_hat, xi, 0.0, GS, PRECISE)
+    err = tl.where(valid, rho * tl.load(eta + rk * B + pos, mask=pos < B, other=0.0), 0.0)
+    serr, vorder = _sorted_desc(err, pos, B, BP)
+    remaining = _suffix_sum(serr)
+    count = _first((remaining <= tl.load(budget + rk)) & (pos < B), pos, B, BP)
+    count = tl.where(VKMAX >= 0, tl.minimum(count, VKMAX), count)
+    take_v = (pos < count) & (vorder < nf) & (pos < B)
+    tl.atomic_or(bits + rk * B + vorder, tl.full([BP], 1, tl.int32) << (G + g), mask=take_v)
+
+
+def select_blocks(
+    l8: torch.Tensor,
+    lse: torch.Tensor,
+    delta: torch.Tensor,
+    rounding: torch.Tensor,
+    nfull: torch.Tensor,
+    eta: torch.Tensor,
+    value_budget: torch.Tensor,
+    cfg: CertConfig,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rungs 0–2 selection for a layer call.
+
+    Args:
+        l8, delta: ``[R, K, G, B]`` float32 phase-1 block log-mass and Δ_b.
+        lse: ``[R, K, G]`` float32 log of the total INT8 mass (full blocks and the partial one).
+        rounding: ``[R, K, G]`` float32 R.
+        nfull: ``[R]`` int64 full blocks per row.
+        eta: ``[R, K, B]`` float32 η_b.
+        value_budget: ``[R, K]`` float32 v_tol·V_max / ``selection.VALUE_BUDGET_MARGIN``.
+        cfg: the certified config (its exploration draws are the caller's).
+
+    Returns:
+        ``bits`` ``[R, K, B]`` int32 (bit g: keys of block b promoted for query head g; bit G + g: its
+        values) and ``widened`` ``[R, K, G]`` bool (rung 1 used).
+    """
+    launch_device_ok(l8)
+    R, K, G, B = l8.shape
+    if not supported(B):
+        raise ValueError(f"select_blocks: {B} block-table columns, the kernel holds at most {MAX_BLOCKS}")
+    if 2 * G > 31:
+        raise ValueError(f"select_blocks: {G} query heads per KV head, at most 15 fit the int32 bitmask")
+    bp = next_pow2(B)
+    bits = torch.zeros(R, K, B, dtype=torch.int32, device=l8.device)
+    widened = torch.empty(R, K, G, dtype=torch.int8, device=l8.device)
+    _select_kernel[(R * K * G,)](
+        l8.contiguous(), lse.contiguous(), delta.contiguous(), rounding.contiguous(), nfull, eta.contiguous(),
+        value_budget.contiguous(), bits, widened, B, GAMMA_SLACK, 1.0 - cfg.tau_cov, cfg.k_min, cfg.k_max,
+        math.ceil(cfg.rung1_multiplier * cfg.k_max), cfg.rung1_tail_threshold, cfg.key_tol,
+        -1 if cfg.value_k_max is None else cfg.value_k_max,
+        H=K, G=G, BP=bp, PRECISE=precise(), num_warps=min(16, max(4, bp // 512)),
+    )  # fmt: skip
+    return bits, widened.bool()
