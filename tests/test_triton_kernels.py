@@ -30,6 +30,7 @@ from certvllm.triton_kernels.encode import encode_pages_triton  # noqa: E402
 
 from certvllm.attention import certified_attention, dense_decode  # noqa: E402
 from certvllm.attention.gpu import certified_attention_gpu  # noqa: E402
+from certvllm.attention.selection import Phase1  # noqa: E402
 from certvllm.config import load_config, make_config  # noqa: E402
 from certvllm.formats.keys import P2_RELATIVE_SLACK  # noqa: E402
 from certvllm.formats.layout import BLOCK_SIZE, FLAG_PRECONDITION, PageLayout, key_scale_lut  # noqa: E402
@@ -187,11 +188,9 @@ def test_paper_preset_exploration_draws_on_the_device(gen):
     assert (res.report.k_star[0] > 2).all()
 
 
-def _phase1_summary(R, K, G, B, nfull, kind, gen) -> "Phase1":
-    """A phase-1 summary of one of several shapes: spread log-masses, ties (equal masses), one dominant
-    block, a flat distribution (rung 1 widens), huge Δ (the estimate never meets the tolerance)."""
-    from certvllm.attention.selection import Phase1
-
+def _phase1_summary(R, K, G, B, nfull, kind, gen) -> tuple[Phase1, torch.Tensor]:
+    """A phase-1 summary (and its lse) of one of several shapes: spread log-masses, ties (equal masses), one
+    dominant block, a flat distribution (rung 1 widens), huge Δ (the estimate never meets the tolerance)."""
     l8 = torch.randn(R, K, G, B, generator=gen) * 3
     if kind == "ties":
         l8 = torch.randint(0, 3, (R, K, G, B), generator=gen).float()
@@ -206,9 +205,11 @@ def _phase1_summary(R, K, G, B, nfull, kind, gen) -> "Phase1":
     l_tail = torch.randn(R, K, G, 1, generator=gen)
     lse = torch.logsumexp(torch.cat((l8, l_tail), dim=-1), dim=-1, keepdim=True)
     eta = torch.where(valid[:, :, 0], torch.rand(R, K, B, generator=gen), 0.0).unsqueeze(2)
-    return Phase1(log_mass=l8, mass=torch.exp(l8 - lse), delta=delta, rounding=torch.rand(R, K, G, generator=gen) * 1e-4,
-                  valid=valid, num_full=nfull.view(R, 1, 1), v_max=torch.rand(R, K, 1, generator=gen) + 0.5,
-                  eta=eta), lse  # fmt: skip
+    rounding = torch.rand(R, K, G, generator=gen) * 1e-4
+    v_max = torch.rand(R, K, 1, generator=gen) + 0.5
+    ph1 = Phase1(log_mass=l8, mass=torch.exp(l8 - lse), delta=delta, rounding=rounding, valid=valid,
+                 num_full=nfull.view(R, 1, 1), v_max=v_max, eta=eta)  # fmt: skip
+    return ph1, lse
 
 
 @pytest.mark.parametrize("kind", ["random", "ties", "peak", "flat", "huge_delta"])
@@ -216,8 +217,9 @@ def _phase1_summary(R, K, G, B, nfull, kind, gen) -> "Phase1":
 def test_selection_kernel_equals_the_torch_reference(kind, B, preset, gen):
     """``triton_kernels.select`` makes the decisions of ``select_keys``/``select_values``: the same key and
     value masks and the same rung-1 flags, block for block (K_min/K_max clamps, rung 1, value caps)."""
-    from certvllm.attention.selection import VALUE_BUDGET_MARGIN, select_keys, select_values
     from certvllm.triton_kernels.select import select_blocks
+
+    from certvllm.attention.selection import VALUE_BUDGET_MARGIN, select_keys, select_values
 
     R, K, G = 3, 2, 3
     cfg = load_config(preset, exploration_rate=0.0, k_min=1, k_max=min(B, 5), value_k_max=None if B % 2 else 2)
@@ -234,6 +236,46 @@ def test_selection_kernel_equals_the_torch_reference(kind, B, preset, gen):
     assert torch.equal(((bits >> shifts) & 1).bool(), key_mask)
     assert torch.equal(((bits >> (shifts + G)) & 1).bool(), value_mask)
     assert torch.equal(widened_k.cpu(), widened)
+
+
+@pytest.mark.parametrize(
+    "family,preset,overrides",
+    [
+        ("random", "default", {}),
+        ("near_tied_blocks", "strict", {"rank_depth": 3}),
+        ("retrieval_peaks", "paper", {"exploration_rate": 0.2}),
+        ("outlier_channels", "naive", {}),
+        ("sink_and_recency", "default", {"force_fallback": "head"}),
+        ("one_hot", "fast", {"bound_tol": 1e-6}),
+    ],
+)
+def test_selection_and_epilogue_kernels_equal_the_torch_path(family, preset, overrides, gen, monkeypatch):
+    """The whole layer call with the selection and epilogue kernels against the same call with their torch
+    references (``CERTVLLM_SELECT=torch``, ``CERTVLLM_FINALIZE=torch``): identical selections, rungs,
+    flags and counts; outputs and bound terms equal to the rounding of the float64/float32 sums whose order
+    differs (1e-6 relative), except the terms that go through ᾱ_T = exp(2(Δ+R) + log α): an ulp of an
+    exponent of magnitude ~30 moves the result by ~30·2^-23 relative, so 1e-5 there."""
+    cases = [make_case(family, t, 8, 2, 64, torch.float16, gen) for t in (5, 40, 130, 203)]
+    cfg = load_config(preset, **overrides)
+    cache, tables, lens = paged_batch(cases, cfg.value_group_size)
+    q = torch.stack([c.q for c in cases]).to(DEV)
+    dcache = _to_device(cache)
+    runs = []
+    for impl in ("torch", "kernel"):
+        monkeypatch.setenv("CERTVLLM_SELECT", impl)
+        monkeypatch.setenv("CERTVLLM_FINALIZE", impl)
+        g = torch.Generator(device=DEV.type).manual_seed(7)
+        runs.append(certified_attention_gpu(q, dcache, tables.to(DEV), lens.to(DEV), cfg, generator=g,
+                                            fallback="device", blocks_per_split=3))  # fmt: skip
+    ref, got = runs
+    for name in ("rung", "k_star", "v_promoted", "rank_fail", "boundary_fail", "bound_fail", "canary_fail",
+                 "precondition"):  # fmt: skip
+        assert torch.equal(getattr(got.report, name), getattr(ref.report, name)), name
+    for name in ("e_key", "e_val", "e_round", "v_max", "delta_tail", "alpha_tail"):
+        rtol = 1e-5 if name in ("e_key", "alpha_tail") else 1e-6
+        torch.testing.assert_close(getattr(got.report, name), getattr(ref.report, name), rtol=rtol, atol=0.0,
+                                   msg=name)  # fmt: skip
+    torch.testing.assert_close(got.out, ref.out, rtol=1e-6, atol=1e-7)
 
 
 # -- the device-resident promotion cache (certvllm.kv.promotion_cache) -------------------------------------

@@ -65,6 +65,8 @@ from certvllm.kv.cuda_pagein import CudaPageInEngine, ensure_device_readable
 from certvllm.kv.pagein import PageInEngine
 from certvllm.kv.promotion_cache import PromotionCache
 from certvllm.triton_kernels.common import split_plan
+from certvllm.triton_kernels.finalize import finalize
+from certvllm.triton_kernels.finalize import supported as finalize_supported
 from certvllm.triton_kernels.phase1 import phase1
 from certvllm.triton_kernels.phase2 import Phase2Geometry, attend, promote
 from certvllm.triton_kernels.select import select_blocks
@@ -247,8 +249,6 @@ def _certified_rows(q, cache, block_tables, seq_lens, cfg, scale, pagein, genera
         if cfg.exploration_rate > 0:
             draw = torch.rand((R, K, G, B), generator=generator if _on(generator, dev) else None, device=dev)
             bits |= (((draw < cfg.exploration_rate) & valid4).to(torch.int32) << shifts).sum(dim=2, dtype=torch.int32)
-        key_mask = ((bits.unsqueeze(2) >> shifts) & 1).bool()
-        value_mask = ((bits.unsqueeze(2) >> (shifts + G)) & 1).bool()
     else:
         if certified:
             ph1 = Phase1(
@@ -288,27 +288,70 @@ def _certified_rows(q, cache, block_tables, seq_lens, cfg, scale, pagein, genera
     _mark(timings, "promote")
     parts = attend(geo, p1.scores, m, shadow, cache.pages, tables, nfull, bits, active, exact_lm)
     _mark(timings, "attend")
+    if isinstance(pagein, CudaPageInEngine):
+        key_bits = (1 << G) - 1
+        value_loads = (bits >> G) != 0
+        page_half = N * D * cache.shadow.element_size()
+        if key_paged is None:
+            key_reads = ((bits != 0) if run_canary else ((bits & key_bits) != 0)).sum()
+        else:
+            key_reads = key_paged  # pool hits cross no PCIe
+        pagein.add_device_counts(((bits & key_bits) != 0).sum(), value_loads.sum(),
+                                 (key_reads + value_loads.sum()) * page_half)  # fmt: skip
+
+    # ---- output, bounds on the output actually computed, checks and report: one kernel, or torch
+    if _fused_finalize(B):
+        out, report = finalize(parts, s_tail, tail_v, l_tail, m, sabs, score_abs1, base_round, v_max, eta_max, bits,
+                               l8, exact_lm, p1.delta, nfull, lens, widened, canary, bad_page, cfg)  # fmt: skip
+    else:
+        out, report = _epilogue_torch(
+            parts, s_tail, tail_v, l_tail, m, sabs, score_abs1, base_round, v_max, eta_max, bits, l8, exact_lm,
+            p1.delta, bvalid, has_tail, widened, canary, bad_page, cfg,
+        )  # fmt: skip
+    _mark(timings, "bounds")
+    ctx = _Ctx(geo=geo, qs=qs, shadow=shadow, tables=tables, nfull=nfull, bvalid=bvalid, scores=p1.scores,
+               m8=p1.m8, delta=p1.delta, round1=round1, pages=cache.pages, s_tail=s_tail, tail_v=tail_v,
+               shape=(R, K, G, B, D))  # fmt: skip
+    return out, report, ctx
+
+
+def _fused_finalize(num_blocks: int) -> bool:
+    """The epilogue kernel (``triton_kernels.finalize``) unless ``CERTVLLM_FINALIZE=torch`` asks for the torch
+    reference, or the block table is wider than the kernel holds."""
+    return os.environ.get("CERTVLLM_FINALIZE", "kernel") != "torch" and finalize_supported(num_blocks)
+
+
+def _fused_selection(num_blocks: int) -> bool:
+    """The selection kernel (``triton_kernels.select``) unless ``CERTVLLM_SELECT=torch`` asks for the torch
+    reference, or the block table is wider than the kernel holds."""
+    return os.environ.get("CERTVLLM_SELECT", "kernel") != "torch" and select_supported(num_blocks)
+
+
+def _epilogue_torch(parts, s_tail, tail_v, l_tail, m, sabs, score_abs1, base_round, v_max, eta_max, bits, l8, exact_lm,
+                    delta, bvalid, has_tail, widened, canary, bad_page, cfg):  # fmt: skip
+    """The reference of ``triton_kernels.finalize`` (``CERTVLLM_FINALIZE=torch``): combine the attend parts
+    with the partial block, bound the output actually computed, run the checks and fill the report."""
+    R, K, G, B = l8.shape
+    D = tail_v.shape[-1]
+    Hq = K * G
+    N = s_tail.shape[-1]
+    dev = l8.device
+    certified = cfg.mode == "certified"
+    valid4 = bvalid[:, None, None, :]
+    shifts = torch.arange(G, device=dev, dtype=torch.int32).view(1, 1, G, 1)
+    key_mask = ((bits.unsqueeze(2) >> shifts) & 1).bool()
+    value_mask = ((bits.unsqueeze(2) >> (shifts + G)) & 1).bool()
     w_tail = torch.exp(s_tail - m.unsqueeze(-1))
     den_t = w_tail.sum(dim=-1)
     num = parts.acc.sum(dim=2) + torch.einsum("rkgn,rknd->rkgd", w_tail, tail_v).double()
     den = parts.den.sum(dim=2) + den_t.double()
     out = (num / den.unsqueeze(-1)).float().reshape(R, Hq, D)
 
-    if isinstance(pagein, CudaPageInEngine):
-        value_loads = (bits >> G) != 0
-        page_half = N * D * cache.shadow.element_size()
-        if key_paged is None:
-            key_reads = ((bits != 0) if run_canary else ((bits & ((1 << G) - 1)) != 0)).sum()
-        else:
-            key_reads = key_paged  # pool hits cross no PCIe
-        pagein.add_device_counts(key_mask.any(dim=2).sum(), value_mask.any(dim=2).sum(),
-                                 (key_reads + value_loads.sum()) * page_half)  # fmt: skip
-
     # ---- bounds on the output actually computed
     e_val = value_bound((parts.aval.sum(dim=2) / den).unsqueeze(-1), torch.ones_like(den).unsqueeze(-1), N)
     in_tail = valid4 & ~key_mask
     alpha = ((parts.atail.sum(dim=2) / den) * alpha_inflation(N)).float()
-    delta_tail = torch.where(in_tail, p1.delta, 0.0).amax(dim=-1)
+    delta_tail = torch.where(in_tail, delta, 0.0).amax(dim=-1)
     # max |s| over phase-2 scores: the INT8 ones (phase 1), the exact ones and the tail; an upper bound
     # of the reference's value, and the exp term grows with it
     score_abs2 = torch.maximum(torch.maximum(score_abs1, sabs.amax(dim=-1)), finite_abs_max(s_tail, (-1,)))
@@ -326,7 +369,7 @@ def _certified_rows(q, cache, block_tables, seq_lens, cfg, scale, pagein, genera
         in_f = torch.cat((key_mask, tail_col.expand(R, K, G, 1)), dim=-1)
         rank_fail, boundary_fail = rank_and_boundary(
             int8_lm, exact_all, in_f, torch.cat((valid4, tail_col), dim=-1),
-            torch.cat((p1.delta, torch.zeros_like(p1.delta[..., :1])), dim=-1), round2, cfg.rank_depth, cfg.eps_guard,
+            torch.cat((delta, torch.zeros_like(delta[..., :1])), dim=-1), round2, cfg.rank_depth, cfg.eps_guard,
         )  # fmt: skip
         report.rank_fail = flat(rank_fail)
         report.boundary_fail = flat(boundary_fail)
@@ -356,17 +399,7 @@ def _certified_rows(q, cache, block_tables, seq_lens, cfg, scale, pagein, genera
         unbounded = precondition | ~torch.isfinite(report.bound)
         report.e_key = torch.where(unbounded, float("inf"), report.e_key)
     report.rung = rung.to(torch.int8)
-    _mark(timings, "bounds")
-    ctx = _Ctx(geo=geo, qs=qs, shadow=shadow, tables=tables, nfull=nfull, bvalid=bvalid, scores=p1.scores,
-               m8=p1.m8, delta=p1.delta, round1=round1, pages=cache.pages, s_tail=s_tail, tail_v=tail_v,
-               shape=(R, K, G, B, D))  # fmt: skip
-    return out, report, ctx
-
-
-def _fused_selection(num_blocks: int) -> bool:
-    """The selection kernel (``triton_kernels.select``) unless ``CERTVLLM_SELECT=torch`` asks for the torch
-    reference, or the block table is wider than the kernel holds."""
-    return os.environ.get("CERTVLLM_SELECT", "kernel") != "torch" and select_supported(num_blocks)
+    return out, report
 
 
 def _on(generator: torch.Generator | None, dev: torch.device) -> bool:

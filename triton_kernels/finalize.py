@@ -1,0 +1,341 @@
+"""The end of a certified layer call in one kernel: combine the attend pass's split-K parts with the trailing
+partial block, compute the certificate (E_val, ᾱ_T, Δ_T, E_key with its rounding term), run the rank and
+boundary checks and fill the report, for every (row, KV head, query head).
+
+The same arithmetic as the torch epilogue of ``certvllm.attention.gpu._certified_rows`` (the reference,
+kept behind ``CERTVLLM_FINALIZE=torch``) and the same formulas as ``certvllm.bounds``
+(``value_bound``, ``tail_mass_upper``, ``key_sum_bound``, ``key_bound``, ``exp_rounding``) and
+``certvllm.attention.checks.rank_and_boundary``, operation for operation in the same precisions
+(float64 sums and division for the output and the masses, float32 for the bound terms), compiled without
+FMA contraction so that every product and sum rounds as the reference's does; only the summation order
+of the float32 tail sums and of the split-K sums differs (covered by γ_n, docs/certification.md §5).
+exp/log/expm1/tanh are libdevice's (≤ 2 ulp; the reference's torch CUDA functions have the same
+guarantee, and the certificate trusts 4 ulp). It replaces ~200 torch launches per layer call.
+
+Rank check with depth r: the r largest exact log-masses of the promoted set F and the exact log-masses
+of the r blocks of F that INT8 ranks highest, found by r rounds of max-and-remove (ties: the lowest block
+index first, the trailing partial block last).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from certvllm.attention.report import (
+    RUNG_HEAD_DENSE,
+    RUNG_LAYER_DENSE,
+    RUNG_VALUES,
+    RUNG_WIDEN,
+    CertReport,
+)
+from certvllm.bounds.rounding import GAMMA_SLACK
+from certvllm.bounds.terms import alpha_inflation, exp_factors, round_factor, value_inflation
+from certvllm.config import CertConfig
+
+from .common import exp_f32, launch_device_ok, next_pow2, precise
+
+MAX_BLOCKS = 32768
+"""Most block-table columns one program holds in registers; wider tables use the torch epilogue."""
+
+FORCE = {"none": 0, "head": RUNG_HEAD_DENSE, "layer": RUNG_LAYER_DENSE}
+_WIDEN = tl.constexpr(RUNG_WIDEN)
+_VALUES = tl.constexpr(RUNG_VALUES)
+_HEAD = tl.constexpr(RUNG_HEAD_DENSE)
+_LAYER = tl.constexpr(RUNG_LAYER_DENSE)
+
+
+_F64: dict[torch.device, torch.Tensor] = {}
+
+
+def _f64_constants(dev: torch.device) -> torch.Tensor:
+    """alpha_inflation(16), value_inflation(16) as float64 on ``dev`` (made once per device: a host-to-device
+    copy inside a CUDA-graph capture would fail)."""
+    if dev not in _F64:
+        _F64[dev] = torch.tensor([alpha_inflation(16), value_inflation(16)], dtype=torch.float64, device=dev)
+    return _F64[dev]
+
+
+def supported(num_blocks: int) -> bool:
+    return 1 <= num_blocks <= MAX_BLOCKS
+
+
+@triton.jit
+def _log(x, PRECISE: tl.constexpr):
+    if PRECISE:
+        r = libdevice.log(x)
+    else:
+        r = tl.log(x)
+    return r
+
+
+@triton.jit
+def _expm1(x, PRECISE: tl.constexpr):
+    if PRECISE:
+        r = libdevice.expm1(x)
+    else:
+        r = (tl.exp(x.to(tl.float64)) - 1.0).to(tl.float32)
+    return r
+
+
+@triton.jit
+def _tanh(x, PRECISE: tl.constexpr):
+    if PRECISE:
+        r = libdevice.tanh(x)
+    else:
+        e = tl.exp(2.0 * x.to(tl.float64))
+        r = tl.where(x > 20.0, 1.0, (e - 1.0) / (e + 1.0)).to(tl.float32)
+    return r
+
+
+@triton.jit
+def _fmin(a, b):
+    """``torch.fmin``: the smaller, ignoring a NaN operand."""
+    return tl.where(a != a, b, tl.where(b != b, a, tl.minimum(a, b)))
+
+
+@triton.jit
+def _finite(x):
+    return tl.abs(x) < float("inf")
+
+
+@triton.jit
+def _finalize_kernel(
+    acc,  # [R, H, S, G, D] float64 attend parts: Σ w·v
+    den_p,  # [R, H, S, G] float64 Σ w
+    aval_p,  # [R, H, S, G] float64 Σ over INT4-value blocks of block weight · η_b
+    atail_p,  # [R, H, S, G] float64 weight on INT8-key blocks
+    s_tail,  # [R, H, G, N] float32 exact scores of the trailing partial block (−inf past its tokens)
+    tail_v,  # [R, H, N, D] float32 its values (0 past its tokens)
+    l_tail,  # [R, H, G] float32 logsumexp of s_tail
+    m,  # [R, H, G] float32 the global max used by the attend pass
+    sabs,  # [R, H, G, S2] float32 max |s| of the promotion pass
+    score_abs1,  # [R, H, G] float32 max |s| of phase 1 and the tail
+    base_round,  # [R, H, G] float32 R without the exp term
+    v_max,  # [R, H] float32
+    eta_max,  # [R, H] float32
+    bits,  # [R, H, B] int32 promotion bitmask (bit g keys, bit G + g values)
+    l8,  # [R, H, G, B] float32 INT8 block log-mass
+    exact_lm,  # [R, H, G, B] float32 exact block log-mass (where promoted)
+    delta,  # [R, H, G, B] float32 Δ_b
+    nfull,  # [R] int64
+    lens,  # [R] int64
+    widened,  # [R, H, G] int8
+    canary,  # [R] int32
+    bad_page,  # [R] int8
+    out,  # out [R, H·G, D] float32
+    f_out,  # out [6, R·H·G] float32: e_key, e_val, e_round, v_max, delta_tail, alpha_tail
+    i_out,  # out [2, R·H·G] int32: k_star, v_promoted
+    b_out,  # out [6, R·H·G] int8: rung, rank, boundary, bound, canary, precondition
+    f64c,  # [2] float64: alpha_inflation(N), value_inflation(N) (a float argument would be float32)
+    B,
+    S,
+    S2,
+    GS,
+    VOUT,  # 1 + 2^-20
+    C1,  # exp_rounding: score_abs·C1 + C0
+    C0,
+    RF,  # round_factor(N)
+    BOUND_TOL,
+    EPS,
+    FORCE_RUNG,
+    H: tl.constexpr,
+    G: tl.constexpr,
+    D: tl.constexpr,
+    DP: tl.constexpr,
+    BP: tl.constexpr,
+    DEPTH: tl.constexpr,
+    CERTIFIED: tl.constexpr,
+    RANK: tl.constexpr,
+    PRECISE: tl.constexpr,
+):
+    N: tl.constexpr = 16
+    pid = tl.program_id(0).to(tl.int64)  # (r·H + h)·G + g
+    rk = pid // G
+    g = (pid % G).to(tl.int32)
+    r = rk // H
+    dd = tl.arange(0, DP)
+    nn = tl.arange(0, N)
+    pos = tl.arange(0, BP)
+    RHG = tl.num_programs(0)
+    AINF = tl.load(f64c)
+    VINF = tl.load(f64c + 1)
+
+    # ---- output: split-K parts + the trailing partial block (float64 combination, as the reference)
+    num = tl.zeros([DP], tl.float64)
+    den = tl.zeros([1], tl.float64)
+    aval = tl.zeros([1], tl.float64)
+    atail = tl.zeros([1], tl.float64)
+    one = tl.arange(0, 1)
+    for s in range(0, S):
+        ps = (rk * S + s) * G + g
+        num += tl.load(acc + ps * D + dd, mask=dd < D, other=0.0)
+        den += tl.load(den_p + ps + one)
+        aval += tl.load(aval_p + ps + one)
+        atail += tl.load(atail_p + ps + one)
+    mm = tl.load(m + pid)
+    st = tl.load(s_tail + pid * N + nn)
+    w = exp_f32(st - mm, PRECISE)  # [N]
+    den_t = tl.sum(w, 0)
+    tv = tl.load(tail_v + (rk * N + nn[:, None]) * D + dd[None, :], mask=dd[None, :] < D, other=0.0)
+    num += tl.sum(w[:, None] * tv, 0).to(tl.float64)
+    den += den_t.to(tl.float64)
+    tl.store(out + pid * D + dd, (num / den).to(tl.float32), mask=dd < D)
+
+    # ---- certificate terms
+    e_val = tl.sum((((aval / den) * 1.0) * VINF).to(tl.float32), 0) * VOUT
+    alpha = tl.sum(((atail / den) * AINF).to(tl.float32), 0)
+    nf = tl.load(nfull + r).to(tl.int32)
+    valid = pos < nf
+    word = tl.load(bits + rk * B + pos, mask=pos < B, other=0)
+    keyb = ((word >> g) & 1) != 0
+    valb = ((word >> (G + g)) & 1) != 0
+    dl = tl.load(delta + pid * B + pos, mask=pos < B, other=0.0)
+    in_tail = valid & ~keyb
+    dt = tl.max(tl.where(in_tail, dl, 0.0), 0)
+    dt = tl.where(tl.max((in_tail & (dl != dl)).to(tl.int32), 0) > 0, float("nan"), dt)  # amax keeps NaN
+    k_star = tl.sum(keyb.to(tl.int32), 0)
+    v_prom = tl.sum(valb.to(tl.int32), 0)
+    score_abs2 = tl.load(score_abs1 + pid)
+    for s2 in range(0, S2):
+        score_abs2 = tl.maximum(score_abs2, tl.load(sabs + pid * S2 + s2), propagate_nan=tl.PropagateNan.ALL)
+    score_abs2 = tl.maximum(score_abs2, tl.max(tl.where(_finite(st), tl.abs(st), 0.0), 0))
+    round2 = tl.load(base_round + pid) + (score_abs2 * C1 + C0)
+    alpha_up = exp_f32(tl.minimum(2.0 * (dt + round2) + _log(alpha * GS, PRECISE), 0.0), PRECISE)
+    tail_form = alpha_up * (_expm1(dt, PRECISE) + _expm1(2.0 * dt, PRECISE)) + round2
+    tail_form = tl.where(alpha_up > 0, tail_form, round2)
+    full_form = 2.0 * _tanh(0.5 * (dt + round2), PRECISE)
+    key_sum = _fmin(_fmin(tail_form, full_form) * GS, 2.0)
+    key_sum = tl.where((dt + round2) != (dt + round2), float("nan"), key_sum)
+    vm = tl.load(v_max + rk)
+    e_round = RF * (vm + tl.load(eta_max + rk))
+    e_key = vm * key_sum * GS + e_round
+
+    # ---- rank and boundary checks (checks.rank_and_boundary), block index B = the partial block
+    has_tail = (tl.load(lens + r) % N) != 0
+    false = nf < 0
+    rank_fail = false
+    boundary_fail = false
+    if CERTIFIED and RANK:
+        ex_f = tl.where(keyb & valid, tl.load(exact_lm + pid * B + pos, mask=pos < B, other=0.0), float("-inf"))
+        ex_t = tl.where(has_tail, mm + _log(den_t, PRECISE), float("-inf"))
+        l8b = tl.load(l8 + pid * B + pos, mask=pos < B, other=float("-inf"))
+        lt = tl.load(l_tail + pid)
+        i8_f = tl.where(keyb & valid, l8b, float("-inf"))
+        i8_t = tl.where(has_tail, lt, float("-inf"))
+        left_e = pos < B  # entries not yet taken, exact ranking
+        left_et = has_tail | ~has_tail
+        left_i = pos < B  # INT8 ranking
+        left_it = left_et
+        thr = tl.full([], float("inf"), tl.float32)
+        # rounds past the B + 1 entries find only −inf, which neither check counts (as topk's r = min(r, B + 1))
+        for _ in tl.static_range(DEPTH):
+            ce = tl.where(left_e, ex_f, float("-inf"))
+            top_b = tl.max(ce, 0)
+            at_b = tl.min(tl.where(left_e & (ce == top_b), pos, BP), 0)
+            take_tail = left_et & ((ex_t > top_b) | (at_b >= BP))
+            top = tl.where(take_tail, ex_t, top_b)
+            left_e = left_e & ~((pos == at_b) & ~take_tail)
+            left_et = left_et & ~take_tail
+            ci = tl.where(left_i, i8_f, float("-inf"))
+            topi_b = tl.max(ci, 0)
+            ati_b = tl.min(tl.where(left_i & (ci == topi_b), pos, BP), 0)
+            tail_i = left_it & ((i8_t > topi_b) | (ati_b >= BP))
+            by_i8 = tl.where(tail_i, ex_t, tl.sum(tl.where(pos == ati_b, ex_f, 0.0), 0))
+            by_i8 = tl.where(tail_i | (ati_b < BP), by_i8, float("-inf"))
+            left_i = left_i & ~((pos == ati_b) & ~tail_i)
+            left_it = left_it & ~tail_i
+            rank_fail = rank_fail | (_finite(top) & (by_i8 < top - EPS))
+            thr = tl.where(_finite(top), tl.minimum(thr, top), thr)
+        reach = (l8b + dl) + 2.0 * round2
+        outside = valid & ~keyb
+        boundary_fail = (tl.max((outside & (reach > thr)).to(tl.int32), 0) > 0) & _finite(thr)
+
+    # ---- report
+    bound = e_key + e_val
+    precondition = tl.load(bad_page + r) != 0
+    rung = tl.where(tl.load(widened + pid) != 0, _WIDEN, 0)
+    rung = tl.where(v_prom > 0, _VALUES, rung)
+    bound_fail = false
+    canary_fail = false
+    if CERTIFIED:
+        bound_fail = ~(bound <= BOUND_TOL * vm) | ~_finite(bound)
+        canary_fail = tl.load(canary + r) > 0
+        rung = tl.where(rank_fail | boundary_fail | bound_fail, _HEAD, rung)
+        rung = tl.where(canary_fail | precondition, _LAYER, rung)
+        rung = tl.where(FORCE_RUNG > 0, FORCE_RUNG, rung)
+    else:
+        e_key = tl.where(precondition | ~_finite(bound), float("inf"), e_key)
+    tl.store(f_out + pid, e_key)
+    tl.store(f_out + RHG + pid, e_val)
+    tl.store(f_out + 2 * RHG + pid, e_round)
+    tl.store(f_out + 3 * RHG + pid, vm)
+    tl.store(f_out + 4 * RHG + pid, dt)
+    tl.store(f_out + 5 * RHG + pid, alpha_up)
+    tl.store(i_out + pid, k_star)
+    tl.store(i_out + RHG + pid, v_prom)
+    tl.store(b_out + pid, rung.to(tl.int8))
+    tl.store(b_out + RHG + pid, rank_fail.to(tl.int8))
+    tl.store(b_out + 2 * RHG + pid, boundary_fail.to(tl.int8))
+    tl.store(b_out + 3 * RHG + pid, bound_fail.to(tl.int8))
+    tl.store(b_out + 4 * RHG + pid, canary_fail.to(tl.int8))
+    tl.store(b_out + 5 * RHG + pid, precondition.to(tl.int8))
+
+
+def finalize(
+    parts,
+    s_tail: torch.Tensor,
+    tail_v: torch.Tensor,
+    l_tail: torch.Tensor,
+    m: torch.Tensor,
+    sabs: torch.Tensor,
+    score_abs1: torch.Tensor,
+    base_round: torch.Tensor,
+    v_max: torch.Tensor,
+    eta_max: torch.Tensor,
+    bits: torch.Tensor,
+    l8: torch.Tensor,
+    exact_lm: torch.Tensor,
+    delta: torch.Tensor,
+    nfull: torch.Tensor,
+    lens: torch.Tensor,
+    widened: torch.Tensor,
+    canary: torch.Tensor,
+    bad_page: torch.Tensor,
+    cfg: CertConfig,
+) -> tuple[torch.Tensor, CertReport]:
+    """Output ``[R, H_q, D]`` float32 and the report of a layer call (shapes in ``_finalize_kernel``'s
+    argument comments; ``v_max``/``eta_max`` may carry a trailing 1, ``widened`` is bool)."""
+    launch_device_ok(l8)
+    R, K, G, B = l8.shape
+    D = tail_v.shape[-1]
+    if not supported(B):
+        raise ValueError(f"finalize: {B} block-table columns, the kernel holds at most {MAX_BLOCKS}")
+    dev = l8.device
+    rhg = R * K * G
+    out = torch.empty(R, K * G, D, dtype=torch.float32, device=dev)
+    f_out = torch.empty(6, rhg, dtype=torch.float32, device=dev)
+    i_out = torch.empty(2, rhg, dtype=torch.int32, device=dev)
+    b_out = torch.empty(6, rhg, dtype=torch.int8, device=dev)
+    c1, c0 = exp_factors()
+    certified = cfg.mode == "certified"
+    _finalize_kernel[(rhg,)](
+        parts.acc, parts.den, parts.aval, parts.atail, s_tail.contiguous(), tail_v.contiguous(),
+        l_tail.contiguous(), m.contiguous(), sabs.contiguous(), score_abs1.contiguous(), base_round.contiguous(),
+        v_max.contiguous(), eta_max.contiguous(), bits, l8.contiguous(), exact_lm, delta.contiguous(), nfull,
+        lens, widened.contiguous().view(torch.int8), canary, bad_page.contiguous().view(torch.int8), out, f_out,
+        i_out, b_out, _f64_constants(dev), B, parts.den.shape[2], sabs.shape[-1], GAMMA_SLACK, 1 + 2.0**-20, c1, c0, round_factor(16), cfg.bound_tol, cfg.eps_guard, FORCE[cfg.force_fallback],
+        H=K, G=G, D=D, DP=next_pow2(D), BP=next_pow2(B), DEPTH=cfg.rank_depth, CERTIFIED=certified,
+        RANK=certified and cfg.rank_check, PRECISE=precise(), num_warps=4, enable_fp_fusion=False,
+    )  # fmt: skip
+    shape = (R, K * G)
+    f = [t.view(shape) for t in f_out]
+    flags = [t.view(shape) for t in b_out.view(torch.bool)]
+    report = CertReport(
+        rung=b_out[0].view(shape), e_key=f[0], e_val=f[1], e_round=f[2], k_star=i_out[0].view(shape),
+        v_promoted=i_out[1].view(shape), v_max=f[3], delta_tail=f[4], alpha_tail=f[5], rank_fail=flags[1],
+        boundary_fail=flags[2], bound_fail=flags[3], canary_fail=flags[4], precondition=flags[5],
+    )  # fmt: skip
+    return out, report
