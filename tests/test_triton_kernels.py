@@ -213,10 +213,16 @@ def _phase1_summary(R, K, G, B, nfull, kind, gen) -> tuple[Phase1, torch.Tensor]
 
 
 @pytest.mark.parametrize("kind", ["random", "ties", "peak", "flat", "huge_delta"])
-@pytest.mark.parametrize("B,preset", [(1, "default"), (7, "strict"), (32, "default"), (45, "fast"), (64, "paper")])
-def test_selection_kernel_equals_the_torch_reference(kind, B, preset, gen):
+@pytest.mark.parametrize(
+    "B,preset,window",
+    [(1, "default", 512), (7, "strict", 512), (32, "default", 512), (45, "fast", 16), (64, "paper", 16),
+     (100, "default", 8)],
+)  # fmt: skip
+def test_selection_kernel_equals_the_torch_reference(kind, B, preset, window, gen):
     """``triton_kernels.select`` makes the decisions of ``select_keys``/``select_values``: the same key and
-    value masks and the same rung-1 flags, block for block (K_min/K_max clamps, rung 1, value caps)."""
+    value masks and the same rung-1 flags, block for block (K_min/K_max clamps, rung 1, value caps). A
+    window smaller than the table runs the windowed path (bisection for the W-th largest key, compaction,
+    and the full order when the value greedy runs past the window: ``flat``/``huge_delta``)."""
     from certvllm.triton_kernels.select import select_blocks
 
     from certvllm.attention.selection import VALUE_BUDGET_MARGIN, select_keys, select_values
@@ -230,7 +236,7 @@ def test_selection_kernel_equals_the_torch_reference(kind, B, preset, gen):
     budget = (cfg.v_tol * ph1.v_max.squeeze(-1)) / VALUE_BUDGET_MARGIN
     bits, widened_k = select_blocks(ph1.log_mass.to(DEV), lse.squeeze(-1).to(DEV), ph1.delta.to(DEV),
                                     ph1.rounding.to(DEV), nfull.to(DEV), ph1.eta.squeeze(2).to(DEV),
-                                    budget.to(DEV), cfg)  # fmt: skip
+                                    budget.to(DEV), cfg, window=window)  # fmt: skip
     shifts = torch.arange(G).view(1, 1, G, 1)
     bits = bits.cpu().unsqueeze(2)
     assert torch.equal(((bits >> shifts) & 1).bool(), key_mask)

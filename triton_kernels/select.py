@@ -37,6 +37,9 @@ from .common import exp_f32, launch_device_ok, next_pow2, precise
 MAX_BLOCKS = 16384
 """Most block-table columns the kernel holds in registers (256K tokens); wider tables use the reference."""
 
+WINDOW = 512
+"""Positions of the sorted orders the kernel materialises when the table is wider (see ``_top_window``)."""
+
 
 def supported(num_blocks: int) -> bool:
     return 1 <= num_blocks <= MAX_BLOCKS
@@ -101,6 +104,43 @@ def _at(x, pos, k):
 
 
 @triton.jit
+def _kth_key(key, W, LOG2BP: tl.constexpr):
+    """The W-th largest of the distinct keys ≥ 0 (0 if fewer than W), built bit by bit from the top: the
+    high word holds the bits of a non-negative float32 (bit 63 is 0), the low word is < 2^LOG2BP."""
+    t = tl.max(key, 0) * 0
+    for i in tl.static_range(31):
+        cand = t | (1 << (62 - i))
+        t = tl.where(tl.sum((key >= cand).to(tl.int32), 0) >= W, cand, t)
+    for i in tl.static_range(LOG2BP):
+        cand = t | (1 << (LOG2BP - 1 - i))
+        t = tl.where(tl.sum((key >= cand).to(tl.int32), 0) >= W, cand, t)
+    return t
+
+
+@triton.jit
+def _top_window(x, pos, B, scratch, W: tl.constexpr, BP: tl.constexpr, LOG2BP: tl.constexpr):
+    """The first W entries of the stable descending order of ``x`` (non-negative float32 over positions < B)
+    without sorting all BP: the W-th largest key by bisection (``_kth_key``), the keys at or above it
+    compacted through ``scratch`` ([W] int64 of this program) and sorted.
+
+    Returns ``(values [W], block ids [W], selected [BP] bool, count)``: window entries past ``count`` (when
+    B < W) are 0 with block id < 0."""
+    key = (x.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (BP - 1 - pos).to(tl.int64)
+    key = tl.where(pos < B, key, -1)
+    sel = key >= _kth_key(key, W, LOG2BP)
+    sel = sel & (pos < B)
+    slot = tl.cumsum(sel.to(tl.int32), 0) - 1
+    tl.store(scratch + slot, key, mask=sel)
+    tl.debug_barrier()
+    q = tl.arange(0, W)
+    count = tl.sum(sel.to(tl.int32), 0)
+    wkey = tl.sort(tl.load(scratch + q, mask=q < count, other=-1), descending=True)
+    idx = (BP - 1 - (wkey & 0xFFFFFFFF)).to(tl.int32)
+    val = tl.where(wkey >= 0, (wkey >> 32).to(tl.int32).to(tl.float32, bitcast=True), 0.0)
+    return val, tl.where(wkey >= 0, idx, -1), sel, count
+
+
+@triton.jit
 def _select_kernel(
     l8,  # [R, H, G, B] float32 block log-mass ℓ⁸_b (−inf past the last full block)
     lse,  # [R, H, G] float32 log of the total INT8 mass (full blocks and the partial one)
@@ -111,18 +151,21 @@ def _select_kernel(
     budget,  # [R, H] float32 v_tol·V_max / VALUE_BUDGET_MARGIN
     bits,  # in/out [R, H, B] int32 promotion bitmask (zeroed by the caller)
     widened,  # out [R, H, G] int8 rung 1 used
+    scratch,  # [R·H·G, 2, W] int64 (the windowed path's compaction buffers)
     B,
     GS,  # GAMMA_SLACK
     TAU1,  # 1 − τ_cov
     KMIN,
     KMAX,
-    KMAX1,  # ceil(rung1_multiplier · K_max)
+    KMAX1,  # ceil(rung1_multiplier · K_max) (< W on the windowed path)
     THR1,  # rung-1 tail threshold
     KEY_TOL,
     VKMAX,  # value_k_max, or −1 for no cap
     H: tl.constexpr,
     G: tl.constexpr,
     BP: tl.constexpr,
+    W: tl.constexpr,  # window of the sorted order (BP ≤ W: sort everything)
+    LOG2BP: tl.constexpr,
     PRECISE: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
@@ -139,36 +182,64 @@ def _select_kernel(
     dl = tl.load(delta + row + pos, mask=pos < B, other=0.0)
     rr = tl.load(rounding + pid)
     delta_all = tl.max(dl, 0)
+    xi = delta_all + 3.0 * rr
+    rho = _tail_mass_upper(p_hat, xi, 0.0, GS, PRECISE)
+    err = tl.where(valid, rho * tl.load(eta + rk * B + pos, mask=pos < B, other=0.0), 0.0)
+    vbudget = tl.load(budget + rk)
+    one = tl.full([BP], 1, tl.int32)
 
-    # ---- keys: top-K*, rung 1 (selection.select_keys)
-    smass, order = _sorted_desc(mass, pos, B, BP)
-    alpha = _suffix_sum(smass)
-    dsuf = tl.associative_scan(tl.load(delta + row + order, mask=pos < B, other=0.0), 0, _max, reverse=True)
+    # ---- keys: top-K*, rung 1 (selection.select_keys); positions q of the descending order
+    if BP <= W:
+        q = pos
+        smass, order = _sorted_desc(mass, pos, B, BP)
+        alpha = _suffix_sum(smass)
+        dsuf = tl.associative_scan(tl.load(delta + row + order, mask=q < B, other=0.0), 0, _max, reverse=True)
+    else:  # only the first W positions can matter: K* ≤ ceil(rung1_multiplier·K_max) < W
+        q = tl.arange(0, W)
+        smass, order, sel, _ = _top_window(mass, pos, B, scratch + pid * 2 * W, W, BP, LOG2BP)
+        rest = tl.sum(tl.where(sel, 0.0, mass).to(tl.float64), 0)
+        alpha = (tl.cumsum(smass.to(tl.float64), 0, reverse=True) + rest).to(tl.float32)
+        wdelta = tl.load(delta + row + order, mask=order >= 0, other=0.0)
+        dsuf = tl.maximum(tl.associative_scan(wdelta, 0, _max, reverse=True), tl.max(tl.where(sel, 0.0, dl), 0))
     kmin = tl.minimum(nf, KMIN)
     kmax = tl.minimum(nf, KMAX)
     kmax1 = tl.minimum(nf, KMAX1)
-    base = _first((alpha <= TAU1) & (pos < B), pos, nf, BP)
+    base = _first((alpha <= TAU1) & (q < B), q, nf, BP + W)
     base = tl.maximum(tl.minimum(base, kmax), kmin)
     abar = _tail_mass_upper(alpha, delta_all, rr, GS, PRECISE)
     growth = _expm1_f32(dsuf, PRECISE) + _expm1_f32(2.0 * dsuf, PRECISE)
     est = tl.where(abar > 0, abar * growth, 0.0)
-    trigger = (_at(alpha, pos, base) > THR1) | (_at(est, pos, base) > KEY_TOL)
-    ok = (alpha <= THR1) & (est <= KEY_TOL) & (pos >= base) & (pos <= kmax1) & (pos < B)
-    k_star = tl.where(trigger, tl.maximum(_first(ok, pos, kmax1, BP), base), base)
+    trigger = (_at(alpha, q, base) > THR1) | (_at(est, q, base) > KEY_TOL)
+    ok = (alpha <= THR1) & (est <= KEY_TOL) & (q >= base) & (q <= kmax1) & (q < B)
+    k_star = tl.where(trigger, tl.maximum(_first(ok, q, kmax1, BP + W), base), base)
     tl.store(widened + pid, (k_star > base).to(tl.int8))
-    take = (pos < k_star) & (order < nf) & (pos < B)
-    tl.atomic_or(bits + rk * B + order, tl.full([BP], 1, tl.int32) << g, mask=take)
+    take = (q < k_star) & (order >= 0) & (order < nf) & (q < B)
+    tl.atomic_or(bits + rk * B + order, (q * 0 + 1) << g, mask=take)
 
     # ---- values: rung 2 (selection.select_values)
-    xi = delta_all + 3.0 * rr
-    rho = _tail_mass_upper(p_hat, xi, 0.0, GS, PRECISE)
-    err = tl.where(valid, rho * tl.load(eta + rk * B + pos, mask=pos < B, other=0.0), 0.0)
-    serr, vorder = _sorted_desc(err, pos, B, BP)
-    remaining = _suffix_sum(serr)
-    count = _first((remaining <= tl.load(budget + rk)) & (pos < B), pos, B, BP)
-    count = tl.where(VKMAX >= 0, tl.minimum(count, VKMAX), count)
-    take_v = (pos < count) & (vorder < nf) & (pos < B)
-    tl.atomic_or(bits + rk * B + vorder, tl.full([BP], 1, tl.int32) << (G + g), mask=take_v)
+    if BP <= W:
+        serr, vorder = _sorted_desc(err, pos, B, BP)
+        remaining = _suffix_sum(serr)
+        count = _first((remaining <= vbudget) & (pos < B), pos, B, BP)
+        count = tl.where(VKMAX >= 0, tl.minimum(count, VKMAX), count)
+        take_v = (pos < count) & (vorder < nf) & (pos < B)
+        tl.atomic_or(bits + rk * B + vorder, one << (G + g), mask=take_v)
+    else:
+        serr, vorder, vsel, _ = _top_window(err, pos, B, scratch + (pid * 2 + 1) * W, W, BP, LOG2BP)
+        vrest = tl.sum(tl.where(vsel, 0.0, err).to(tl.float64), 0)
+        remaining = (tl.cumsum(serr.to(tl.float64), 0, reverse=True) + vrest).to(tl.float32)
+        count = _first((remaining <= vbudget) & (q < B), q, -1, W)
+        if count >= 0:
+            count = tl.where(VKMAX >= 0, tl.minimum(count, VKMAX), count)
+            take_v = (q < count) & (vorder >= 0) & (vorder < nf)
+            tl.atomic_or(bits + rk * B + vorder, (q * 0 + 1) << (G + g), mask=take_v)
+        else:  # the greedy runs past the window (many blocks with large ρ̄·η): the full order, as the reference
+            serr_f, vorder_f = _sorted_desc(err, pos, B, BP)
+            remaining_f = _suffix_sum(serr_f)
+            count_f = _first((remaining_f <= vbudget) & (pos < B), pos, B, BP)
+            count_f = tl.where(VKMAX >= 0, tl.minimum(count_f, VKMAX), count_f)
+            take_f = (pos < count_f) & (vorder_f < nf) & (pos < B)
+            tl.atomic_or(bits + rk * B + vorder_f, one << (G + g), mask=take_f)
 
 
 def select_blocks(
@@ -180,6 +251,7 @@ def select_blocks(
     eta: torch.Tensor,
     value_budget: torch.Tensor,
     cfg: CertConfig,
+    window: int = WINDOW,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rungs 0–2 selection for a layer call.
 
@@ -191,6 +263,9 @@ def select_blocks(
         eta: ``[R, K, B]`` float32 η_b.
         value_budget: ``[R, K]`` float32 v_tol·V_max / ``selection.VALUE_BUDGET_MARGIN``.
         cfg: the certified config (its exploration draws are the caller's).
+        window: how much of each sorted order is materialised when the table is wider (raised to the next
+            power of two above ceil(rung1_multiplier·K_max)); the greedy value promotion falls back to the
+            full order inside the kernel if it needs more.
 
     Returns:
         ``bits`` ``[R, K, B]`` int32 (bit g: keys of block b promoted for query head g; bit G + g: its
@@ -203,13 +278,15 @@ def select_blocks(
     if 2 * G > 31:
         raise ValueError(f"select_blocks: {G} query heads per KV head, at most 15 fit the int32 bitmask")
     bp = next_pow2(B)
+    kmax1 = math.ceil(cfg.rung1_multiplier * cfg.k_max)
+    w = max(next_pow2(window), next_pow2(kmax1 + 1))
     bits = torch.zeros(R, K, B, dtype=torch.int32, device=l8.device)
     widened = torch.empty(R, K, G, dtype=torch.int8, device=l8.device)
+    scratch = torch.empty(R * K * G * 2 * w if bp > w else 1, dtype=torch.int64, device=l8.device)
     _select_kernel[(R * K * G,)](
         l8.contiguous(), lse.contiguous(), delta.contiguous(), rounding.contiguous(), nfull, eta.contiguous(),
-        value_budget.contiguous(), bits, widened, B, GAMMA_SLACK, 1.0 - cfg.tau_cov, cfg.k_min, cfg.k_max,
-        math.ceil(cfg.rung1_multiplier * cfg.k_max), cfg.rung1_tail_threshold, cfg.key_tol,
-        -1 if cfg.value_k_max is None else cfg.value_k_max,
-        H=K, G=G, BP=bp, PRECISE=precise(), num_warps=min(16, max(4, bp // 512)),
+        value_budget.contiguous(), bits, widened, scratch, B, GAMMA_SLACK, 1.0 - cfg.tau_cov, cfg.k_min, cfg.k_max,
+        kmax1, cfg.rung1_tail_threshold, cfg.key_tol, -1 if cfg.value_k_max is None else cfg.value_k_max,
+        H=K, G=G, BP=bp, W=w, LOG2BP=bp.bit_length() - 1, PRECISE=precise(), num_warps=min(16, max(4, bp // 512)),
     )  # fmt: skip
     return bits, widened.bool()
