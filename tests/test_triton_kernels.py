@@ -255,9 +255,9 @@ def test_selection_kernel_equals_the_torch_reference(kind, B, preset, window, ge
         ("one_hot", "fast", {"bound_tol": 1e-6}),
     ],
 )
-def test_selection_and_epilogue_kernels_equal_the_torch_path(family, preset, overrides, gen, monkeypatch):
-    """The whole layer call with the selection and epilogue kernels against the same call with their torch
-    references (``CERTVLLM_SELECT=torch``, ``CERTVLLM_FINALIZE=torch``): identical selections, rungs,
+def test_glue_kernels_equal_the_torch_path(family, preset, overrides, gen, monkeypatch):
+    """The whole layer call with the glue kernels (prepare, selection, epilogue) against the same call with
+    their torch references (``CERTVLLM_TORCH_GLUE=1``): identical selections, rungs,
     flags and counts; outputs and bound terms equal to the rounding of the float64/float32 sums whose order
     differs (1e-6 relative), except the terms that go through ᾱ_T = exp(2(Δ+R) + log α): an ulp of an
     exponent of magnitude ~30 moves the result by ~30·2^-23 relative, so 1e-5 there."""
@@ -267,9 +267,8 @@ def test_selection_and_epilogue_kernels_equal_the_torch_path(family, preset, ove
     q = torch.stack([c.q for c in cases]).to(DEV)
     dcache = _to_device(cache)
     runs = []
-    for impl in ("torch", "kernel"):
-        monkeypatch.setenv("CERTVLLM_SELECT", impl)
-        monkeypatch.setenv("CERTVLLM_FINALIZE", impl)
+    for torch_glue in ("1", "0"):
+        monkeypatch.setenv("CERTVLLM_TORCH_GLUE", torch_glue)
         g = torch.Generator(device=DEV.type).manual_seed(7)
         runs.append(certified_attention_gpu(q, dcache, tables.to(DEV), lens.to(DEV), cfg, generator=g,
                                             fallback="device", blocks_per_split=3))  # fmt: skip
@@ -281,7 +280,10 @@ def test_selection_and_epilogue_kernels_equal_the_torch_path(family, preset, ove
         rtol = 1e-5 if name in ("e_key", "alpha_tail") else 1e-6
         torch.testing.assert_close(getattr(got.report, name), getattr(ref.report, name), rtol=rtol, atol=0.0,
                                    msg=name)  # fmt: skip
-    torch.testing.assert_close(got.out, ref.out, rtol=1e-6, atol=1e-7)
+    # the partial block's scores are D-term float32 sums in another order (a few ulp), which moves its
+    # softmax weights by as much: outputs to 1e-6 of the largest value
+    vmax = max(float(c.v.abs().max()) for c in cases)
+    torch.testing.assert_close(got.out, ref.out, rtol=1e-5, atol=1e-6 * vmax)
 
 
 # -- the device-resident promotion cache (certvllm.kv.promotion_cache) -------------------------------------

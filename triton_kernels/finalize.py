@@ -3,7 +3,7 @@ partial block, compute the certificate (E_val, ᾱ_T, Δ_T, E_key with its round
 boundary checks and fill the report, for every (row, KV head, query head).
 
 The same arithmetic as the torch epilogue of ``certvllm.attention.gpu._certified_rows`` (the reference,
-kept behind ``CERTVLLM_FINALIZE=torch``) and the same formulas as ``certvllm.bounds``
+kept behind ``CERTVLLM_TORCH_GLUE=1``) and the same formulas as ``certvllm.bounds``
 (``value_bound``, ``tail_mass_upper``, ``key_sum_bound``, ``key_bound``, ``exp_rounding``) and
 ``certvllm.attention.checks.rank_and_boundary``, operation for operation in the same precisions
 (float64 sums and division for the output and the masses, float32 for the bound terms), compiled without
@@ -102,6 +102,46 @@ def _finite(x):
 
 
 @triton.jit
+def _combine(acc, den_p, s_tail, tail_v, m, pid, rk, g, S, G: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+             PRECISE: tl.constexpr):  # fmt: skip
+    """Σ_splits num + the partial block's Σ w·v (float32, then float64), and the same for the denominator.
+
+    Returns ``(num [DP] float64, den [1] float64, den_t float32, s_tail row [N], m)``."""
+    N: tl.constexpr = 16
+    dd = tl.arange(0, DP)
+    nn = tl.arange(0, N)
+    num = tl.zeros([DP], tl.float64)
+    den = tl.zeros([1], tl.float64)
+    one = tl.arange(0, 1)
+    for s in range(0, S):
+        ps = (rk * S + s) * G + g
+        num += tl.load(acc + ps * D + dd, mask=dd < D, other=0.0)
+        den += tl.load(den_p + ps + one)
+    mm = tl.load(m + pid)
+    st = tl.load(s_tail + pid * N + nn)
+    w = exp_f32(st - mm, PRECISE)  # [N]
+    den_t = tl.sum(w, 0)
+    tv = tl.load(tail_v + (rk * N + nn[:, None]) * D + dd[None, :], mask=dd[None, :] < D, other=0.0)
+    num += tl.sum(w[:, None] * tv, 0).to(tl.float64)
+    den += den_t.to(tl.float64)
+    return num, den, den_t, st, mm
+
+
+@triton.jit
+def _combine_exact_kernel(
+    acc, den_p, s_tail, tail_v, m, rung, out, S, G: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+    PRECISE: tl.constexpr,
+):  # fmt: skip
+    """Rungs 3/4 on the device: overwrite ``out`` with the exact re-run's combination where rung ≥ 3."""
+    pid = tl.program_id(0).to(tl.int64)
+    if tl.load(rung + pid) >= _HEAD:
+        dd = tl.arange(0, DP)
+        num, den, _, _, _ = _combine(acc, den_p, s_tail, tail_v, m, pid, pid // G, (pid % G).to(tl.int32), S, G,
+                                     D, DP, PRECISE)  # fmt: skip
+        tl.store(out + pid * D + dd, (num / den).to(tl.float32), mask=dd < D)
+
+
+@triton.jit
 def _finalize_kernel(
     acc,  # [R, H, S, G, D] float64 attend parts: Σ w·v
     den_p,  # [R, H, S, G] float64 Σ w
@@ -157,32 +197,21 @@ def _finalize_kernel(
     g = (pid % G).to(tl.int32)
     r = rk // H
     dd = tl.arange(0, DP)
-    nn = tl.arange(0, N)
     pos = tl.arange(0, BP)
     RHG = tl.num_programs(0)
     AINF = tl.load(f64c)
     VINF = tl.load(f64c + 1)
 
     # ---- output: split-K parts + the trailing partial block (float64 combination, as the reference)
-    num = tl.zeros([DP], tl.float64)
-    den = tl.zeros([1], tl.float64)
+    num, den, den_t, st, mm = _combine(acc, den_p, s_tail, tail_v, m, pid, rk, g, S, G, D, DP, PRECISE)
+    tl.store(out + pid * D + dd, (num / den).to(tl.float32), mask=dd < D)
     aval = tl.zeros([1], tl.float64)
     atail = tl.zeros([1], tl.float64)
     one = tl.arange(0, 1)
     for s in range(0, S):
         ps = (rk * S + s) * G + g
-        num += tl.load(acc + ps * D + dd, mask=dd < D, other=0.0)
-        den += tl.load(den_p + ps + one)
         aval += tl.load(aval_p + ps + one)
         atail += tl.load(atail_p + ps + one)
-    mm = tl.load(m + pid)
-    st = tl.load(s_tail + pid * N + nn)
-    w = exp_f32(st - mm, PRECISE)  # [N]
-    den_t = tl.sum(w, 0)
-    tv = tl.load(tail_v + (rk * N + nn[:, None]) * D + dd[None, :], mask=dd[None, :] < D, other=0.0)
-    num += tl.sum(w[:, None] * tv, 0).to(tl.float64)
-    den += den_t.to(tl.float64)
-    tl.store(out + pid * D + dd, (num / den).to(tl.float32), mask=dd < D)
 
     # ---- certificate terms
     e_val = tl.sum((((aval / den) * 1.0) * VINF).to(tl.float32), 0) * VOUT
@@ -268,9 +297,10 @@ def _finalize_kernel(
         rung = tl.where(FORCE_RUNG > 0, FORCE_RUNG, rung)
     else:
         e_key = tl.where(precondition | ~_finite(bound), float("inf"), e_key)
-    tl.store(f_out + pid, e_key)
-    tl.store(f_out + RHG + pid, e_val)
-    tl.store(f_out + 2 * RHG + pid, e_round)
+    exact = rung >= _HEAD  # recomputed exactly: no error to bound
+    tl.store(f_out + pid, tl.where(exact, 0.0, e_key))
+    tl.store(f_out + RHG + pid, tl.where(exact, 0.0, e_val))
+    tl.store(f_out + 2 * RHG + pid, tl.where(exact, 0.0, e_round))
     tl.store(f_out + 3 * RHG + pid, vm)
     tl.store(f_out + 4 * RHG + pid, dt)
     tl.store(f_out + 5 * RHG + pid, alpha_up)
@@ -339,3 +369,15 @@ def finalize(
         boundary_fail=flags[2], bound_fail=flags[3], canary_fail=flags[4], precondition=flags[5],
     )  # fmt: skip
     return out, report
+
+
+def combine_exact(parts, s_tail: torch.Tensor, tail_v: torch.Tensor, m: torch.Tensor, rung: torch.Tensor,
+                  out: torch.Tensor) -> None:  # fmt: skip
+    """Overwrite ``out`` ``[R, H_q, D]`` in place with the exact re-run's output (attend ``parts`` over
+    unquantized blocks, plus the partial block) on the heads whose ``rung`` ``[R, H_q]`` is ≥ 3."""
+    R, K, G, _ = s_tail.shape
+    D = tail_v.shape[-1]
+    _combine_exact_kernel[(R * K * G,)](
+        parts.acc, parts.den, s_tail.contiguous(), tail_v.contiguous(), m.contiguous(), rung.contiguous(), out,
+        parts.den.shape[2], G=G, D=D, DP=next_pow2(D), PRECISE=precise(), num_warps=4, enable_fp_fusion=False,
+    )  # fmt: skip

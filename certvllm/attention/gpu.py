@@ -65,10 +65,12 @@ from certvllm.kv.cuda_pagein import CudaPageInEngine, ensure_device_readable
 from certvllm.kv.pagein import PageInEngine
 from certvllm.kv.promotion_cache import PromotionCache
 from certvllm.triton_kernels.common import split_plan
-from certvllm.triton_kernels.finalize import finalize
+from certvllm.triton_kernels.finalize import combine_exact, finalize
 from certvllm.triton_kernels.finalize import supported as finalize_supported
 from certvllm.triton_kernels.phase1 import phase1
 from certvllm.triton_kernels.phase2 import Phase2Geometry, attend, promote
+from certvllm.triton_kernels.prepare import prepare
+from certvllm.triton_kernels.prepare import supported as prepare_supported
 from certvllm.triton_kernels.select import select_blocks
 from certvllm.triton_kernels.select import supported as select_supported
 
@@ -155,7 +157,7 @@ def certified_attention_gpu(
     try:
         out, report, ctx = _certified_rows(q, cache, block_tables, seq_lens, config, scale, pagein, generator,
                                            blocks_per_split, timings)  # fmt: skip
-        exact = report.rung >= RUNG_HEAD_DENSE
+        exact = report.rung >= RUNG_HEAD_DENSE  # their bounds are already 0
         if dense_fn is not None or fallback == "sdpa":
             rows = exact.any(dim=1).nonzero().flatten().tolist()  # the one synchronisation (end of the call)
             if rows:
@@ -164,10 +166,7 @@ def certified_attention_gpu(
                 idx = torch.tensor(rows, device=dev)
                 out[idx] = torch.where(exact[idx].unsqueeze(-1), dense, out[idx])
         else:
-            exact_out = _exact_rerun(ctx, exact)
-            out = torch.where(exact.unsqueeze(-1), exact_out, out)
-        for t in (report.e_key, report.e_val, report.e_round):
-            t.masked_fill_(exact, 0.0)
+            _exact_rerun(ctx, exact, report.rung, out)
         _mark(timings, "fallback")
     finally:
         torch.set_float32_matmul_precision(previous)
@@ -203,7 +202,6 @@ def _certified_rows(q, cache, block_tables, seq_lens, cfg, scale, pagein, genera
     ntail = lens % N
     qs = (q.to(dev).float() * scale).contiguous()  # fl(q·λ), as the reference
     qs4 = qs.view(R, K, G, D)
-    q_abs = qs4.abs()
 
     # ---- trailing partial block: zero-copy gather on the side stream, overlapping phase 1
     tail_ids = tables.gather(1, nfull.clamp(max=B - 1).unsqueeze(1)).squeeze(1).clamp(0, cache.num_blocks - 1)
@@ -219,31 +217,36 @@ def _certified_rows(q, cache, block_tables, seq_lens, cfg, scale, pagein, genera
     _mark(timings, "phase1")
 
     CudaPageInEngine.wait(tail_event)
-    tok_valid = torch.arange(N, device=dev) < ntail.unsqueeze(1)  # (R, N)
-    live = tok_valid[:, None, :, None]
-    tail_k = torch.where(live, tail_raw[:, :, 0].float(), 0.0)
-    tail_v = torch.where(live, tail_raw[:, :, 1].float(), 0.0)
-    s_tail = torch.einsum("rkgd,rknd->rkgn", qs4, tail_k).masked_fill(~tok_valid[:, None, None, :], NEG_INF)
-    tail_round = score_rounding(q_abs, tail_k.abs().amax(dim=2).unsqueeze(1)).squeeze(-1)  # (R, K, G)
-    tail_vnorm = (torch.linalg.vector_norm(tail_v.double(), dim=-1).amax(dim=-1) * (1 + 2.0**-20)).float()
-    has_tail = ntail > 0
-
     bvalid = torch.arange(B, device=dev) < nfull.unsqueeze(1)  # (R, B)
     valid4 = bvalid[:, None, None, :]
     l8 = p1.l8
     eta = p1.eta.unsqueeze(2)  # (R, K, 1, B)
-    v_max = torch.maximum(p1.nu.amax(dim=-1), tail_vnorm).unsqueeze(-1)  # (R, K, 1)
-    eta_max = eta.amax(dim=-1)
-    score_abs1 = torch.maximum(p1.amax.amax(dim=-1), finite_abs_max(s_tail, (-1,)))
-    base_round = torch.maximum(p1.rmax.amax(dim=-1), tail_round)
-    round1 = base_round + exp_rounding(score_abs1)
     bad_page = p1.bad.amax(dim=(1, 2)) > 0  # (R,)
-    l_tail = torch.logsumexp(s_tail, dim=-1)
-    lse = torch.logsumexp(torch.cat((l8, l_tail.unsqueeze(-1)), dim=-1), dim=-1, keepdim=True)
+    has_tail = ntail > 0
+    if _fused(B):  # the partial block and the per-block reductions in one kernel
+        pre = prepare(qs, tail_raw, lens, p1)
+        s_tail, tail_v, l_tail, lse = pre.s_tail, pre.tail_v, pre.l_tail, pre.lse.unsqueeze(-1)
+        v_max, eta_max, score_abs1, base_round, round1 = (pre.v_max, pre.eta_max, pre.score_abs1, pre.base_round,
+                                                          pre.round1)  # fmt: skip
+    else:  # the reference of triton_kernels.prepare
+        tok_valid = torch.arange(N, device=dev) < ntail.unsqueeze(1)  # (R, N)
+        live = tok_valid[:, None, :, None]
+        tail_k = torch.where(live, tail_raw[:, :, 0].float(), 0.0)
+        tail_v = torch.where(live, tail_raw[:, :, 1].float(), 0.0)
+        s_tail = torch.einsum("rkgd,rknd->rkgn", qs4, tail_k).masked_fill(~tok_valid[:, None, None, :], NEG_INF)
+        tail_round = score_rounding(qs4.abs(), tail_k.abs().amax(dim=2).unsqueeze(1)).squeeze(-1)  # (R, K, G)
+        tail_vnorm = (torch.linalg.vector_norm(tail_v.double(), dim=-1).amax(dim=-1) * (1 + 2.0**-20)).float()
+        v_max = torch.maximum(p1.nu.amax(dim=-1), tail_vnorm).unsqueeze(-1)  # (R, K, 1)
+        eta_max = eta.amax(dim=-1)
+        score_abs1 = torch.maximum(p1.amax.amax(dim=-1), finite_abs_max(s_tail, (-1,)))
+        base_round = torch.maximum(p1.rmax.amax(dim=-1), tail_round)
+        round1 = base_round + exp_rounding(score_abs1)
+        l_tail = torch.logsumexp(s_tail, dim=-1)
+        lse = torch.logsumexp(torch.cat((l8, l_tail.unsqueeze(-1)), dim=-1), dim=-1, keepdim=True)
 
     # ---- selection (rungs 1 and 2), on the device: one kernel, or the torch reference
     shifts = torch.arange(G, device=dev, dtype=torch.int32).view(1, 1, G, 1)
-    if certified and _fused_selection(B):
+    if certified and _fused(B):
         budget = (cfg.v_tol * v_max.squeeze(-1)) / VALUE_BUDGET_MARGIN
         bits, widened = select_blocks(l8, lse.squeeze(-1), p1.delta, round1, nfull, p1.eta, budget, cfg)
         if cfg.exploration_rate > 0:
@@ -300,7 +303,7 @@ def _certified_rows(q, cache, block_tables, seq_lens, cfg, scale, pagein, genera
                                  (key_reads + value_loads.sum()) * page_half)  # fmt: skip
 
     # ---- output, bounds on the output actually computed, checks and report: one kernel, or torch
-    if _fused_finalize(B):
+    if _fused(B):
         out, report = finalize(parts, s_tail, tail_v, l_tail, m, sabs, score_abs1, base_round, v_max, eta_max, bits,
                                l8, exact_lm, p1.delta, nfull, lens, widened, canary, bad_page, cfg)  # fmt: skip
     else:
@@ -315,21 +318,18 @@ def _certified_rows(q, cache, block_tables, seq_lens, cfg, scale, pagein, genera
     return out, report, ctx
 
 
-def _fused_finalize(num_blocks: int) -> bool:
-    """The epilogue kernel (``triton_kernels.finalize``) unless ``CERTVLLM_FINALIZE=torch`` asks for the torch
-    reference, or the block table is wider than the kernel holds."""
-    return os.environ.get("CERTVLLM_FINALIZE", "kernel") != "torch" and finalize_supported(num_blocks)
-
-
-def _fused_selection(num_blocks: int) -> bool:
-    """The selection kernel (``triton_kernels.select``) unless ``CERTVLLM_SELECT=torch`` asks for the torch
-    reference, or the block table is wider than the kernel holds."""
-    return os.environ.get("CERTVLLM_SELECT", "kernel") != "torch" and select_supported(num_blocks)
+def _fused(num_blocks: int) -> bool:
+    """Whether the glue between the heavy passes runs as kernels (``triton_kernels.prepare``, ``select``,
+    ``finalize``: ~10 launches) or as their torch references (~250 launches): the kernels unless
+    ``CERTVLLM_TORCH_GLUE=1`` or the block table is wider than they hold."""
+    return os.environ.get("CERTVLLM_TORCH_GLUE", "0") != "1" and all(
+        ok(num_blocks) for ok in (prepare_supported, select_supported, finalize_supported)
+    )
 
 
 def _epilogue_torch(parts, s_tail, tail_v, l_tail, m, sabs, score_abs1, base_round, v_max, eta_max, bits, l8, exact_lm,
                     delta, bvalid, has_tail, widened, canary, bad_page, cfg):  # fmt: skip
-    """The reference of ``triton_kernels.finalize`` (``CERTVLLM_FINALIZE=torch``): combine the attend parts
+    """The reference of ``triton_kernels.finalize`` (``CERTVLLM_TORCH_GLUE=1``): combine the attend parts
     with the partial block, bound the output actually computed, run the checks and fill the report."""
     R, K, G, B = l8.shape
     D = tail_v.shape[-1]
@@ -399,6 +399,9 @@ def _epilogue_torch(parts, s_tail, tail_v, l_tail, m, sabs, score_abs1, base_rou
         unbounded = precondition | ~torch.isfinite(report.bound)
         report.e_key = torch.where(unbounded, float("inf"), report.e_key)
     report.rung = rung.to(torch.int8)
+    exact = report.rung >= RUNG_HEAD_DENSE  # recomputed exactly: no error to bound
+    for t in (report.e_key, report.e_val, report.e_round):
+        t.masked_fill_(exact, 0.0)
     return out, report
 
 
@@ -406,9 +409,10 @@ def _on(generator: torch.Generator | None, dev: torch.device) -> bool:
     return generator is not None and generator.device.type == dev.type
 
 
-def _exact_rerun(ctx: _Ctx, exact: torch.Tensor) -> torch.Tensor:
+def _exact_rerun(ctx: _Ctx, exact: torch.Tensor, rung: torch.Tensor, out: torch.Tensor) -> None:
     """Rungs 3/4 on the device: phase 2 again with every block of the escalated (row, KV head) groups read
-    unquantized (keys and values); returns ``[R, H_q, D]`` (meaningful on the escalated heads)."""
+    unquantized (keys and values); ``out`` ``[R, H_q, D]`` is overwritten on the escalated heads. When none
+    escalated the kernels exit at once (the call stays free of host synchronisation)."""
     R, K, G, B, D = ctx.shape
     dev = ctx.qs.device
     active = exact.view(R, K, G).any(dim=-1)
@@ -421,7 +425,11 @@ def _exact_rerun(ctx: _Ctx, exact: torch.Tensor) -> torch.Tensor:
     m = torch.maximum(smax.amax(dim=-1), ctx.s_tail.amax(dim=-1)).contiguous()
     exact_lm = torch.empty(R, K, G, B, dtype=torch.float32, device=dev)
     parts = attend(ctx.geo, ctx.scores, m, ctx.shadow, ctx.pages, ctx.tables, ctx.nfull, bits, active_i, exact_lm)
+    if _fused(B):
+        combine_exact(parts, ctx.s_tail, ctx.tail_v, m, rung, out)
+        return
     w_tail = torch.exp(ctx.s_tail - m.unsqueeze(-1))
     num = parts.acc.sum(dim=2) + torch.einsum("rkgn,rknd->rkgd", w_tail, ctx.tail_v).double()
     den = parts.den.sum(dim=2) + w_tail.sum(dim=-1).double()
-    return (num / den.unsqueeze(-1)).float().reshape(R, K * G, D)
+    exact_out = (num / den.unsqueeze(-1)).float().reshape(R, K * G, D)
+    out.copy_(torch.where(exact.unsqueeze(-1), exact_out, out))
