@@ -371,6 +371,41 @@ def test_gluon_kernels_match_the_triton_kernels_end_to_end():
     torch.testing.assert_close(got.report.bound[both], ref.report.bound[both], rtol=1e-3, atol=1e-9 * vmax)
 
 
+@pytest.mark.parametrize("preset", ["default", "strict"])
+def test_glue_kernels_equal_the_torch_glue_at_128k(preset, monkeypatch):
+    """Prepare, selection (its windowed path: 8,192 block columns) and epilogue kernels against their torch
+    references at LLaMA-3.1-8B shapes and 128K: the same selections, rungs and flags on every head; outputs
+    and bounds to float32 rounding (the partial block's scores and the split-K sums are summed in another
+    order)."""
+    from certvllm.attention.gpu import certified_attention_gpu
+    from certvllm.config import load_config
+    from certvllm.kv.cuda_pagein import CudaPageInEngine
+
+    bench = _bench()
+    q, k, v = bench.synthetic_kv(2, 131072, seed=5)
+    lens = [131072 - 7, 131072 - 2000]
+    cache, tables = bench.build_cache(k, v, lens)
+    seq_lens = torch.tensor(lens, device="cuda")
+    cfg = load_config(preset, promotion_cache_fraction=0.0)
+    runs = []
+    try:
+        for torch_glue in ("1", "0"):
+            monkeypatch.setenv("CERTVLLM_TORCH_GLUE", torch_glue)
+            runs.append(certified_attention_gpu(q, cache, tables, seq_lens, cfg, 1 / math.sqrt(128),
+                                                CudaPageInEngine(torch.device("cuda")), fallback="device"))  # fmt: skip
+        torch.cuda.synchronize()
+    finally:
+        bench.release_cache(cache)
+    ref, got = runs
+    for name in ("rung", "k_star", "v_promoted", "rank_fail", "boundary_fail", "bound_fail", "canary_fail"):
+        assert torch.equal(getattr(got.report, name), getattr(ref.report, name)), name
+    certified = ref.report.rung <= 2
+    assert bool(certified.any())
+    torch.testing.assert_close(got.report.bound[certified], ref.report.bound[certified], rtol=1e-5, atol=0.0)
+    vmax = float(ref.report.v_max.max())
+    torch.testing.assert_close(got.out, ref.out, rtol=1e-5, atol=1e-6 * vmax)
+
+
 def _assert_identical(a, b) -> None:
     assert torch.equal(a.out, b.out)
     for field in ("rung", "k_star", "v_promoted", "e_key", "e_val", "e_round"):
