@@ -11,13 +11,20 @@ contiguous channels per thread (one 16-byte load of key codes per token), the ch
 * per-block reductions over the tokens stay inside one warp;
 * nothing is converted between layouts inside the loop (no shared-memory round trips, no barriers).
 
+The block ids of iteration ``it + 1`` are loaded during iteration ``it``, so a page's loads need no round
+trip to ``tables`` first (about 3 % faster on the H200 than loading them in the iteration). Measured and
+dropped (Triton 3.6, D = 128, G = 4, BLK = 4, 4 warps): software-pipelining every page load one iteration
+ahead (key codes carried as packed words) is about 5 % *slower* — 168 registers instead of 128, 3 resident
+programs per SM instead of 4 — and about 8 % faster only at equal occupancy. The loop issues ~1,450
+instructions per warp and 16-token block of keys, which caps it near 1.75 TB/s even at one instruction per
+cycle; it runs at ~60 % of that, so fewer instructions per byte, not more latency hiding, is what would
+speed it up.
+
 Used on CUDA when Gluon is available and the shape fits (``supported``); the Triton kernel remains the
 implementation under the interpreter (CPU tests) and the fallback.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 from triton.experimental import gluon
@@ -96,12 +103,10 @@ def _page_loads(
     HEADER: gl.constexpr,
     BLK: gl.constexpr,
     VEC: gl.constexpr,
-    CODE_WORDS: gl.constexpr,
 ):
-    """Every page load of one iteration (masked by ``valid``), as loaded (no conversion, so that a
-    prefetched copy holds packed bytes): exponent ``ex`` [BLK] int8, ``η``/``ν`` [BLK] float32,
-    ``flags`` [BLK] uint8, key offsets ``off`` [BLK, 1, D] float16, key scale codes ``sc``
-    [BLK, 1, D] uint8 and key codes ``codes`` [BLK, N, D] uint8."""
+    """Every page load of one iteration (masked by ``valid``), as loaded: exponent ``ex`` [BLK] int8,
+    ``η``/``ν`` [BLK] float32, ``flags`` [BLK] uint8, key offsets ``off`` [BLK, 1, D] float16, key scale
+    codes ``sc`` [BLK, 1, D] uint8 and key codes ``codes`` [BLK, N, D] uint8."""
     base = ((bid // M) * H + h) * (M * PAGE_BYTES) + (bid % M) * PAGE_BYTES  # [BLK]
     ex = gl.load(pages_i8 + base + HEADER + 8, mask=valid, other=0)
     e_b = gl.load(pages_f32 + (base + HEADER) // 4, mask=valid, other=0.0)
@@ -111,43 +116,8 @@ def _page_loads(
     vd = gl.expand_dims(gl.expand_dims(valid, 1), 2) & (dv < D)  # [BLK, 1, D]
     off = gl.load(pages_f16 + (base3 + K_OFFSET) // 2 + dv, mask=vd, other=0.0)
     sc = gl.load(pages_u8 + base3 + K_SCODE + dv, mask=vd, other=0)
-    if CODE_WORDS:
-        codes = _code_words(pages_f32, base, valid, D, N, BLK, VEC)  # [BLK, N, D/4] words
-    else:
-        codes = gl.load((pages_u8 + base3) + (nv * D + dv), mask=vd & (nv < N), other=0)  # [BLK, N, D]
+    codes = gl.load((pages_u8 + base3) + (nv * D + dv), mask=vd & (nv < N), other=0)  # [BLK, N, D]
     return ex, e_b, n_b, flags, off, sc, codes
-
-
-@gluon.jit
-def _code_words(pages_f32, base, valid, D: gl.constexpr, N: gl.constexpr, BLK: gl.constexpr, VEC: gl.constexpr):
-    """The key codes [BLK, N, D] of pages ``base`` as [BLK, N, D/4] words (four codes each, as float32 bits):
-    the prefetching kernel carries these across iterations (see :func:`_codes_of_words`)."""
-    TD: gl.constexpr = D // VEC
-    TN: gl.constexpr = 32 // TD
-    W: gl.constexpr = gl.BlockedLayout([1, 1, VEC // 4], [1, TN, TD], [BLK, 1, 1], [2, 1, 0])  # L over words
-    W_b: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, W))
-    W_n: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(2, W))
-    W_d: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(1, W))
-    nw = gl.expand_dims(gl.expand_dims(gl.arange(0, N, layout=W_n), 0), 2)  # [1, N, 1]
-    dw = gl.expand_dims(gl.expand_dims(gl.arange(0, D // 4, layout=W_d), 0), 1)  # [1, 1, D/4]
-    base3 = gl.expand_dims(gl.expand_dims(gl.convert_layout(base, W_b), 1), 2)  # same registers as base
-    valid3 = gl.expand_dims(gl.expand_dims(gl.convert_layout(valid, W_b), 1), 2)
-    return gl.load(pages_f32 + base3 // 4 + (nw * (D // 4) + dw), mask=valid3 & (dw < D // 4) & (nw < N), other=0.0)
-
-
-@gluon.jit
-def _codes_of_words(w, D: gl.constexpr, N: gl.constexpr, BLK: gl.constexpr, VEC: gl.constexpr):
-    """The [BLK, N, D] int32 key codes (layout ``L``) of :func:`_code_words`'s words (little-endian)."""
-    TD: gl.constexpr = D // VEC
-    TN: gl.constexpr = 32 // TD
-    L: gl.constexpr = gl.BlockedLayout([1, 1, VEC], [1, TN, TD], [BLK, 1, 1], [2, 1, 0])
-    wi = w.to(gl.int32, bitcast=True)
-    b0 = wi & 255
-    b1 = (wi >> 8) & 255
-    b2 = (wi >> 16) & 255
-    b3 = (wi >> 24) & 255
-    c = gl.join(gl.join(b0, b2), gl.join(b1, b3))  # [BLK, N, D/4, 2, 2]: [.., k, i] = byte 2k + i
-    return gl.convert_layout(gl.reshape(c, [BLK, N, D]), L)  # the same registers: no data movement
 
 
 @gluon.jit
@@ -183,7 +153,8 @@ def _block_compute(
     N: gl.constexpr,
     D: gl.constexpr,
 ):
-    """One iteration's arithmetic and stores, from the values :func:`_page_loads` returned."""
+    """One iteration's arithmetic and stores, from the values :func:`_page_loads` returned (``codes`` uint8
+    or, unpacked from words, int32: either converts to the same float32)."""
     ex = gl.minimum(gl.maximum(ex.to(gl.int32), -126), 127)
     two_e = ((ex + 127) << 23).to(gl.float32, bitcast=True)  # 2^E exactly
     flags = flags.to(gl.int32)
@@ -257,103 +228,31 @@ def _phase1_gluon_kernel(
     HEADER: gl.constexpr,
     VEC: gl.constexpr,
 ):
+    """One program per (row, KV head, split): per iteration the page loads of ``BLK`` blocks (their ids loaded
+    one iteration ahead), then the arithmetic and stores (``_block_compute``)."""
     N: gl.constexpr = 16
     rk, split, r, h, jb, n2, nv, dv, nf, qrow = _setup(qs, nfull, H, G, D, BLK, VEC)
+    bb, inb, valid = _cols(0, jb, split, BPS, B, nf, BLK)
+    bid = _block_ids(tables, r, TB_STRIDE, bb, inb, num_blocks)
     for it in range(0, gl.cdiv(BPS, BLK)):
         bb, inb, valid = _cols(it, jb, split, BPS, B, nf, BLK)
-        bid = _block_ids(tables, r, TB_STRIDE, bb, inb, num_blocks)
         ex, e_b, n_b, flags, off, sc, codes = _page_loads(
             pages_u8, pages_i8, pages_f16, pages_f32, bid, valid, h, nv, dv, H, D, N, M, PAGE_BYTES, K_OFFSET, K_SCODE,
-            HEADER, BLK, VEC, False,
+            HEADER, BLK, VEC,
         )  # fmt: skip
+        bb1, inb1, valid1 = _cols(it + 1, jb, split, BPS, B, nf, BLK)
+        bid = _block_ids(tables, r, TB_STRIDE, bb1, inb1, num_blocks)  # iteration it + 1's (0 past the end)
         _block_compute(
             ex, e_b, n_b, flags, off, sc, codes, bb, inb, valid, rk, qrow, lut,
             scores, l8, m8, delta, eta, nu, rmax, amax, bad, B, DELTA_F, ROUND_F, n2, dv, G, N, D,
         )  # fmt: skip
 
 
-@gluon.jit
-def _phase1_gluon_prefetch_kernel(
-    qs,  # [R, H_q, D] float32 scaled queries fl(q·λ)
-    pages_u8,  # cache.pages viewed as uint8
-    pages_i8,  # as int8 (the exponent byte)
-    pages_f16,  # as float16 (key offsets)
-    pages_f32,  # as float32 (η, ν)
-    tables,  # [R, ≥B] int64 block ids (row stride TB_STRIDE)
-    nfull,  # [R] int64 full blocks per row
-    lut,  # [256] float32 key-scale mantissas
-    scores,  # out [R, H_kv, B, G, N] float32
-    l8,  # out [R, H_kv, G, B]
-    m8,  # out [R, H_kv, G, B]
-    delta,  # out [R, H_kv, G, B]
-    eta,  # out [R, H_kv, B]
-    nu,  # out [R, H_kv, B]
-    rmax,  # out [R, H_kv, G, B]
-    amax,  # out [R, H_kv, G, B]
-    bad,  # out [R, H_kv, B] int32
-    num_blocks,
-    B,
-    TB_STRIDE,
-    BPS,
-    DELTA_F,
-    ROUND_F,
-    H: gl.constexpr,
-    G: gl.constexpr,
-    D: gl.constexpr,
-    M: gl.constexpr,
-    BLK: gl.constexpr,
-    PAGE_BYTES: gl.constexpr,
-    K_OFFSET: gl.constexpr,
-    K_SCODE: gl.constexpr,
-    HEADER: gl.constexpr,
-    VEC: gl.constexpr,
-):
-    """:func:`_phase1_gluon_kernel` with the loads software-pipelined: the page loads of iteration ``it + 1``
-    and the block ids of iteration ``it + 2`` are issued before the arithmetic of iteration ``it``."""
-    N: gl.constexpr = 16
-    rk, split, r, h, jb, n2, nv, dv, nf, qrow = _setup(qs, nfull, H, G, D, BLK, VEC)
-    # prologue: the block ids of iterations 0 and 1, the pages of iteration 0
-    bb, inb, valid = _cols(0, jb, split, BPS, B, nf, BLK)
-    bid = _block_ids(tables, r, TB_STRIDE, bb, inb, num_blocks)
-    ex, e_b, n_b, flags, off, sc, codes = _page_loads(
-        pages_u8, pages_i8, pages_f16, pages_f32, bid, valid, h, nv, dv, H, D, N, M, PAGE_BYTES, K_OFFSET, K_SCODE,
-        HEADER, BLK, VEC, True,
-    )  # fmt: skip
-    bb1, inb1, valid1 = _cols(1, jb, split, BPS, B, nf, BLK)
-    bid1 = _block_ids(tables, r, TB_STRIDE, bb1, inb1, num_blocks)  # iteration it + 1's block ids
-    for it in range(0, gl.cdiv(BPS, BLK)):
-        # issue iteration it + 1's page loads (all masked off past the end) and iteration it + 2's block ids
-        bb1, inb1, valid1 = _cols(it + 1, jb, split, BPS, B, nf, BLK)
-        ex1, e_b1, n_b1, flags1, off1, sc1, codes1 = _page_loads(
-            pages_u8, pages_i8, pages_f16, pages_f32, bid1, valid1, h, nv, dv, H, D, N, M, PAGE_BYTES, K_OFFSET,
-            K_SCODE, HEADER, BLK, VEC, True,
-        )  # fmt: skip
-        bb2, inb2, valid2 = _cols(it + 2, jb, split, BPS, B, nf, BLK)
-        bid1 = _block_ids(tables, r, TB_STRIDE, bb2, inb2, num_blocks)
-        # then compute iteration it from the values loaded one iteration earlier
-        bb, inb, valid = _cols(it, jb, split, BPS, B, nf, BLK)
-        _block_compute(
-            ex, e_b, n_b, flags, off, sc, _codes_of_words(codes, D, N, BLK, VEC), bb, inb, valid, rk, qrow, lut,
-            scores, l8, m8, delta, eta, nu, rmax, amax, bad, B, DELTA_F, ROUND_F, n2, dv, G, N, D,
-        )  # fmt: skip
-        ex = ex1
-        e_b = e_b1
-        n_b = n_b1
-        flags = flags1
-        off = off1
-        sc = sc1
-        codes = codes1
-
-
 def launch(out, qs: torch.Tensor, pages: torch.Tensor, tables, nfull, lut, layout, K, sub_blocks, delta_factor,
            rounding_factor, splits, blocks_per_split, blk, num_warps) -> None:  # fmt: skip
-    """Launch the Gluon kernel into the :class:`phase1.Phase1Out` buffers ``out`` (the prefetching variant when
-    ``CERTVLLM_P1_PREFETCH=1``)."""
+    """Launch the Gluon kernel into the :class:`phase1.Phase1Out` buffers ``out``."""
     R, Hq, D = qs.shape
-    kernel = (
-        _phase1_gluon_prefetch_kernel if os.environ.get("CERTVLLM_P1_PREFETCH", "0") == "1" else _phase1_gluon_kernel
-    )
-    kernel[(R * K, splits)](
+    _phase1_gluon_kernel[(R * K, splits)](
         qs, pages, pages.view(torch.int8), pages.view(torch.float16), pages.view(torch.float32),
         tables, nfull, lut,
         out.scores, out.l8, out.m8, out.delta, out.eta, out.nu, out.rmax, out.amax, out.bad,
