@@ -19,6 +19,12 @@ from triton.language.extra import libdevice
 __all__ = [
     "as_mask",
     "device_arg",
+    "expm1_f32",
+    "head_program",
+    "log_f32",
+    "max_nan",
+    "tail_mass_upper",
+    "tanh_f32",
     "interpreting",
     "key_scale_sigma",
     "launch_device_ok",
@@ -137,6 +143,58 @@ def exp_f32(x, PRECISE: tl.constexpr):
     else:
         r = tl.exp(x)
     return r
+
+
+@triton.jit
+def head_program(G: tl.constexpr, H: tl.constexpr):
+    """``(pid, rk, g, r)`` of a kernel with one program per (row r, KV head h, query head g of its group):
+    pid = (r·H + h)·G + g (int64), rk = r·H + h (int64), g (int32), r (int64)."""
+    pid = tl.program_id(0).to(tl.int64)
+    rk = pid // G
+    return pid, rk, (pid % G).to(tl.int32), rk // H
+
+
+@triton.jit
+def log_f32(x, PRECISE: tl.constexpr):
+    """log in float32 (libdevice ``logf``, ≤ 1 ulp; NumPy's under the interpreter)."""
+    if PRECISE:
+        r = libdevice.log(x)
+    else:
+        r = tl.log(x)
+    return r
+
+
+@triton.jit
+def expm1_f32(x, PRECISE: tl.constexpr):
+    """e^x − 1 in float32 (libdevice ``expm1f``; under the interpreter through float64)."""
+    if PRECISE:
+        r = libdevice.expm1(x)
+    else:
+        r = (tl.exp(x.to(tl.float64)) - 1.0).to(tl.float32)
+    return r
+
+
+@triton.jit
+def tanh_f32(x, PRECISE: tl.constexpr):
+    """tanh in float32 (libdevice ``tanhf``; under the interpreter through float64)."""
+    if PRECISE:
+        r = libdevice.tanh(x)
+    else:
+        e = tl.exp(2.0 * x.to(tl.float64))
+        r = tl.where(x > 20.0, 1.0, (e - 1.0) / (e + 1.0)).to(tl.float32)
+    return r
+
+
+@triton.jit
+def max_nan(a, b):
+    """max that keeps a NaN operand (torch's ``amax``/``maximum``), as a reduction combiner too."""
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def tail_mass_upper(alpha, delta, rounding, GS, PRECISE: tl.constexpr):
+    """``bounds.tail_mass_upper``: exp(min(2(Δ + R) + log(α·slack), 0)), float32."""
+    return exp_f32(tl.minimum(2.0 * (delta + rounding) + log_f32(alpha * GS, PRECISE), 0.0), PRECISE)
 
 
 @triton.jit

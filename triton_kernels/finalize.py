@@ -22,7 +22,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
 from certvllm.attention.report import (
     RUNG_HEAD_DENSE,
@@ -35,7 +34,17 @@ from certvllm.bounds.rounding import GAMMA_SLACK
 from certvllm.bounds.terms import alpha_inflation, exp_factors, round_factor, value_inflation
 from certvllm.config import CertConfig
 
-from .common import exp_f32, launch_device_ok, next_pow2, precise
+from .common import (
+    exp_f32,
+    expm1_f32,
+    head_program,
+    launch_device_ok,
+    log_f32,
+    next_pow2,
+    precise,
+    tail_mass_upper,
+    tanh_f32,
+)
 
 MAX_BLOCKS = 32768
 """Most block-table columns one program holds in registers; wider tables use the torch epilogue."""
@@ -60,34 +69,6 @@ def _f64_constants(dev: torch.device) -> torch.Tensor:
 
 def supported(num_blocks: int) -> bool:
     return 1 <= num_blocks <= MAX_BLOCKS
-
-
-@triton.jit
-def _log(x, PRECISE: tl.constexpr):
-    if PRECISE:
-        r = libdevice.log(x)
-    else:
-        r = tl.log(x)
-    return r
-
-
-@triton.jit
-def _expm1(x, PRECISE: tl.constexpr):
-    if PRECISE:
-        r = libdevice.expm1(x)
-    else:
-        r = (tl.exp(x.to(tl.float64)) - 1.0).to(tl.float32)
-    return r
-
-
-@triton.jit
-def _tanh(x, PRECISE: tl.constexpr):
-    if PRECISE:
-        r = libdevice.tanh(x)
-    else:
-        e = tl.exp(2.0 * x.to(tl.float64))
-        r = tl.where(x > 20.0, 1.0, (e - 1.0) / (e + 1.0)).to(tl.float32)
-    return r
 
 
 @triton.jit
@@ -192,10 +173,7 @@ def _finalize_kernel(
     PRECISE: tl.constexpr,
 ):
     N: tl.constexpr = 16
-    pid = tl.program_id(0).to(tl.int64)  # (r·H + h)·G + g
-    rk = pid // G
-    g = (pid % G).to(tl.int32)
-    r = rk // H
+    pid, rk, g, r = head_program(G, H)
     dd = tl.arange(0, DP)
     pos = tl.arange(0, BP)
     RHG = tl.num_programs(0)
@@ -232,10 +210,10 @@ def _finalize_kernel(
         score_abs2 = tl.maximum(score_abs2, tl.load(sabs + pid * S2 + s2), propagate_nan=tl.PropagateNan.ALL)
     score_abs2 = tl.maximum(score_abs2, tl.max(tl.where(_finite(st), tl.abs(st), 0.0), 0))
     round2 = tl.load(base_round + pid) + (score_abs2 * C1 + C0)
-    alpha_up = exp_f32(tl.minimum(2.0 * (dt + round2) + _log(alpha * GS, PRECISE), 0.0), PRECISE)
-    tail_form = alpha_up * (_expm1(dt, PRECISE) + _expm1(2.0 * dt, PRECISE)) + round2
+    alpha_up = tail_mass_upper(alpha, dt, round2, GS, PRECISE)
+    tail_form = alpha_up * (expm1_f32(dt, PRECISE) + expm1_f32(2.0 * dt, PRECISE)) + round2
     tail_form = tl.where(alpha_up > 0, tail_form, round2)
-    full_form = 2.0 * _tanh(0.5 * (dt + round2), PRECISE)
+    full_form = 2.0 * tanh_f32(0.5 * (dt + round2), PRECISE)
     key_sum = _fmin(_fmin(tail_form, full_form) * GS, 2.0)
     key_sum = tl.where((dt + round2) != (dt + round2), float("nan"), key_sum)
     vm = tl.load(v_max + rk)
@@ -249,7 +227,7 @@ def _finalize_kernel(
     boundary_fail = false
     if CERTIFIED and RANK:
         ex_f = tl.where(keyb & valid, tl.load(exact_lm + pid * B + pos, mask=pos < B, other=0.0), float("-inf"))
-        ex_t = tl.where(has_tail, mm + _log(den_t, PRECISE), float("-inf"))
+        ex_t = tl.where(has_tail, mm + log_f32(den_t, PRECISE), float("-inf"))
         l8b = tl.load(l8 + pid * B + pos, mask=pos < B, other=float("-inf"))
         lt = tl.load(l_tail + pid)
         i8_f = tl.where(keyb & valid, l8b, float("-inf"))

@@ -24,11 +24,10 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
 from certvllm.bounds.terms import exp_factors, rounding_factor
 
-from .common import exp_f32, launch_device_ok, next_pow2, precise
+from .common import exp_f32, head_program, launch_device_ok, log_f32, max_nan, next_pow2, precise
 
 MAX_BLOCKS = 32768
 """Most block-table columns one program reduces in registers; wider tables use the torch code."""
@@ -58,20 +57,6 @@ class Prepared:
     round1: torch.Tensor
     v_max: torch.Tensor
     eta_max: torch.Tensor
-
-
-@triton.jit
-def _max_nan(a, b):
-    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
-
-
-@triton.jit
-def _log(x, PRECISE: tl.constexpr):
-    if PRECISE:
-        r = libdevice.log(x)
-    else:
-        r = tl.log(x)
-    return r
 
 
 @triton.jit
@@ -105,10 +90,7 @@ def _prepare_kernel(
     PRECISE: tl.constexpr,
 ):
     N: tl.constexpr = 16
-    pid = tl.program_id(0).to(tl.int64)  # (r·H + h)·G + g
-    rk = pid // G
-    g = pid % G
-    r = rk // H
+    pid, rk, g, r = head_program(G, H)
     dd = tl.arange(0, DP)
     nn = tl.arange(0, N)
     pos = tl.arange(0, BP)
@@ -125,19 +107,19 @@ def _prepare_kernel(
     # logsumexp over the partial block, then over the full blocks and it (torch.logsumexp's convention)
     mt = tl.max(st, 0)
     mt0 = tl.where(tl.abs(mt) == float("inf"), 0.0, mt)
-    lt = _log(tl.sum(exp_f32(st - mt0, PRECISE), 0), PRECISE) + mt0
+    lt = log_f32(tl.sum(exp_f32(st - mt0, PRECISE), 0), PRECISE) + mt0
     row = pid * B
     lg = tl.load(l8 + row + pos, mask=pos < B, other=float("-inf"))
-    mx = tl.maximum(tl.reduce(lg, 0, _max_nan), lt, propagate_nan=tl.PropagateNan.ALL)
+    mx = tl.maximum(tl.reduce(lg, 0, max_nan), lt, propagate_nan=tl.PropagateNan.ALL)
     mx0 = tl.where(tl.abs(mx) == float("inf"), 0.0, mx)
     total = tl.sum(exp_f32(lg - mx0, PRECISE), 0) + exp_f32(lt - mx0, PRECISE)
     tl.store(l_tail + pid, lt)
-    tl.store(lse + pid, _log(total, PRECISE) + mx0)
+    tl.store(lse + pid, log_f32(total, PRECISE) + mx0)
 
     fin_t = tl.max(tl.where(tl.abs(st) < float("inf"), tl.abs(st), 0.0), 0)
-    sa = tl.maximum(tl.reduce(tl.load(amax + row + pos, mask=pos < B, other=0.0), 0, _max_nan), fin_t,
+    sa = tl.maximum(tl.reduce(tl.load(amax + row + pos, mask=pos < B, other=0.0), 0, max_nan), fin_t,
                     propagate_nan=tl.PropagateNan.ALL)  # fmt: skip
-    br = tl.maximum(tl.reduce(tl.load(rmax + row + pos, mask=pos < B, other=0.0), 0, _max_nan), tail_round,
+    br = tl.maximum(tl.reduce(tl.load(rmax + row + pos, mask=pos < B, other=0.0), 0, max_nan), tail_round,
                     propagate_nan=tl.PropagateNan.ALL)  # fmt: skip
     tl.store(score_abs1 + pid, sa)
     tl.store(base_round + pid, br)
@@ -147,9 +129,9 @@ def _prepare_kernel(
         tl.store(tail_v + (rk * N + nn[:, None]) * D + dd[None, :], tv, mask=dd[None, :] < D)
         tv64 = tv.to(tl.float64)
         vnorm = (tl.max(tl.sqrt(tl.sum(tv64 * tv64, 1)), 0) * (1 + 2.0**-20)).to(tl.float32)
-        nu_max = tl.reduce(tl.load(nu + rk * B + pos, mask=pos < B, other=0.0), 0, _max_nan)
+        nu_max = tl.reduce(tl.load(nu + rk * B + pos, mask=pos < B, other=0.0), 0, max_nan)
         tl.store(v_max + rk, tl.maximum(nu_max, vnorm, propagate_nan=tl.PropagateNan.ALL))
-        tl.store(eta_max + rk, tl.reduce(tl.load(eta + rk * B + pos, mask=pos < B, other=0.0), 0, _max_nan))
+        tl.store(eta_max + rk, tl.reduce(tl.load(eta + rk * B + pos, mask=pos < B, other=0.0), 0, max_nan))
 
 
 def prepare(qs: torch.Tensor, tail_raw: torch.Tensor, lens: torch.Tensor, p1) -> Prepared:

@@ -27,12 +27,11 @@ import math
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
 from certvllm.bounds.rounding import GAMMA_SLACK
 from certvllm.config import CertConfig
 
-from .common import exp_f32, launch_device_ok, next_pow2, precise
+from .common import exp_f32, expm1_f32, head_program, launch_device_ok, next_pow2, precise, tail_mass_upper
 
 MAX_BLOCKS = 16384
 """Most block-table columns the kernel holds in registers (256K tokens); wider tables use the reference."""
@@ -43,30 +42,6 @@ WINDOW = 512
 
 def supported(num_blocks: int) -> bool:
     return 1 <= num_blocks <= MAX_BLOCKS
-
-
-@triton.jit
-def _log_f32(x, PRECISE: tl.constexpr):
-    if PRECISE:
-        r = libdevice.log(x)
-    else:
-        r = tl.log(x)
-    return r
-
-
-@triton.jit
-def _expm1_f32(x, PRECISE: tl.constexpr):
-    if PRECISE:
-        r = libdevice.expm1(x)
-    else:
-        r = (tl.exp(x.to(tl.float64)) - 1.0).to(tl.float32)
-    return r
-
-
-@triton.jit
-def _tail_mass_upper(alpha, delta, rounding, GS, PRECISE: tl.constexpr):
-    """``bounds.tail_mass_upper``: exp(min(2(Δ + R) + log(α·slack), 0))."""
-    return exp_f32(tl.minimum(2.0 * (delta + rounding) + _log_f32(alpha * GS, PRECISE), 0.0), PRECISE)
 
 
 @triton.jit
@@ -141,6 +116,18 @@ def _top_window(x, pos, B, scratch, W: tl.constexpr, BP: tl.constexpr, LOG2BP: t
 
 
 @triton.jit
+def _promote_values_full(err, pos, B, nf, vbudget, VKMAX, bits_row, bit, BP: tl.constexpr):
+    """Rung 2 over the whole order: the greedy count of ``selection.select_values`` (capped by ``VKMAX`` ≥ 0),
+    set as bit ``bit`` of the blocks' words in ``bits_row``."""
+    serr, vorder = _sorted_desc(err, pos, B, BP)
+    remaining = _suffix_sum(serr)
+    count = _first((remaining <= vbudget) & (pos < B), pos, B, BP)
+    count = tl.where(VKMAX >= 0, tl.minimum(count, VKMAX), count)
+    take = (pos < count) & (vorder < nf) & (pos < B)
+    tl.atomic_or(bits_row + vorder, (pos * 0 + 1) << bit, mask=take)
+
+
+@triton.jit
 def _select_kernel(
     l8,  # [R, H, G, B] float32 block log-mass ℓ⁸_b (−inf past the last full block)
     lse,  # [R, H, G] float32 log of the total INT8 mass (full blocks and the partial one)
@@ -168,10 +155,7 @@ def _select_kernel(
     LOG2BP: tl.constexpr,
     PRECISE: tl.constexpr,
 ):
-    pid = tl.program_id(0).to(tl.int64)
-    rk = pid // G
-    g = (pid % G).to(tl.int32)
-    r = rk // H
+    pid, rk, g, r = head_program(G, H)
     pos = tl.arange(0, BP)
     nf = tl.load(nfull + r).to(tl.int32)
     valid = pos < nf
@@ -183,10 +167,9 @@ def _select_kernel(
     rr = tl.load(rounding + pid)
     delta_all = tl.max(dl, 0)
     xi = delta_all + 3.0 * rr
-    rho = _tail_mass_upper(p_hat, xi, 0.0, GS, PRECISE)
+    rho = tail_mass_upper(p_hat, xi, 0.0, GS, PRECISE)
     err = tl.where(valid, rho * tl.load(eta + rk * B + pos, mask=pos < B, other=0.0), 0.0)
     vbudget = tl.load(budget + rk)
-    one = tl.full([BP], 1, tl.int32)
 
     # ---- keys: top-K*, rung 1 (selection.select_keys); positions q of the descending order
     if BP <= W:
@@ -206,8 +189,8 @@ def _select_kernel(
     kmax1 = tl.minimum(nf, KMAX1)
     base = _first((alpha <= TAU1) & (q < B), q, nf, BP + W)
     base = tl.maximum(tl.minimum(base, kmax), kmin)
-    abar = _tail_mass_upper(alpha, delta_all, rr, GS, PRECISE)
-    growth = _expm1_f32(dsuf, PRECISE) + _expm1_f32(2.0 * dsuf, PRECISE)
+    abar = tail_mass_upper(alpha, delta_all, rr, GS, PRECISE)
+    growth = expm1_f32(dsuf, PRECISE) + expm1_f32(2.0 * dsuf, PRECISE)
     est = tl.where(abar > 0, abar * growth, 0.0)
     trigger = (_at(alpha, q, base) > THR1) | (_at(est, q, base) > KEY_TOL)
     ok = (alpha <= THR1) & (est <= KEY_TOL) & (q >= base) & (q <= kmax1) & (q < B)
@@ -218,12 +201,7 @@ def _select_kernel(
 
     # ---- values: rung 2 (selection.select_values)
     if BP <= W:
-        serr, vorder = _sorted_desc(err, pos, B, BP)
-        remaining = _suffix_sum(serr)
-        count = _first((remaining <= vbudget) & (pos < B), pos, B, BP)
-        count = tl.where(VKMAX >= 0, tl.minimum(count, VKMAX), count)
-        take_v = (pos < count) & (vorder < nf) & (pos < B)
-        tl.atomic_or(bits + rk * B + vorder, one << (G + g), mask=take_v)
+        _promote_values_full(err, pos, B, nf, vbudget, VKMAX, bits + rk * B, G + g, BP)
     else:
         serr, vorder, vsel, _ = _top_window(err, pos, B, scratch + (pid * 2 + 1) * W, W, BP, LOG2BP)
         vrest = tl.sum(tl.where(vsel, 0.0, err).to(tl.float64), 0)
@@ -234,12 +212,7 @@ def _select_kernel(
             take_v = (q < count) & (vorder >= 0) & (vorder < nf)
             tl.atomic_or(bits + rk * B + vorder, (q * 0 + 1) << (G + g), mask=take_v)
         else:  # the greedy runs past the window (many blocks with large ρ̄·η): the full order, as the reference
-            serr_f, vorder_f = _sorted_desc(err, pos, B, BP)
-            remaining_f = _suffix_sum(serr_f)
-            count_f = _first((remaining_f <= vbudget) & (pos < B), pos, B, BP)
-            count_f = tl.where(VKMAX >= 0, tl.minimum(count_f, VKMAX), count_f)
-            take_f = (pos < count_f) & (vorder_f < nf) & (pos < B)
-            tl.atomic_or(bits + rk * B + vorder_f, one << (G + g), mask=take_f)
+            _promote_values_full(err, pos, B, nf, vbudget, VKMAX, bits + rk * B, G + g, BP)
 
 
 def select_blocks(
