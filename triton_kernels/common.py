@@ -17,6 +17,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 __all__ = [
+    "GLUE_MAX_BLOCKS",
     "as_mask",
     "device_arg",
     "expm1_f32",
@@ -32,6 +33,11 @@ __all__ = [
     "precise",
     "split_plan",
 ]
+
+
+GLUE_MAX_BLOCKS = 8192
+"""Most block-table columns the glue kernels take (128K tokens, the widest measured on the H200, where the
+windowed selection and its full-order fallback compile and pass); wider tables use the torch glue."""
 
 
 def interpreting() -> bool:

@@ -35,6 +35,7 @@ from certvllm.bounds.terms import alpha_inflation, exp_factors, round_factor, va
 from certvllm.config import CertConfig
 
 from .common import (
+    GLUE_MAX_BLOCKS,
     exp_f32,
     expm1_f32,
     head_program,
@@ -46,8 +47,7 @@ from .common import (
     tanh_f32,
 )
 
-MAX_BLOCKS = 32768
-"""Most block-table columns one program holds in registers; wider tables use the torch epilogue."""
+MAX_BLOCKS = GLUE_MAX_BLOCKS
 
 FORCE = {"none": 0, "head": RUNG_HEAD_DENSE, "layer": RUNG_LAYER_DENSE}
 _WIDEN = tl.constexpr(RUNG_WIDEN)

@@ -27,10 +27,9 @@ import triton.language as tl
 
 from certvllm.bounds.terms import exp_factors, rounding_factor
 
-from .common import exp_f32, head_program, launch_device_ok, log_f32, max_nan, next_pow2, precise
+from .common import GLUE_MAX_BLOCKS, exp_f32, head_program, launch_device_ok, log_f32, max_nan, next_pow2, precise
 
-MAX_BLOCKS = 32768
-"""Most block-table columns one program reduces in registers; wider tables use the torch code."""
+MAX_BLOCKS = GLUE_MAX_BLOCKS
 
 
 def supported(num_blocks: int) -> bool:

@@ -31,10 +31,18 @@ import triton.language as tl
 from certvllm.bounds.rounding import GAMMA_SLACK
 from certvllm.config import CertConfig
 
-from .common import exp_f32, expm1_f32, head_program, launch_device_ok, next_pow2, precise, tail_mass_upper
+from .common import (
+    GLUE_MAX_BLOCKS,
+    exp_f32,
+    expm1_f32,
+    head_program,
+    launch_device_ok,
+    next_pow2,
+    precise,
+    tail_mass_upper,
+)
 
-MAX_BLOCKS = 16384
-"""Most block-table columns the kernel holds in registers (256K tokens); wider tables use the reference."""
+MAX_BLOCKS = GLUE_MAX_BLOCKS
 
 WINDOW = 512
 """Positions of the sorted orders the kernel materialises when the table is wider (see ``_top_window``)."""
