@@ -105,7 +105,8 @@ class CertifiedMetadata:
     Attributes:
         num_actual_tokens: query tokens in the batch (excluding padding).
         row_tokens: ``[R]`` int64 query-token index of each certified row.
-        row_block_table: ``[R, max_blocks·m]`` the row's request block table in 16-token block ids.
+        row_block_table: ``[R, W·m]`` the row's request block table in 16-token block ids, cut to the W engine
+            blocks the longest row needs.
         row_engine_table: ``[R, max_blocks]`` the same in vLLM block ids (for the exact kernel).
         row_seq_lens: ``[R]`` int64 (CPU) tokens the row attends to (its own included).
         exact_tokens: ``[E]`` int64 query tokens served exactly (None: none; all tokens when ``exact_all``).
@@ -182,7 +183,11 @@ class CertifiedMetadataBuilder(AttentionMetadataBuilder[CertifiedMetadata]):
             plan = self.exact.plan(sub_qsl, seq_lens[idx], block_table[idx.to(block_table.device)])
             exact_tokens = torch.cat([torch.arange(int(qsl[i]), int(qsl[i + 1])) for i in exact_req])
         sub = self.kv_cache_spec.block_size // BLOCK_SIZE
-        row_table = block_table[rows_req.to(block_table.device)].to(torch.int64)
+        row_lens = cat(row_len)
+        # only the columns the longest row uses: vLLM's table is max_model_len wide, and the certified
+        # kernels' work (split plan, selection, reductions) scales with the table width, not the lengths
+        width = max(1, -(-int(row_lens.max()) // self.kv_cache_spec.block_size)) if row_lens.numel() else 1
+        row_table = block_table[rows_req.to(block_table.device), :width].to(torch.int64)
         if sub > 1:  # vLLM block ids → 16-token block ids
             row_table = (row_table.unsqueeze(-1) * sub + torch.arange(sub, device=row_table.device)).flatten(1)
         return CertifiedMetadata(
@@ -190,7 +195,7 @@ class CertifiedMetadataBuilder(AttentionMetadataBuilder[CertifiedMetadata]):
             row_tokens=cat(row_tok),
             row_block_table=row_table,
             row_engine_table=block_table[rows_req.to(block_table.device)],
-            row_seq_lens=cat(row_len),
+            row_seq_lens=row_lens,
             exact_tokens=exact_tokens,
             exact_plan=plan,
             exact_all=exact_all,
