@@ -1,27 +1,32 @@
-"""Certified attention on CUDA: Triton kernels for the heavy passes, batched torch for selection and
-bounds, and no host synchronisation between them.
+"""Certified attention on CUDA: Triton kernels for every pass, and no host synchronisation between them.
 
 Same algorithm, same certificate and same report as :func:`certvllm.attention.paged._certified_rows`
 (read that first); what differs is where each step runs:
 
-1. trailing partial block: gathered zero-copy from the pinned shadow (``CudaPageInEngine``, side stream)
-   and scored in torch exactly as the reference does;
+1. trailing partial block: gathered zero-copy from the pinned shadow (``CudaPageInEngine``, side stream),
+   overlapping phase 1;
 2. phase 1 (``triton_kernels.phase1``): INT8 scores, ℓ⁸_b, Δ_b, R_b, η_b, ν_b, page flags — split-K;
-3. selection (``selection.select_keys``/``select_values``, batched torch on the device; exploration draws
-   on the device), rank/boundary tests (``checks.rank_and_boundary``);
-4. phase 2 (``triton_kernels.phase2``): promotion pass (exact scores of promoted blocks read zero-copy
+3. ``triton_kernels.prepare``: the partial block's exact scores, rounding and norms, and the per-block
+   reductions (V_max, η_max, max|s|, R, lse);
+4. selection (``triton_kernels.select``: top-K*, rung 1, rung 2 into the promotion bitmask; exploration
+   draws on the device);
+5. phase 2 (``triton_kernels.phase2``): promotion pass (exact scores of promoted blocks read zero-copy
    from the shadow, or from the device-resident promotion cache ``certvllm.kv.promotion_cache`` when the
    config enables it and the page is there under its current write generation; canary), then one
    attend pass mixing unquantized and INT8/INT4 blocks with float64 accumulation across blocks and
    splits, plus the bound accumulators;
-5. bounds (``certvllm.bounds``) and checks on device tensors; the report is assembled with ``where``
-   (no boolean-mask indexing, which would synchronise);
-6. rungs 3/4: ``fallback="sdpa"`` (default) recomputes escalated rows with ``dense_fn`` (default
+6. ``triton_kernels.finalize``: the output, the bounds (``certvllm.bounds``' formulas), the rank and
+   boundary checks and the report;
+7. rungs 3/4: ``fallback="sdpa"`` (default) recomputes escalated rows with ``dense_fn`` (default
    ``dense_paged``: torch SDPA over the originals, bit-identical to ``dense_decode``), which needs the
    row list on the host: one synchronisation at the end of the layer call. ``fallback="device"`` instead
    re-runs the phase-2 kernels with every block of the escalated (row, KV head) groups unquantized:
    exact float32 attention over the originals with the reference's summation structure, and the whole
    call stays free of host synchronisation (CUDA-graph capturable).
+
+Steps 3, 4 and 6 have torch references in this module (``CERTVLLM_TORCH_GLUE=1``, and automatically for
+block tables wider than the kernels take): ``selection.select_keys``/``select_values``,
+``checks.rank_and_boundary`` and the code in ``_certified_rows`` / ``_epilogue_torch``.
 
 The number of blocks per row is taken from the block table's width, never from the lengths, so the host
 does not need to read ``seq_lens``.
