@@ -23,9 +23,12 @@ import torch
 import triton
 import triton.language as tl
 
+from certvllm.kernels.pool_format import CLAIM_HIT, HASH_MUL
+
 from .common import device_arg, launch_device_ok, load_shadow_tile, next_pow2, store_page_tile
 
-HASH_MUL = 1540483477  # second slot: ((page · HASH_MUL) >> 7) mod slots (exact in int64 for page < 2^32)
+_HASH_MUL = tl.constexpr(HASH_MUL)  # the two slots and the claim encoding: ``certvllm.kernels.pool_format``
+_CLAIM_HIT = tl.constexpr(CLAIM_HIT)
 
 
 @triton.jit
@@ -42,7 +45,7 @@ def _items(tables, TB_STRIDE, nfull, bits, B, need_mask, num_blocks, P, H: tl.co
     bid = tl.minimum(tl.maximum(bid, 0), num_blocks - 1)
     page = bid * H + h
     s1 = page % P
-    s2 = ((page * 1540483477) >> 7) % P
+    s2 = ((page * _HASH_MUL) >> 7) % P
     return rk * B + b, inb, need, bid, page, s1, s2
 
 
@@ -56,7 +59,7 @@ def _claim1(tables, TB_STRIDE, nfull, bits, B, need_mask, num_blocks, P, gen, ta
     hit2 = hit2 & (tl.load(tag_gen + s2, mask=need, other=-1) == g)
     hit = hit1 | hit2
     cslot = tl.where(hit2, s2, s1)
-    tl.atomic_max(claim + cslot, tl.where(hit, page + 4611686018427387904, page), mask=need)
+    tl.atomic_max(claim + cslot, tl.where(hit, page + _CLAIM_HIT, page), mask=need)
     st = tl.where(hit, cslot, tl.where(need, -2, -1))
     tl.store(state + idx, st.to(tl.int32), mask=inb)
     tl.atomic_add(step + 0, tl.sum(need.to(tl.int64), axis=0))
@@ -99,7 +102,7 @@ def _fill(src, pool, claim, claim2, gen, tag, tag_gen, step, P,
     c1 = tl.load(claim + ps, mask=pm, other=-1)
     c2 = tl.load(claim2 + ps, mask=pm, other=-1)
     c = tl.where(c1 >= 0, c1, c2)
-    fill = pm & (c >= 0) & (c < 4611686018427387904)
+    fill = pm & (c >= 0) & (c < _CLAIM_HIT)
     fbid = tl.where(fill, c, 0) // H
     tl.store(tag + ps, c, mask=fill)
     tl.store(tag_gen + ps, tl.load(gen + fbid, mask=fill, other=0), mask=fill)
@@ -109,7 +112,7 @@ def _fill(src, pool, claim, claim2, gen, tag, tag_gen, step, P,
         if p < P:
             e1 = tl.load(claim + p)
             e = tl.where(e1 >= 0, e1, tl.load(claim2 + p))
-            if (e >= 0) & (e < 4611686018427387904):
+            if (e >= 0) & (e < _CLAIM_HIT):
                 x = load_shadow_tile(src, e // H, e % H, 0, H, M, D, DP, CHANNEL_MAJOR)
                 store_page_tile(pool + p * (16 * D), x, D, DP)
 

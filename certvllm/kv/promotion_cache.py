@@ -49,12 +49,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from certvllm.kernels.pool_format import CLAIM_HIT, HASH_MUL
+
 if TYPE_CHECKING:
     from certvllm.config import CertConfig
     from certvllm.kv.cache import LayerKVCache
-
-_HIT = 1 << 62  # added to a hit's page id in the claim: a hit outranks every miss
-HASH_MUL = 1540483477  # the second slot's multiplier (the same literal is in triton_kernels/pool.py)
 
 
 def pool_slots(cache: LayerKVCache, fraction: float) -> int:
@@ -152,7 +151,7 @@ class PromotionCache:
         # round 1: a hit keeps its slot (it outranks every miss); a miss claims its first slot
         claim = torch.full((self.slots,), -1, dtype=torch.int64, device=dev)
         claim.scatter_reduce_(0, torch.where(hit2, s2, s1).reshape(-1),
-                              torch.where(hit, page + _HIT, torch.where(miss, page, -1)).reshape(-1),
+                              torch.where(hit, page + CLAIM_HIT, torch.where(miss, page, -1)).reshape(-1),
                               reduce="amax")  # fmt: skip
         won1 = miss & (claim.take(s1) == page)
         # round 2: a miss that lost its first slot claims its second one, if nobody claimed that in round 1
@@ -200,7 +199,7 @@ class PromotionCache:
             valid = torch.arange(B, device=bits.device) < nfull.unsqueeze(1)
             need = valid.unsqueeze(1) & ((bits & need_mask) != 0)
             slot_map, claim, hit = self.resolve(tables, need, cache.num_blocks)
-            fill = (claim >= 0) & (claim < _HIT)
+            fill = (claim >= 0) & (claim < CLAIM_HIT)
             fill_page = torch.where(fill, claim, -1)
             fill_bid = fill_page.clamp(min=0) // self.num_kv_heads
             self.tag_gen.copy_(torch.where(fill, self.generation.index_select(0, fill_bid), self.tag_gen))
