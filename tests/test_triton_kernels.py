@@ -216,7 +216,7 @@ def _phase1_summary(R, K, G, B, nfull, kind, gen) -> tuple[Phase1, torch.Tensor]
 @pytest.mark.parametrize(
     "B,preset,window",
     [(1, "default", 512), (7, "strict", 512), (32, "default", 512), (45, "fast", 16), (64, "paper", 16),
-     (100, "default", 8)],
+     (100, "default", 8), (130, "strict", 4)],
 )  # fmt: skip
 def test_selection_kernel_equals_the_torch_reference(kind, B, preset, window, gen):
     """``triton_kernels.select`` makes the decisions of ``select_keys``/``select_values``: the same key and
@@ -229,7 +229,8 @@ def test_selection_kernel_equals_the_torch_reference(kind, B, preset, window, ge
 
     R, K, G = 3, 2, 3
     cfg = load_config(preset, exploration_rate=0.0, k_min=1, k_max=min(B, 5), value_k_max=None if B % 2 else 2)
-    nfull = torch.tensor([B, max(0, B - 3), B // 2])
+    # short rows in a wide table (as when vLLM batches a short request with a long one): few valid blocks
+    nfull = torch.tensor([B, max(0, B - 3), B // 2]) if B < 130 else torch.tensor([0, 2, B])
     ph1, lse = _phase1_summary(R, K, G, B, nfull, kind, gen)
     key_mask, widened = select_keys(ph1, cfg)
     value_mask = select_values(ph1, key_mask, cfg)
