@@ -58,13 +58,25 @@ def _max(a, b):
 
 
 @triton.jit
-def _sorted_desc(x, pos, B, BP: tl.constexpr):
-    """Stable descending argsort of non-negative float32 ``x`` over positions < B: (values, block ids)."""
+def _order_keys(x, pos, B, BP: tl.constexpr):
+    """int64 keys whose descending order is the stable descending order of non-negative float32 ``x``:
+    ``bits(x) << 32 | (BP − 1 − pos)`` at positions < B, −1 past them."""
     key = (x.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (BP - 1 - pos).to(tl.int64)
-    key = tl.sort(tl.where(pos < B, key, -1), descending=True)
+    return tl.where(pos < B, key, -1)
+
+
+@triton.jit
+def _decode_keys(key, BP: tl.constexpr):
+    """(values, block ids) of sorted ``_order_keys`` keys: 0 and a negative id for the −1 padding."""
     idx = (BP - 1 - (key & 0xFFFFFFFF)).to(tl.int32)
     val = tl.where(key >= 0, (key >> 32).to(tl.int32).to(tl.float32, bitcast=True), 0.0)
-    return val, idx
+    return val, tl.where(key >= 0, idx, -1)
+
+
+@triton.jit
+def _sorted_desc(x, pos, B, BP: tl.constexpr):
+    """Stable descending argsort of non-negative float32 ``x`` over positions < B: (values, block ids)."""
+    return _decode_keys(tl.sort(_order_keys(x, pos, B, BP), descending=True), BP)
 
 
 @triton.jit
@@ -108,8 +120,7 @@ def _top_window(x, pos, B, scratch, W: tl.constexpr, BP: tl.constexpr, LOG2BP: t
 
     Returns ``(values [W], block ids [W], selected [BP] bool, count)``: window entries past ``count`` (when
     B < W) are 0 with block id < 0."""
-    key = (x.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (BP - 1 - pos).to(tl.int64)
-    key = tl.where(pos < B, key, -1)
+    key = _order_keys(x, pos, B, BP)
     sel = key >= _kth_key(key, W, LOG2BP)
     sel = sel & (pos < B)
     slot = tl.cumsum(sel.to(tl.int32), 0) - 1
@@ -117,10 +128,8 @@ def _top_window(x, pos, B, scratch, W: tl.constexpr, BP: tl.constexpr, LOG2BP: t
     tl.debug_barrier()
     q = tl.arange(0, W)
     count = tl.sum(sel.to(tl.int32), 0)
-    wkey = tl.sort(tl.load(scratch + q, mask=q < count, other=-1), descending=True)
-    idx = (BP - 1 - (wkey & 0xFFFFFFFF)).to(tl.int32)
-    val = tl.where(wkey >= 0, (wkey >> 32).to(tl.int32).to(tl.float32, bitcast=True), 0.0)
-    return val, tl.where(wkey >= 0, idx, -1), sel, count
+    val, idx = _decode_keys(tl.sort(tl.load(scratch + q, mask=q < count, other=-1), descending=True), BP)
+    return val, idx, sel, count
 
 
 @triton.jit
