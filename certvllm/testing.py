@@ -165,3 +165,52 @@ def check_soundness(cases: list[Case], config, scale: float | None = None) -> So
     certified = res.report.rung <= 2
     violations = int((certified & ~(error <= bound)).sum())
     return SoundnessResult(error, bound, res.report.rung, violations, mismatch, res.report)
+
+
+def capture_attend_args(call) -> tuple:
+    """Run ``call()`` (a CUDA certified call) and return copies of the arguments of its first attend pass
+    (``triton_kernels.phase2.attend``: geometry, scores, m, shadow, pages, tables, nfull, bits, active,
+    exact_lm), for replaying the pass alone in other kernel configurations."""
+    import certvllm.attention.gpu as gpu_mod
+
+    seen: list[tuple] = []
+    orig = gpu_mod.attend
+
+    def spy(*args):
+        if not seen:
+            seen.append(tuple(a.clone() if isinstance(a, torch.Tensor) and a.is_cuda else a for a in args))
+        return orig(*args)
+
+    gpu_mod.attend = spy
+    try:
+        call()
+    finally:
+        gpu_mod.attend = orig
+    if not seen:
+        raise RuntimeError("the call ran no attend pass (every group escalated before phase 2?)")
+    return seen[0]
+
+
+def attend_deviation(out, lm: torch.Tensor, ref, ref_lm: torch.Tensor, vabs_max: float) -> dict:
+    """How far one attend pass (``phase2.AttendOut`` ``out`` and its exact_lm ``lm``) is from another
+    (``ref``, ``ref_lm``) computed from the same inputs with a different summation order, each deviation
+    divided by what float32 rounding allows (so ≤ 1 is agreement):
+
+    * ``acc``: each kernel's output sums are within γ_16·Σ_t w_t|v_t| ≤ γ_16·den·max|v| of the exact
+      ones (float32 sums over at most 16 tokens, float64 after), so two kernels within 2γ_16·den·vabs_max;
+    * ``den``/``aval``/``atail``: per-block 16-term float32 sums in another order, relative 1e-5;
+    * ``lm`` (m + log den_b where written): 1e-5 + 2^-22·|lm|, and written at the same places.
+
+    ``vabs_max`` must bound |v̂| and |v| over the inputs. Returns the ratios and ``ok``."""
+    den = ref.den.sum(dim=2)
+    gamma16 = 16 * 2.0**-24 / (1 - 16 * 2.0**-24)
+    allow = 2 * gamma16 * den.unsqueeze(-1) * vabs_max + 1e-300
+    dev = {"acc": float(((out.acc.sum(dim=2) - ref.acc.sum(dim=2)).abs() / allow).max())}
+    for name in ("den", "aval", "atail"):
+        a, b = getattr(out, name).sum(dim=2), getattr(ref, name).sum(dim=2)
+        dev[name] = float(((a - b).abs() / (1e-5 * b.abs()).clamp_min(1e-300)).max())
+    fin = torch.isfinite(ref_lm)
+    same_places = bool(torch.equal(fin, torch.isfinite(lm)))
+    dev["lm"] = float(((lm - ref_lm).abs() / (1e-5 + 2.0**-22 * ref_lm.abs()))[fin].max()) if bool(fin.any()) else 0.0
+    dev["ok"] = same_places and max(v for k, v in dev.items() if k != "ok") <= 1.0
+    return dev

@@ -371,6 +371,59 @@ def test_gluon_kernels_match_the_triton_kernels_end_to_end():
     torch.testing.assert_close(got.report.bound[both], ref.report.bound[both], rtol=1e-3, atol=1e-9 * vmax)
 
 
+@pytest.mark.parametrize("hq,hkv,d", [(32, 8, 128), (24, 3, 64), (64, 8, 128), (8, 8, 64), (8, 4, 256)])
+def test_gluon_attend_configurations_match_the_triton_kernel(hq, hkv, d):
+    """Every supported Gluon attend configuration (value-channel parts × bytes per lane × warps × register
+    cap) against the
+    Triton attend kernel, replaying the attend pass of a real call with extra value promotions: the output
+    sums, den, Σ den_b·η_b, Σ_T den_b and the rank test's log-masses agree within float32 rounding
+    (``attend_deviation``)."""
+    import dataclasses
+
+    from certvllm.triton_kernels import phase2
+
+    from certvllm.attention.gpu import certified_attention_gpu
+    from certvllm.config import load_config
+    from certvllm.testing import attend_deviation, capture_attend_args, make_case
+
+    gen = torch.Generator().manual_seed(5)
+    cases = [make_case(f, t, hq, hkv, d, torch.float16, gen) for f, t in (("retrieval_peaks", 900), ("random", 333))]
+    cache, tables, lens, _ = cuda_batch(cases)
+    q = torch.stack([c.q for c in cases]).cuda()
+    args = list(capture_attend_args(lambda: certified_attention_gpu(q, cache, tables, lens, load_config("default"),
+                                                                    fallback="device")))  # fmt: skip
+    geo = args[0]
+    bits = args[7]
+    g = torch.randint(0, geo.group, bits.shape, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    extra = torch.rand(bits.shape, device="cuda", generator=torch.Generator("cuda").manual_seed(2)) < 0.15
+    args[7] = bits | torch.where(extra, 1 << (geo.group + g), 0).int()  # values promoted on ~15 % of blocks
+    vabs_max = 1.5 * max(float(c.v.float().abs().max()) for c in cases)
+
+    def run(**kw):
+        lm = args[-1].clone()
+        out = phase2.attend(dataclasses.replace(geo, **kw), *args[1:-1], lm)
+        return out, lm
+
+    os.environ["CERTVLLM_ATTEND_GLUON"] = "0"
+    try:
+        ref, ref_lm = run()
+    finally:
+        del os.environ["CERTVLLM_ATTEND_GLUON"]
+    tested = 0
+    configs = [(1, 2, 4, 128), (1, 2, 4, 0), (2, 2, 4, 128), (4, 2, 4, 0), (1, 4, 4, 0), (2, 4, 4, 0), (1, 2, 8, 0)]
+    for parts, chunk, warps, maxnreg in configs:
+        kw = dict(attend_parts=parts, attend_chunk_bytes=chunk, attend_warps=warps, attend_blk=warps,
+                  attend_maxnreg=maxnreg)  # fmt: skip
+        if not phase2.use_gluon_attend(dataclasses.replace(geo, **kw)):
+            continue
+        out, lm = run(**kw)
+        dev = attend_deviation(out, lm, ref, ref_lm, vabs_max)
+        assert dev["ok"], (parts, chunk, warps, maxnreg, dev)
+        tested += 1
+    if not tested:
+        pytest.skip("the Gluon attend kernel is not available (no Gluon) or supports none of these configurations")
+
+
 @pytest.mark.parametrize("preset", ["default", "strict"])
 def test_glue_kernels_equal_the_torch_glue_at_128k(preset, monkeypatch):
     """Prepare, selection (its windowed path: 8,192 block columns) and epilogue kernels against their torch

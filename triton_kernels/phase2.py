@@ -21,8 +21,8 @@ rungs 3/4 on the device sets it for the escalated groups only.
 
 The promotion pass scans the bitmasks ``PB`` blocks at a time and visits single blocks only in tiles that
 promote something. The attend pass takes ``BLK`` blocks per iteration ([BLK, 16, ·] tiles, the tokens of a
-block in registers); on CUDA its Gluon version (``attend_gluon``, same arithmetic, hand-chosen layout)
-runs when it supports the shape.
+block in registers); on CUDA its Gluon version (``attend_gluon``: hand-chosen layout, weights computed once
+per (head, token), FMA chains, the same bounds) runs when it supports the shape.
 """
 
 from __future__ import annotations
@@ -302,6 +302,10 @@ class Phase2Geometry:
     channel_major: bool = False
     attend_blk: int = int(os.environ.get("CERTVLLM_ATTEND_BLK", "4"))  # blocks per attend-loop iteration
     attend_warps: int = int(os.environ.get("CERTVLLM_ATTEND_WARPS", "4"))
+    attend_parts: int = int(os.environ.get("CERTVLLM_ATTEND_PARTS", "1"))  # Gluon: value-channel parts
+    attend_chunk_bytes: int = int(os.environ.get("CERTVLLM_ATTEND_CHUNK", "2"))  # Gluon: bytes per lane and token
+    # Gluon: registers per thread at most (0: no cap), for G ≤ 4 only (at G = 8 the cap would spill)
+    attend_maxnreg: int = int(os.environ.get("CERTVLLM_ATTEND_MAXNREG", "128"))
 
 
 def use_gluon_attend(geo: Phase2Geometry) -> bool:
@@ -314,7 +318,8 @@ def use_gluon_attend(geo: Phase2Geometry) -> bool:
     except ImportError:  # a Triton without Gluon
         return False
     lay = geo.layout
-    return attend_gluon.supported(lay.head_dim, geo.group, geo.attend_warps, geo.attend_warps, lay.value_group)
+    return attend_gluon.supported(lay.head_dim, geo.group, geo.attend_warps, geo.attend_warps, lay.value_group,
+                                  geo.attend_parts, geo.attend_chunk_bytes)  # fmt: skip
 
 
 def promote(
