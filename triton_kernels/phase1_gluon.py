@@ -6,8 +6,11 @@ One layout ``L`` serves every tile of the loop, ``[BLK, 16, DP]`` (blocks, token
 contiguous channels per thread (one 16-byte load of key codes per token), the channels of a token over
 ``DP/VEC`` lanes, the 16 tokens over the remaining lanes (and in registers), one block per warp. So
 
-* the D-term dot products reduce ``VEC`` products in a thread, then over ``DP/VEC`` lanes (3 shuffle
-  rounds at D = 128) — any summation order is allowed by the certificate (γ_D, docs/certification.md §5);
+* the D-term dot products (scores, and the Σ|q|σ, Σ|q|·k_max of Δ_b and R_b) run over the ``VEC``
+  channels of a thread as one chain of fused multiply-adds (``_fma_chain``: a tree, as ``gl.sum`` builds,
+  leaves half of the products as separate multiplies and adds: ~10 % more instructions per block), then
+  over ``DP/VEC`` lanes (3 shuffle rounds at D = 128) — any summation order is allowed by the certificate
+  (γ_D, docs/certification.md §5);
 * per-block reductions over the tokens stay inside one warp;
 * nothing is converted between layouts inside the loop (no shared-memory round trips, no barriers).
 
@@ -121,6 +124,38 @@ def _page_loads(
 
 
 @gluon.jit
+def _halves(x):
+    """[A, B, 2k] → two [A, B, k] tensors (even and odd positions of the last axis; in-thread, no data moves)."""
+    return gl.split(gl.reshape(x, [x.shape[0], x.shape[1], x.shape[2] // 2, 2]))
+
+
+@gluon.jit
+def _fma_chain(acc, x, y, LEVELS: gl.constexpr, FIRST: gl.constexpr):
+    """acc + Σ x·y over the 2^LEVELS in-thread elements of the last axis as one chain of fused multiply-adds
+    ([A, B, C] → [A, B, C / 2^LEVELS]; ``FIRST``: start from the first product, ``acc`` unused). A tree
+    (``gl.sum``) would leave half of the products as separate multiplies and adds."""
+    if LEVELS == 0:
+        if FIRST:
+            return x * y
+        else:
+            return acc + x * y
+    else:
+        xa, xb = _halves(x)
+        ya, yb = _halves(y)
+        acc = _fma_chain(acc, xa, ya, LEVELS - 1, FIRST)
+        return _fma_chain(acc, xb, yb, LEVELS - 1, False)
+
+
+@gluon.jit
+def _dot(x, y, LEVELS: gl.constexpr):
+    """Σ over the last axis of x·y (``y`` broadcast to the shape of ``x``): a fused chain over the 2^LEVELS
+    channels each thread holds, then a sum over the lanes."""
+    xb, yb = gl.broadcast(x, y)
+    out = gl.sum(_fma_chain(0.0, xb, yb, LEVELS, True), axis=2)
+    return gl.convert_layout(out, gl.SliceLayout(2, xb.type.layout))  # the same mapping: no data moves
+
+
+@gluon.jit
 def _block_compute(
     ex,
     e_b,
@@ -152,6 +187,7 @@ def _block_compute(
     G: gl.constexpr,
     N: gl.constexpr,
     D: gl.constexpr,
+    LVEC: gl.constexpr,
 ):
     """One iteration's arithmetic and stores, from the values :func:`_page_loads` returned (``codes`` uint8
     or, unpacked from words, int32: either converts to the same float32)."""
@@ -173,15 +209,15 @@ def _block_compute(
     for g in gl.static_range(G):
         qg = gl.load(qrow + g * D + dv)  # [1, 1, D]
         qa = gl.abs(qg)
-        s = gl.sum(khat * qg, axis=2)  # [BLK, N] D-term float32 dot products
+        s = _dot(khat, qg, LVEC)  # [BLK, N] D-term float32 dot products
         s = gl.where(valid2, s, float("-inf"))
         mb = gl.max(s, axis=1)  # [BLK]
         fin = gl.abs(mb) < float("inf")
         mref = gl.where(fin, mb, 0.0)
         ssum = gl.sum(gl.exp(s - gl.expand_dims(mref, 1)), axis=1)
         lb = gl.where(fin, mref + gl.log(gl.maximum(ssum, 1.0)), mb)  # ssum ≥ 1 when fin
-        dl = gl.sum(gl.sum(qa * sigma, axis=2), axis=1) * DELTA_F  # [BLK]
-        rb = gl.sum(gl.sum(qa * kmag, axis=2), axis=1) * ROUND_F
+        dl = gl.sum(_dot(sigma, qa, LVEC), axis=1) * DELTA_F  # [BLK]
+        rb = gl.sum(_dot(kmag, qa, LVEC), axis=1) * ROUND_F
         sa = gl.max(gl.where(gl.abs(s) < float("inf"), gl.abs(s), 0.0), axis=1)
         gl.store(srow + g * N, s, mask=smask)
         orow = (rk * G + g) * B + bb
@@ -227,6 +263,7 @@ def _phase1_gluon_kernel(
     K_SCODE: gl.constexpr,
     HEADER: gl.constexpr,
     VEC: gl.constexpr,
+    LVEC: gl.constexpr,  # log2(VEC)
 ):
     """One program per (row, KV head, split): per iteration the page loads of ``BLK`` blocks (their ids loaded
     one iteration ahead), then the arithmetic and stores (``_block_compute``)."""
@@ -244,7 +281,7 @@ def _phase1_gluon_kernel(
         bid = _block_ids(tables, r, TB_STRIDE, bb1, inb1, num_blocks)  # iteration it + 1's (0 past the end)
         _block_compute(
             ex, e_b, n_b, flags, off, sc, codes, bb, inb, valid, rk, qrow, lut,
-            scores, l8, m8, delta, eta, nu, rmax, amax, bad, B, DELTA_F, ROUND_F, n2, dv, G, N, D,
+            scores, l8, m8, delta, eta, nu, rmax, amax, bad, B, DELTA_F, ROUND_F, n2, dv, G, N, D, LVEC,
         )  # fmt: skip
 
 
@@ -259,5 +296,6 @@ def launch(out, qs: torch.Tensor, pages: torch.Tensor, tables, nfull, lut, layou
         pages.shape[0] * sub_blocks, tables.shape[1], tables.stride(0), blocks_per_split, delta_factor,
         rounding_factor,
         H=K, G=Hq // K, D=D, M=sub_blocks, BLK=blk, PAGE_BYTES=layout.page_bytes, K_OFFSET=layout.k_offset,
-        K_SCODE=layout.k_scale_code, HEADER=layout.header, VEC=VEC, num_warps=num_warps,
+        K_SCODE=layout.k_scale_code, HEADER=layout.header, VEC=VEC, LVEC=VEC.bit_length() - 1,
+        num_warps=num_warps,
     )  # fmt: skip
