@@ -8,6 +8,7 @@ replays of the call (what the table of ``bench_decode`` reports), then profiles 
 ``torch.profiler`` and prints, per call: the number of kernels, the sum of their device times, and the
 kernels ranked by device time. The gap between the graph time and the kernel sum is launch and dependency
 latency (one graph node after another); the ranking shows which kernels are worth fusing or speeding up.
+Last, the registers and spills per thread of every compiled certvllm kernel.
 """
 
 from __future__ import annotations
@@ -77,6 +78,30 @@ def profile_point(batch: int, ctx: int, presets: list[str], calls: int, top: int
     return out
 
 
+def compiled_kernel_resources() -> list[dict]:
+    """Registers and spilled bytes per thread of every certvllm kernel compiled in this process (read from
+    Triton's per-device caches; empty where this Triton keeps them elsewhere)."""
+    import importlib
+    import pkgutil
+
+    import certvllm.triton_kernels as tk
+
+    rows = []
+    for info in pkgutil.iter_modules(tk.__path__):
+        try:
+            mod = importlib.import_module(f"certvllm.triton_kernels.{info.name}")
+        except ImportError:
+            continue
+        for name, fn in vars(mod).items():
+            for entry in getattr(fn, "device_caches", {}).values():
+                cache = entry[0] if isinstance(entry, tuple) else entry
+                for ck in getattr(cache, "values", list)():
+                    regs, spills = getattr(ck, "n_regs", None), getattr(ck, "n_spills", None)
+                    if regs is not None:
+                        rows.append({"kernel": name, "registers": regs, "spill_bytes": spills})
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--points", nargs="+", default=["1x8192", "1x131072", "8x131072"])
@@ -89,8 +114,11 @@ def main() -> None:
     for p in args.points:
         b, c = (int(x) for x in p.split("x"))
         results.append(profile_point(b, c, args.presets, args.calls, args.top))
+    resources = compiled_kernel_resources()
+    for r in resources:
+        print(f"    {r['kernel']:32s} {r['registers']:4d} registers/thread, {r['spill_bytes']} bytes spilled")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=1))
+    args.out.write_text(json.dumps({"points": results, "kernels": resources}, indent=1))
 
 
 if __name__ == "__main__":

@@ -6,11 +6,12 @@ One layout ``L`` serves every tile of the loop, ``[BLK, 16, DP]`` (blocks, token
 contiguous channels per thread (one 16-byte load of key codes per token), the channels of a token over
 ``DP/VEC`` lanes, the 16 tokens over the remaining lanes (and in registers), one block per warp. So
 
-* the D-term dot products (scores, and the Σ|q|σ, Σ|q|·k_max of Δ_b and R_b) run over the ``VEC``
-  channels of a thread as one chain of fused multiply-adds (``_fma_chain``: a tree, as ``gl.sum`` builds,
-  leaves half of the products as separate multiplies and adds: ~10 % more instructions per block), then
-  over ``DP/VEC`` lanes (3 shuffle rounds at D = 128) — any summation order is allowed by the certificate
-  (γ_D, docs/certification.md §5);
+* the D-term dot products (scores, and the Σ|q|σ, Σ|q|·k_max of Δ_b and R_b) reduce ``VEC`` products in
+  a thread, then over ``DP/VEC`` lanes (3 shuffle rounds at D = 128) — any summation order is allowed by
+  the certificate (γ_D, docs/certification.md §5). ``CERTVLLM_P1_CHAIN=1`` makes the in-thread part one
+  chain of fused multiply-adds (``_fma_chain``): 10 % fewer instructions per block than ``gl.sum``'s
+  tree (offline sm_90 compile), but measured 11 % *slower* on the H200 (1.35 vs 1.22 ms at batch 8 /
+  128K: the 16-deep dependent chains), so it is off by default;
 * per-block reductions over the tokens stay inside one warp;
 * nothing is converted between layouts inside the loop (no shared-memory round trips, no barriers).
 
@@ -28,6 +29,8 @@ implementation under the interpreter (CPU tests) and the fallback.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 from triton.experimental import gluon
@@ -147,9 +150,11 @@ def _fma_chain(acc, x, y, LEVELS: gl.constexpr, FIRST: gl.constexpr):
 
 
 @gluon.jit
-def _dot(x, y, LEVELS: gl.constexpr):
-    """Σ over the last axis of x·y (``y`` broadcast to the shape of ``x``): a fused chain over the 2^LEVELS
-    channels each thread holds, then a sum over the lanes."""
+def _dot(x, y, LEVELS: gl.constexpr, CHAIN: gl.constexpr):
+    """Σ over the last axis of x·y (``y`` broadcast to the shape of ``x``), [A, B, D] → [A, B]: with ``CHAIN``
+    a fused chain over the 2^LEVELS channels each thread holds, then a sum over the lanes; else ``gl.sum``."""
+    if not CHAIN:
+        return gl.sum(x * y, axis=2)
     xb, yb = gl.broadcast(x, y)
     out = gl.sum(_fma_chain(0.0, xb, yb, LEVELS, True), axis=2)
     return gl.convert_layout(out, gl.SliceLayout(2, xb.type.layout))  # the same mapping: no data moves
@@ -188,6 +193,7 @@ def _block_compute(
     N: gl.constexpr,
     D: gl.constexpr,
     LVEC: gl.constexpr,
+    CHAIN: gl.constexpr,
 ):
     """One iteration's arithmetic and stores, from the values :func:`_page_loads` returned (``codes`` uint8
     or, unpacked from words, int32: either converts to the same float32)."""
@@ -209,15 +215,15 @@ def _block_compute(
     for g in gl.static_range(G):
         qg = gl.load(qrow + g * D + dv)  # [1, 1, D]
         qa = gl.abs(qg)
-        s = _dot(khat, qg, LVEC)  # [BLK, N] D-term float32 dot products
+        s = _dot(khat, qg, LVEC, CHAIN)  # [BLK, N] D-term float32 dot products
         s = gl.where(valid2, s, float("-inf"))
         mb = gl.max(s, axis=1)  # [BLK]
         fin = gl.abs(mb) < float("inf")
         mref = gl.where(fin, mb, 0.0)
         ssum = gl.sum(gl.exp(s - gl.expand_dims(mref, 1)), axis=1)
         lb = gl.where(fin, mref + gl.log(gl.maximum(ssum, 1.0)), mb)  # ssum ≥ 1 when fin
-        dl = gl.sum(_dot(sigma, qa, LVEC), axis=1) * DELTA_F  # [BLK]
-        rb = gl.sum(_dot(kmag, qa, LVEC), axis=1) * ROUND_F
+        dl = gl.sum(_dot(sigma, qa, LVEC, CHAIN), axis=1) * DELTA_F  # [BLK]
+        rb = gl.sum(_dot(kmag, qa, LVEC, CHAIN), axis=1) * ROUND_F
         sa = gl.max(gl.where(gl.abs(s) < float("inf"), gl.abs(s), 0.0), axis=1)
         gl.store(srow + g * N, s, mask=smask)
         orow = (rk * G + g) * B + bb
@@ -264,6 +270,7 @@ def _phase1_gluon_kernel(
     HEADER: gl.constexpr,
     VEC: gl.constexpr,
     LVEC: gl.constexpr,  # log2(VEC)
+    CHAIN: gl.constexpr,  # the in-thread part of the dot products as FMA chains (else gl.sum's tree)
 ):
     """One program per (row, KV head, split): per iteration the page loads of ``BLK`` blocks (their ids loaded
     one iteration ahead), then the arithmetic and stores (``_block_compute``)."""
@@ -281,7 +288,7 @@ def _phase1_gluon_kernel(
         bid = _block_ids(tables, r, TB_STRIDE, bb1, inb1, num_blocks)  # iteration it + 1's (0 past the end)
         _block_compute(
             ex, e_b, n_b, flags, off, sc, codes, bb, inb, valid, rk, qrow, lut,
-            scores, l8, m8, delta, eta, nu, rmax, amax, bad, B, DELTA_F, ROUND_F, n2, dv, G, N, D, LVEC,
+            scores, l8, m8, delta, eta, nu, rmax, amax, bad, B, DELTA_F, ROUND_F, n2, dv, G, N, D, LVEC, CHAIN,
         )  # fmt: skip
 
 
@@ -297,5 +304,6 @@ def launch(out, qs: torch.Tensor, pages: torch.Tensor, tables, nfull, lut, layou
         rounding_factor,
         H=K, G=Hq // K, D=D, M=sub_blocks, BLK=blk, PAGE_BYTES=layout.page_bytes, K_OFFSET=layout.k_offset,
         K_SCODE=layout.k_scale_code, HEADER=layout.header, VEC=VEC, LVEC=VEC.bit_length() - 1,
+        CHAIN=os.environ.get("CERTVLLM_P1_CHAIN", "0") == "1",
         num_warps=num_warps,
     )  # fmt: skip
