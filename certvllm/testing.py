@@ -177,8 +177,8 @@ def capture_attend_args(call) -> tuple:
     orig = gpu_mod.attend
 
     def spy(*args):
-        if not seen:
-            seen.append(tuple(a.clone() if isinstance(a, torch.Tensor) and a.is_cuda else a for a in args))
+        if not seen:  # copies of everything but the pinned host shadow (gigabytes at long contexts)
+            seen.append(tuple(a.clone() if isinstance(a, torch.Tensor) and not a.is_pinned() else a for a in args))
         return orig(*args)
 
     gpu_mod.attend = spy

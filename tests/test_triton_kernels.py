@@ -182,6 +182,41 @@ def test_split_plans_agree(gen):
     torch.testing.assert_close(one.out, many.out, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("blk", [1, 2])
+def test_attend_pass_replayed_with_other_tiles_agrees(blk, gen):
+    """The attend pass of a real call, replayed alone (``capture_attend_args``) with another number of
+    blocks per iteration and extra value promotions, agrees with the call's own tiling within float32
+    rounding (``attend_deviation``, the check benchmarks/bench_attend.py and the GPU test apply to the
+    Gluon configurations)."""
+    import dataclasses
+
+    from certvllm.triton_kernels import phase2
+
+    from certvllm.testing import attend_deviation, capture_attend_args
+
+    cases = [make_case(f, t, 6, 2, 64, torch.float16, gen) for f, t in (("retrieval_peaks", 230), ("random", 90))]
+    cache, tables, lens = paged_batch(cases)
+    q = torch.stack([c.q for c in cases]).to(DEV)
+    dcache, dtables, dlens = _to_device(cache), tables.to(DEV), lens.to(DEV)
+    args = list(capture_attend_args(lambda: certified_attention_gpu(q, dcache, dtables, dlens, load_config("default"),
+                                                                    fallback="device")))  # fmt: skip
+    geo, bits = args[0], args[7]
+    extra = torch.rand(bits.shape, generator=gen) < 0.3
+    g = torch.randint(0, geo.group, bits.shape, generator=gen)
+    args[7] = bits | torch.where(extra, 1 << (geo.group + g), 0).int().to(bits.device)
+
+    def run(**kw):
+        lm = args[-1].clone()
+        return phase2.attend(dataclasses.replace(geo, **kw), *args[1:-1], lm), lm
+
+    ref, ref_lm = run()
+    out, lm = run(attend_blk=blk, attend_warps=blk)
+    vabs_max = 1.5 * max(float(c.v.float().abs().max()) for c in cases)
+    dev = attend_deviation(out, lm, ref, ref_lm, vabs_max)
+    assert dev["ok"], dev
+    assert bool(torch.isfinite(ref_lm).any())  # key-promoted blocks were written and compared
+
+
 def test_paper_preset_exploration_draws_on_the_device(gen):
     cases = [make_case("retrieval_peaks", t, 8, 2, 64, torch.float16, gen) for t in (300, 17)]
     res, _ = _check(cases, load_config("paper", exploration_rate=0.3))
