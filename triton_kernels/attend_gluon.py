@@ -244,22 +244,33 @@ def _attend_gluon_kernel(
     gl.store(optr + 1, gl.sum(gl.sum(acc_o, axis=2), axis=0), mask=om)
 
 
-def launch(out, geo, scores, mmax, shadow, pages, tables, nfull, bits, active, exact_lm, num_warps) -> None:
-    """Launch the Gluon attend pass into the :class:`phase2.AttendOut` buffers ``out``."""
-    from .common import device_arg, next_pow2
+def launch_constants(geo, num_warps: int) -> dict:
+    """The compile-time arguments of :func:`_attend_gluon_kernel` for ``geo`` (a ``phase2.Phase2Geometry``):
+    constexprs, ``num_warps``, FMA contraction on, and the register cap."""
+    from .common import next_pow2
 
-    R = scores.shape[0]
     lay = geo.layout
-    parts = geo.attend_parts
+    consts = dict(
+        H=geo.num_kv_heads, G=geo.group, GP=next_pow2(geo.group), D=lay.head_dim, M=geo.sub_blocks,
+        GRP=lay.value_group, NG=lay.groups, BLK=num_warps, PAGE_BYTES=lay.page_bytes, V_CODES=lay.v_codes,
+        V_SCALE=lay.v_scale, V_ZERO=lay.v_zero, HEADER=lay.header, CS=geo.attend_parts, VB=geo.attend_chunk_bytes,
+        num_warps=num_warps, enable_fp_fusion=True,  # the FMA chains (Triton 3.10 turns fusion off by default)
+    )  # fmt: skip
     # the register cap gives 4 programs per SM at G ≤ 4 (measured faster, benchmarks/bench_attend.py); at
     # G = 8 it would spill hundreds of bytes per thread
-    extra = {"maxnreg": geo.attend_maxnreg} if geo.attend_maxnreg and geo.group <= 4 else {}
-    _attend_gluon_kernel[(R * geo.num_kv_heads * parts, geo.splits)](
+    if geo.attend_maxnreg and geo.group <= 4:
+        consts["maxnreg"] = geo.attend_maxnreg
+    return consts
+
+
+def launch(out, geo, scores, mmax, shadow, pages, tables, nfull, bits, active, exact_lm, num_warps) -> None:
+    """Launch the Gluon attend pass into the :class:`phase2.AttendOut` buffers ``out``."""
+    from .common import device_arg
+
+    R = scores.shape[0]
+    _attend_gluon_kernel[(R * geo.num_kv_heads * geo.attend_parts, geo.splits)](
         scores, mmax, device_arg(shadow), pages, pages.view(torch.float16), pages.view(torch.float32),
         tables, nfull, bits, active, out.acc, out.den, out.aval, out.atail, exact_lm,
         geo.num_blocks, tables.shape[1], tables.stride(0), geo.splits, geo.blocks_per_split,
-        H=geo.num_kv_heads, G=geo.group, GP=next_pow2(geo.group), D=lay.head_dim, M=geo.sub_blocks,
-        GRP=lay.value_group, NG=lay.groups, BLK=num_warps, PAGE_BYTES=lay.page_bytes, V_CODES=lay.v_codes,
-        V_SCALE=lay.v_scale, V_ZERO=lay.v_zero, HEADER=lay.header, CS=parts, VB=geo.attend_chunk_bytes,
-        num_warps=num_warps, **extra,
+        **launch_constants(geo, num_warps),
     )  # fmt: skip

@@ -18,6 +18,7 @@ from triton.language.extra import libdevice
 
 __all__ = [
     "GLUE_MAX_BLOCKS",
+    "GluonGate",
     "as_mask",
     "device_arg",
     "expm1_f32",
@@ -77,6 +78,46 @@ def device_arg(t: torch.Tensor) -> torch.Tensor | _HostPointer:
     if t.device.type == "cpu" and not interpreting():
         return _HostPointer(t)
     return t
+
+
+class GluonGate:
+    """Whether one Gluon kernel may still be used in this process, and the fallback when it cannot be built.
+
+    Gluon is an experimental Triton dialect whose API changes between releases: a Triton that imports it
+    may still fail to compile a kernel written for another version. :meth:`run` tries the Gluon launch;
+    if it raises before this kernel ever launched in this process (a compile failure — the only thing that
+    happens at a first launch and not later), it warns once, disables the Gluon kernel for the process and
+    runs the Triton kernel, which computes the same certified quantities. An error after a successful
+    launch is re-raised: only compilation is forgiven. ``tests/test_gluon_compile.py`` compiles the Gluon
+    kernels for sm_90 in ``make test``, so a failure here means a Triton other than the tested ones."""
+
+    def __init__(self, name: str, env: str) -> None:
+        self.name = name
+        self.env = env  # the switch that skips the Gluon kernel
+        self.launched = False
+        self.failure: str | None = None
+
+    def run(self, launch_gluon, launch_triton) -> None:
+        if self.failure is None:
+            try:
+                launch_gluon()
+            except Exception as err:  # noqa: BLE001 - a compile failure of an experimental dialect
+                if self.launched:
+                    raise
+                self.failure = f"{type(err).__name__}: {str(err)[:400]}"
+                import warnings
+
+                warnings.warn(
+                    f"certvllm: the Gluon {self.name} kernel failed to compile with Triton {triton.__version__} "
+                    f"({self.failure}); using the Triton kernel for the rest of this process (same results, "
+                    f"slower). Set {self.env}=0 to skip the attempt.",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+            else:
+                self.launched = True
+                return
+        launch_triton()
 
 
 def next_pow2(n: int) -> int:

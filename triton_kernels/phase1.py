@@ -30,7 +30,7 @@ import triton.language as tl
 
 from certvllm.formats.layout import PageLayout
 
-from .common import interpreting, key_scale_sigma, launch_device_ok, next_pow2
+from .common import GluonGate, interpreting, key_scale_sigma, launch_device_ok, next_pow2
 
 PHASE1_BLK = 4  # blocks per loop iteration
 PHASE1_WARPS = 4  # warps per program
@@ -158,10 +158,13 @@ def _phase1_kernel(
         tl.store(amax + orow, tl.where(valid, a_all, 0.0), mask=om)
 
 
+GLUON_GATE = GluonGate("phase-1", "CERTVLLM_P1_GLUON")
+
+
 def use_gluon(head_dim: int, group: int, num_warps: int) -> bool:
     """Whether :func:`phase1` runs the Gluon kernel (``phase1_gluon``): compiled (not the interpreter),
-    Gluon importable, a supported shape, and ``CERTVLLM_P1_GLUON`` not ``0``."""
-    if interpreting() or os.environ.get("CERTVLLM_P1_GLUON", "1") == "0":
+    Gluon importable and compiling (``GLUON_GATE``), a supported shape, and ``CERTVLLM_P1_GLUON`` not ``0``."""
+    if interpreting() or os.environ.get("CERTVLLM_P1_GLUON", "1") == "0" or GLUON_GATE.failure is not None:
         return False
     try:
         from . import phase1_gluon
@@ -238,19 +241,26 @@ def phase1(
         bad=torch.empty(R, K, B, dtype=torch.int32, device=dev),
     )
     num_blocks = pages.shape[0] * sub_blocks
+
+    def launch_triton():
+        _phase1_kernel[(R * K, splits)](
+            qs, pages, pages.view(torch.int8), pages.view(torch.float16), pages.view(torch.float32),
+            tables, nfull, lut,
+            out.scores, out.l8, out.m8, out.delta, out.eta, out.nu, out.rmax, out.amax, out.bad,
+            num_blocks, B, tables.stride(0), blocks_per_split, delta_factor, rounding_factor,
+            H=K, G=G, GP=next_pow2(G), D=D, DP=next_pow2(D), M=sub_blocks, BLK=blk, PAGE_BYTES=layout.page_bytes,
+            K_OFFSET=layout.k_offset, K_SCODE=layout.k_scale_code, HEADER=layout.header,
+            num_warps=num_warps,
+        )  # fmt: skip
+
     if use_gluon(D, G, num_warps):
         from . import phase1_gluon
 
-        phase1_gluon.launch(out, qs, pages, tables, nfull, lut, layout, K, sub_blocks, delta_factor, rounding_factor,
-                            splits, blocks_per_split, num_warps, num_warps)  # fmt: skip
-        return out
-    _phase1_kernel[(R * K, splits)](
-        qs, pages, pages.view(torch.int8), pages.view(torch.float16), pages.view(torch.float32),
-        tables, nfull, lut,
-        out.scores, out.l8, out.m8, out.delta, out.eta, out.nu, out.rmax, out.amax, out.bad,
-        num_blocks, B, tables.stride(0), blocks_per_split, delta_factor, rounding_factor,
-        H=K, G=G, GP=next_pow2(G), D=D, DP=next_pow2(D), M=sub_blocks, BLK=blk, PAGE_BYTES=layout.page_bytes,
-        K_OFFSET=layout.k_offset, K_SCODE=layout.k_scale_code, HEADER=layout.header,
-        num_warps=num_warps,
-    )  # fmt: skip
+        GLUON_GATE.run(
+            lambda: phase1_gluon.launch(out, qs, pages, tables, nfull, lut, layout, K, sub_blocks, delta_factor,
+                                        rounding_factor, splits, blocks_per_split, num_warps, num_warps),
+            launch_triton,
+        )  # fmt: skip
+    else:
+        launch_triton()
     return out

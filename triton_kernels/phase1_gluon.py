@@ -292,6 +292,16 @@ def _phase1_gluon_kernel(
         )  # fmt: skip
 
 
+def launch_constants(layout, K: int, G: int, sub_blocks: int, blk: int, num_warps: int) -> dict:
+    """The compile-time arguments of :func:`_phase1_gluon_kernel`: constexprs, ``num_warps``, FMA contraction."""
+    return dict(
+        H=K, G=G, D=layout.head_dim, M=sub_blocks, BLK=blk, PAGE_BYTES=layout.page_bytes, K_OFFSET=layout.k_offset,
+        K_SCODE=layout.k_scale_code, HEADER=layout.header, VEC=VEC, LVEC=VEC.bit_length() - 1,
+        CHAIN=os.environ.get("CERTVLLM_P1_CHAIN", "0") == "1", num_warps=num_warps,
+        enable_fp_fusion=True,  # fused dequantization and dot products (Triton 3.10 turns fusion off by default)
+    )  # fmt: skip
+
+
 def launch(out, qs: torch.Tensor, pages: torch.Tensor, tables, nfull, lut, layout, K, sub_blocks, delta_factor,
            rounding_factor, splits, blocks_per_split, blk, num_warps) -> None:  # fmt: skip
     """Launch the Gluon kernel into the :class:`phase1.Phase1Out` buffers ``out``."""
@@ -301,9 +311,5 @@ def launch(out, qs: torch.Tensor, pages: torch.Tensor, tables, nfull, lut, layou
         tables, nfull, lut,
         out.scores, out.l8, out.m8, out.delta, out.eta, out.nu, out.rmax, out.amax, out.bad,
         pages.shape[0] * sub_blocks, tables.shape[1], tables.stride(0), blocks_per_split, delta_factor,
-        rounding_factor,
-        H=K, G=Hq // K, D=D, M=sub_blocks, BLK=blk, PAGE_BYTES=layout.page_bytes, K_OFFSET=layout.k_offset,
-        K_SCODE=layout.k_scale_code, HEADER=layout.header, VEC=VEC, LVEC=VEC.bit_length() - 1,
-        CHAIN=os.environ.get("CERTVLLM_P1_CHAIN", "0") == "1",
-        num_warps=num_warps,
+        rounding_factor, **launch_constants(layout, K, Hq // K, sub_blocks, blk, num_warps),
     )  # fmt: skip

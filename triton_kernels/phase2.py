@@ -36,7 +36,7 @@ import triton.language as tl
 
 from certvllm.formats.layout import PageLayout
 
-from .common import device_arg, exp_f32, interpreting, launch_device_ok, next_pow2, precise
+from .common import GluonGate, device_arg, exp_f32, interpreting, launch_device_ok, next_pow2, precise
 
 
 @triton.jit
@@ -308,10 +308,14 @@ class Phase2Geometry:
     attend_maxnreg: int = int(os.environ.get("CERTVLLM_ATTEND_MAXNREG", "128"))
 
 
+ATTEND_GLUON_GATE = GluonGate("attend", "CERTVLLM_ATTEND_GLUON")
+
+
 def use_gluon_attend(geo: Phase2Geometry) -> bool:
     """Whether :func:`attend` runs the Gluon kernel (``attend_gluon``): compiled (not the interpreter), Gluon
-    importable, a supported shape, and ``CERTVLLM_ATTEND_GLUON`` not ``0``."""
-    if interpreting() or os.environ.get("CERTVLLM_ATTEND_GLUON", "1") == "0":
+    importable and compiling (``ATTEND_GLUON_GATE``), a supported shape, and ``CERTVLLM_ATTEND_GLUON`` not
+    ``0``."""
+    if interpreting() or os.environ.get("CERTVLLM_ATTEND_GLUON", "1") == "0" or ATTEND_GLUON_GATE.failure:
         return False
     try:
         from . import attend_gluon
@@ -406,18 +410,25 @@ def attend(
         aval=torch.empty(R, K, S, G, **f64),
         atail=torch.empty(R, K, S, G, **f64),
     )
+
+    def launch_triton():
+        _attend_kernel[(R * K, S)](
+            scores, mmax, device_arg(shadow), pages, pages.view(torch.float16), pages.view(torch.float32),
+            tables, nfull, bits, active, out.acc, out.den, out.aval, out.atail, exact_lm,
+            geo.num_blocks, B, tables.stride(0), S, geo.blocks_per_split,
+            H=K, G=G, GP=next_pow2(G), D=D, DP=next_pow2(D), M=geo.sub_blocks, GRP=lay.value_group, NG=lay.groups,
+            BLK=geo.attend_blk, PAGE_BYTES=lay.page_bytes, V_CODES=lay.v_codes, V_SCALE=lay.v_scale,
+            V_ZERO=lay.v_zero, HEADER=lay.header, PRECISE=precise(), num_warps=geo.attend_warps,
+        )  # fmt: skip
+
     if use_gluon_attend(geo):
         from . import attend_gluon
 
-        attend_gluon.launch(out, geo, scores, mmax, shadow, pages, tables, nfull, bits, active, exact_lm,
-                            geo.attend_warps)  # fmt: skip
-        return out
-    _attend_kernel[(R * K, S)](
-        scores, mmax, device_arg(shadow), pages, pages.view(torch.float16), pages.view(torch.float32),
-        tables, nfull, bits, active, out.acc, out.den, out.aval, out.atail, exact_lm,
-        geo.num_blocks, B, tables.stride(0), S, geo.blocks_per_split,
-        H=K, G=G, GP=next_pow2(G), D=D, DP=next_pow2(D), M=geo.sub_blocks, GRP=lay.value_group, NG=lay.groups,
-        BLK=geo.attend_blk, PAGE_BYTES=lay.page_bytes, V_CODES=lay.v_codes, V_SCALE=lay.v_scale, V_ZERO=lay.v_zero, HEADER=lay.header,
-        PRECISE=precise(), num_warps=geo.attend_warps,
-    )  # fmt: skip
+        ATTEND_GLUON_GATE.run(
+            lambda: attend_gluon.launch(out, geo, scores, mmax, shadow, pages, tables, nfull, bits, active,
+                                        exact_lm, geo.attend_warps),
+            launch_triton,
+        )  # fmt: skip
+    else:
+        launch_triton()
     return out
