@@ -1,0 +1,198 @@
+"""Compile a Gluon kernel for a CUDA target on a machine without a GPU, and read what the compiler made of it.
+
+Triton compiles to a cubin with its bundled ``ptxas`` whatever the machine, given the target
+(``GPUTarget("cuda", 90, 32)`` for the H200) and the signature a launch would infer: pointer element types,
+scalar types and the constexpr values (the launchers' ``launch_constants``). From the cubin the bundled
+``cuobjdump`` gives the registers and stack (spilled bytes) per thread and the SASS; the SASS of the main
+loop (the longest backward branch, minus its largest conditional forward skip: the rarely taken path)
+gives the instructions issued per iteration.
+
+Used by ``tests/test_gluon_compile.py`` (the kernels compile, within register and spill bounds) and
+``benchmarks/kernel_sass.py`` (instruction mix per iteration, to compare kernel variants before a GPU run).
+
+**One process cannot do both.** On a machine without CUDA, importing ``certvllm.triton_kernels`` sets
+``TRITON_INTERPRET=1`` before Triton is imported, so that the Triton kernels run in the interpreter; Triton
+then defines its standard library (``tl.sum`` …) as interpreted functions, which a Gluon compile cannot
+reference. :func:`run_jobs` therefore compiles in a child process started with ``TRITON_INTERPRET=0``
+(``python -m certvllm.triton_kernels.offline_compile``, job specs as JSON on stdin, results as JSON on the
+last line of stdout).
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+
+import triton
+
+ATTEND_POINTERS = {
+    "scores": "*fp32", "mmax": "*fp32", "shadow": "*fp16", "pages_u8": "*u8", "pages_f16": "*fp16",
+    "pages_f32": "*fp32", "tables": "*i64", "nfull": "*i64", "bits": "*i32", "active": "*i32", "acc": "*fp64",
+    "den": "*fp64", "aval": "*fp64", "atail": "*fp64", "exact_lm": "*fp32",
+}  # fmt: skip
+PHASE1_POINTERS = {
+    "qs": "*fp32", "pages_u8": "*u8", "pages_i8": "*i8", "pages_f16": "*fp16", "pages_f32": "*fp32",
+    "tables": "*i64", "nfull": "*i64", "lut": "*fp32", "bad": "*i32",
+}  # fmt: skip
+"""Pointer element types of the two Gluon kernels (unnamed pointers are float32)."""
+SCALARS = {"num_blocks": "i32", "B": "i32", "TB_STRIDE": "i32", "S": "i32", "BPS": "i32", "DELTA_F": "fp32",
+           "ROUND_F": "fp32"}  # fmt: skip
+"""Scalar arguments of the kernels."""
+OPTIONS = ("num_warps", "maxnreg", "enable_fp_fusion")
+"""Keys of ``launch_constants`` that are compile options, not constexprs."""
+
+
+class ToolMissing(RuntimeError):
+    """This Triton lacks what offline compilation needs (Gluon, the NVIDIA backend's tools)."""
+
+
+@dataclass
+class Compiled:
+    """One kernel compiled for a CUDA target: registers and stack bytes per thread, the SASS, and the
+    opcode counts of one iteration of its main loop."""
+
+    registers: int
+    stack: int
+    sass: str
+    loop: collections.Counter = field(default_factory=collections.Counter)
+
+    @property
+    def loop_instructions(self) -> int:
+        return sum(self.loop.values())
+
+
+def nvidia_tool(name: str) -> str:
+    """Path of a tool Triton's NVIDIA backend ships (``ptxas``, ``cuobjdump``, ``nvdisasm``)."""
+    import triton.backends.nvidia as nv
+
+    path = os.path.join(os.path.dirname(nv.__file__), "bin", name)
+    if not os.access(path, os.X_OK):
+        raise ToolMissing(f"this Triton ships no {name} (needed to compile for CUDA without a GPU)")
+    return path
+
+
+def compile_gluon(kernel, pointers: dict, constants: dict, arch: int = 90) -> Compiled:
+    """Compile the Gluon ``kernel`` for sm_``arch``. ``constants`` is a launcher's ``launch_constants``
+    (constexprs plus the compile options in :data:`OPTIONS`); pointers not in ``pointers`` are float32.
+    Needs a process whose Triton was imported without the interpreter (module docstring; else
+    :func:`run_jobs`)."""
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        raise RuntimeError("TRITON_INTERPRET is set in this process: compile Gluon kernels with run_jobs()")
+    try:
+        from triton.experimental.gluon._runtime import GluonASTSource
+    except ImportError as err:
+        raise ToolMissing(f"this Triton has no Gluon ({err})") from err
+    from triton.backends.compiler import GPUTarget
+
+    cuobjdump = nvidia_tool("cuobjdump")
+    options = {k: constants[k] for k in OPTIONS if k in constants}
+    signature, constexprs = {}, {}
+    for name in kernel.arg_names:
+        if name in constants and name not in OPTIONS:
+            signature[name], constexprs[name] = "constexpr", constants[name]
+        else:
+            signature[name] = SCALARS.get(name) or pointers.get(name, "*fp32")
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names) if signature[n].startswith("*")}
+    compiled = triton.compile(GluonASTSource(kernel, signature, constexprs, attrs),
+                              target=GPUTarget("cuda", arch, 32), options=options)  # fmt: skip
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+        sass = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True).stdout
+    m = re.search(r"REG:(\d+) STACK:(\d+)", usage)
+    if m is None:
+        raise RuntimeError(f"no resource usage in cuobjdump's output: {usage[-400:]}")
+    return Compiled(int(m.group(1)), int(m.group(2)), sass, main_loop_mix(sass))
+
+
+def main_loop_mix(sass: str) -> collections.Counter:
+    """Opcode counts of one iteration of the longest loop in ``sass`` (``cuobjdump -sass`` text), without
+    its largest conditional forward branch's body (the rarely taken path, e.g. value-promoted blocks)."""
+    lines = []
+    for line in sass.splitlines():
+        m = re.match(r"\s+/\*([0-9a-f]{4,6})\*/\s+(.*?)\s*;", line)
+        if m:
+            lines.append((int(m.group(1), 16), m.group(2)))
+
+    def target(ins: str) -> int | None:
+        t = re.search(r"BRA\s.*?0x([0-9a-f]+)", ins)
+        return int(t.group(1), 16) if t else None
+
+    best = (0, 0)
+    for addr, ins in lines:
+        dest = target(ins) if "BRA" in ins and not ins.startswith("@") else None
+        if dest is not None and dest < addr and addr - dest > best[1] - best[0]:
+            best = (dest, addr)
+    start, end = best
+    skip = (0, 0)
+    for addr, ins in lines:
+        dest = target(ins) if "BRA" in ins and ins.startswith("@") else None
+        if dest is not None and start <= addr < end and addr < dest <= end and dest - addr > skip[1] - skip[0]:
+            skip = (addr, dest)
+    mix: collections.Counter = collections.Counter()
+    for addr, ins in lines:
+        if start <= addr <= end and not skip[0] < addr < skip[1]:
+            toks = ins.split()
+            op = toks[1] if toks[0].startswith("@") else toks[0]
+            mix[op.split(".")[0]] += 1
+    return mix
+
+
+def run_jobs(jobs: list[dict], timeout: float = 1200.0) -> list[dict]:
+    """Compile each job in a child process without the interpreter; returns per job ``registers``,
+    ``stack``, ``loop_instructions`` and ``loop_top`` (the 12 most frequent opcodes of the loop), or
+    ``missing`` (why this Triton cannot compile offline).
+
+    A job: ``{"kernel": "attend" | "phase1", "hq", "hkv", "d", "geometry": {Phase2Geometry field: value},
+    "env": {variable: value}}`` (the last two optional; ``env`` is set while the job's constants are
+    computed, e.g. ``CERTVLLM_P1_CHAIN``)."""
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    proc = subprocess.run([sys.executable, "-m", "certvllm.triton_kernels.offline_compile"], input=json.dumps(jobs),
+                          capture_output=True, text=True, env=env, timeout=timeout)  # fmt: skip
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"offline compilation failed (exit {proc.returncode}): {proc.stderr[-3000:]}")
+    return json.loads(lines[-1])
+
+
+def _run_job(spec: dict) -> dict:
+    from certvllm.formats.layout import PageLayout
+
+    from . import attend_gluon, phase1_gluon
+    from .phase2 import Phase2Geometry
+
+    saved = {k: os.environ.get(k) for k in spec.get("env", {})}
+    os.environ.update(spec.get("env", {}))
+    try:
+        hq, hkv, d = spec["hq"], spec["hkv"], spec["d"]
+        if spec["kernel"] == "attend":
+            geo = Phase2Geometry(PageLayout(d), hkv, hq // hkv, 1, 1024, 4, 64, **spec.get("geometry", {}))
+            kernel, pointers, consts = attend_gluon._attend_gluon_kernel, ATTEND_POINTERS, attend_gluon.launch_constants(
+                geo, geo.attend_warps)  # fmt: skip
+        else:
+            kernel, pointers = phase1_gluon._phase1_gluon_kernel, PHASE1_POINTERS
+            consts = phase1_gluon.launch_constants(PageLayout(d), hkv, hq // hkv, 1, 4, 4)
+        c = compile_gluon(kernel, pointers, consts)
+        return {"registers": c.registers, "stack": c.stack, "loop_instructions": c.loop_instructions,
+                "loop_top": dict(c.loop.most_common(12))}  # fmt: skip
+    except ToolMissing as err:
+        return {"missing": str(err)}
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+if __name__ == "__main__":
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        raise SystemExit("run with TRITON_INTERPRET=0: a Gluon compile cannot use the interpreter's Triton")
+    print(json.dumps([_run_job(spec) for spec in json.loads(sys.stdin.read())]))
