@@ -21,11 +21,10 @@ import dataclasses
 import json
 import math
 import re
-import statistics
 from pathlib import Path
 
 import torch
-from bench_decode import build_cache, release_cache, synthetic_kv
+from bench_decode import build_cache, median_ms, release_cache, synthetic_kv
 
 
 def parse_config(name: str) -> dict:
@@ -82,15 +81,7 @@ def run_config(args: tuple, cfg: dict, iters: int):
 
         out = call()
         torch.cuda.synchronize()
-        times = []
-        for _ in range(iters):
-            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            e0.record()
-            call()
-            e1.record()
-            e1.synchronize()
-            times.append(e0.elapsed_time(e1))
-        return statistics.median(times), out, lm
+        return median_ms(call, iters), out, lm
     finally:
         del os.environ["CERTVLLM_ATTEND_GLUON"]
 

@@ -155,7 +155,7 @@ def release_cache(cache) -> None:
 
 
 # ----------------------------------------------------------------------------------------------- timing
-def _median_ms(run, iters: int) -> float:
+def median_ms(run, iters: int) -> float:
     times = []
     for _ in range(iters):
         e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -171,7 +171,7 @@ def time_eager(fn, iters: int) -> float:
     for _ in range(2):
         fn()
     torch.cuda.synchronize()
-    return _median_ms(fn, iters)
+    return median_ms(fn, iters)
 
 
 def time_graph(fn, iters: int) -> float | None:
@@ -189,7 +189,7 @@ def time_graph(fn, iters: int) -> float | None:
         return None
     graph.replay()
     torch.cuda.synchronize()
-    ms = _median_ms(graph.replay, iters)
+    ms = median_ms(graph.replay, iters)
     del graph
     return ms
 
