@@ -158,13 +158,13 @@ def _phase1_kernel(
         tl.store(amax + orow, tl.where(valid, a_all, 0.0), mask=om)
 
 
-GLUON_GATE = GluonGate("phase-1", "CERTVLLM_P1_GLUON")
+PHASE1_GLUON_GATE = GluonGate("phase-1", "CERTVLLM_P1_GLUON")
 
 
 def use_gluon(head_dim: int, group: int, num_warps: int) -> bool:
     """Whether :func:`phase1` runs the Gluon kernel (``phase1_gluon``): compiled (not the interpreter),
-    Gluon importable and compiling (``GLUON_GATE``), a supported shape, and ``CERTVLLM_P1_GLUON`` not ``0``."""
-    if interpreting() or os.environ.get("CERTVLLM_P1_GLUON", "1") == "0" or GLUON_GATE.failure is not None:
+    Gluon importable and compiling (``PHASE1_GLUON_GATE``), a supported shape, and ``CERTVLLM_P1_GLUON`` not ``0``."""
+    if interpreting() or os.environ.get("CERTVLLM_P1_GLUON", "1") == "0" or PHASE1_GLUON_GATE.failure is not None:
         return False
     try:
         from . import phase1_gluon
@@ -256,7 +256,7 @@ def phase1(
     if use_gluon(D, G, num_warps):
         from . import phase1_gluon
 
-        GLUON_GATE.run(
+        PHASE1_GLUON_GATE.run(
             lambda: phase1_gluon.launch(out, qs, pages, tables, nfull, lut, layout, K, sub_blocks, delta_factor,
                                         rounding_factor, splits, blocks_per_split, num_warps, num_warps),
             launch_triton,

@@ -315,7 +315,7 @@ def use_gluon_attend(geo: Phase2Geometry) -> bool:
     """Whether :func:`attend` runs the Gluon kernel (``attend_gluon``): compiled (not the interpreter), Gluon
     importable and compiling (``ATTEND_GLUON_GATE``), a supported shape, and ``CERTVLLM_ATTEND_GLUON`` not
     ``0``."""
-    if interpreting() or os.environ.get("CERTVLLM_ATTEND_GLUON", "1") == "0" or ATTEND_GLUON_GATE.failure:
+    if interpreting() or os.environ.get("CERTVLLM_ATTEND_GLUON", "1") == "0" or ATTEND_GLUON_GATE.failure is not None:
         return False
     try:
         from . import attend_gluon
