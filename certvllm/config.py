@@ -80,6 +80,17 @@ class CertConfig(BaseModel):
         "when its (block, KV head) and the block's write generation both match, so it never serves a "
         "rewritten block (docs/certification.md §5.1). The CPU path ignores it.",
     )
+    prefetch_fraction: float = Field(
+        0.25,
+        ge=0.0,
+        le=1.0,
+        description="CUDA path with the promotion cache only: step prefetch (certvllm.kv.prefetch). The engine "
+        "stages, on a side stream while the previous layers run, the key pages each layer read over PCIe at "
+        "the previous step, into a ring of 2 slots shared by all layers, each holding this fraction of one "
+        "layer's (block, KV head) pages. Costs 2 × fraction × one layer's key half in the shadow dtype for the "
+        "whole model (0.25 with 32 layers: 0.008 of the FP16 cache). 0 disables it. Served only under the "
+        "block's current write generation, as the promotion cache.",
+    )
     seed: int = Field(0, ge=0, description="Seed of the exploration draws.")
     force_fallback: Literal["none", "head", "layer"] = Field(
         "none",

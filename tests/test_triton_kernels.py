@@ -442,6 +442,92 @@ def test_promotion_cache_never_serves_a_rewritten_block(gen, monkeypatch):
     assert not torch.equal(stale.out[0], _certified_call(fresh, q, tables, lens, off).out[0])
 
 
+# -- the step prefetch (certvllm.kv.prefetch) ------------------------------------------------------------
+@pytest.mark.parametrize("sub,channel_major", [(1, False), (4, True)])
+def test_stage_pages_copies_the_listed_pages(sub, channel_major, gen):
+    from certvllm.triton_kernels.prefetch import stage_pages
+
+    lay = PageLayout(64)
+    shadow = torch.randn(5, 3, 2, sub * BLOCK_SIZE, 64, generator=gen).half()
+    cache = LayerKVCache(torch.zeros(5, 3, sub * lay.page_bytes, dtype=torch.uint8, device=DEV), shadow, lay,
+                         keys_channel_major=channel_major)  # fmt: skip
+    dst = torch.full((6, BLOCK_SIZE, 64), 7.0, dtype=torch.float16, device=DEV)
+    ids, heads = torch.tensor([5 * sub - 1, 0, 3, 2]), torch.tensor([1, 2, 0, 0])
+    pages = torch.tensor([ids[0] * 3 + heads[0], -1, ids[1] * 3 + heads[1], ids[2] * 3 + heads[2],
+                          ids[3] * 3 + heads[3], 0])  # fmt: skip
+    stage_pages(dst, shadow, pages.to(DEV), torch.tensor([5]).to(DEV), 3, sub, channel_major, programs=2,
+                per_iteration=2)  # fmt: skip
+    keys = cache.shadow_pages(ids, heads)[:, 0]
+    assert torch.equal(dst[[0, 2, 3, 4]].cpu(), keys)
+    assert (dst[1] == 7.0).all() and (dst[5] == 7.0).all()  # a −1 entry and an entry past the count
+
+
+def _prefetch_layers(cases, n_layers, cfg):
+    """``n_layers`` layer caches over the same tokens (each its own pages, pool and generations) registered
+    with one step prefetcher, and the same layers without it (the reference)."""
+    from certvllm.kv.prefetch import StepPrefetcher
+
+    cache, tables, lens = paged_batch(cases)
+    layers = [_to_device(cache) for _ in range(n_layers)]
+    plain = [_to_device(cache) for _ in range(n_layers)]
+    pf = StepPrefetcher.for_cache(layers[0], cfg.prefetch_fraction)
+    for lay in layers:
+        pf.register(lay)
+    return pf, layers, plain, tables.to(DEV), lens.to(DEV)
+
+
+@pytest.mark.parametrize("n_layers", [2, 3])  # 2: the last layers stage the next step's first ones
+def test_step_prefetch_serves_staged_pages_and_changes_nothing(n_layers, gen):
+    # a pool far too small for the promoted pages: most of them are left to the shadow, i.e. staged
+    cfg = load_config("default", promotion_cache_fraction=0.05, prefetch_fraction=0.5)
+    cases = [make_case("sink_and_recency", t, 8, 2, 64, torch.float16, gen) for t in (150, 261)]
+    pf, layers, plain, tables, lens = _prefetch_layers(cases, n_layers, cfg)
+    q0 = torch.stack([c.q for c in cases]).to(DEV)
+    for step in range(2):
+        pf.begin_step()
+        for i in range(n_layers):
+            q = (q0.float() + 0.1 * (step + i) * torch.randn(q0.shape, generator=gen).to(DEV)).half()
+            ref = _certified_call(plain[i], q, tables, lens, cfg)
+            _assert_identical(_certified_call(layers[i], q, tables, lens, cfg), ref)
+        pf.end_step()
+        st = pf.take_stats()
+        assert st["candidates"] > 0 and st["staged"] > 0
+        if step == 0:
+            assert st["served"] == 0  # nothing was listed before the first step
+        else:
+            assert st["served"] > 0
+    assert pf.nbytes == pf.ring.numel() * 2 + 16 * pf.ring.shape[0] * pf.capacity
+
+
+def test_step_prefetch_never_serves_a_rewritten_block(gen, monkeypatch):
+    cfg = load_config("default", promotion_cache_fraction=0.05, prefetch_fraction=1.0, canary=False)
+    cases = [make_case("sink_and_recency", 200, 8, 2, 64, torch.float16, gen) for _ in range(2)]
+    pf, layers, plain, tables, lens = _prefetch_layers(cases, 1, cfg)
+    q = torch.stack([c.q for c in cases]).to(DEV)
+    _certified_call(layers[0], q, tables, lens, cfg)
+    pf.take_stats()
+    pos = torch.arange(12 * BLOCK_SIZE)  # every full block of row 0
+    slots = tables[0, pos // BLOCK_SIZE].cpu() * BLOCK_SIZE + pos % BLOCK_SIZE
+
+    def rewrite() -> None:  # after the staging was taken: the same tokens, perturbed, in both copies
+        k, v = cases[0].k[: pos.numel()], cases[0].v[: pos.numel()]
+        k2 = (k.float() + 0.5 * torch.randn(k.shape, generator=gen)).half()
+        for c in (layers[0], plain[0]):
+            c.write(k2, v, slots)
+
+    pf.begin_step()  # stages row 0's and row 1's pages
+    rewrite()
+    _assert_identical(_certified_call(layers[0], q, tables, lens, cfg), _certified_call(plain[0], q, tables, lens, cfg))
+    st = pf.take_stats()
+    assert 0 < st["served"] < st["candidates"]  # row 1's staged pages served, row 0's refused
+    # control: without the generation bump the staging's stale copies of row 0 are served and change the output
+    monkeypatch.setattr(LayerKVCache, "bump_generation", lambda self, ids: None)
+    pf.begin_step()
+    rewrite()
+    stale = _certified_call(layers[0], q, tables, lens, cfg)
+    assert not torch.equal(stale.out[0], _certified_call(plain[0], q, tables, lens, cfg).out[0])
+
+
 @triton.jit
 def _sigma_kernel(codes, exps, out, n, BLOCK: tl.constexpr):
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)

@@ -164,7 +164,8 @@ def test_promotion_pool_fits_in_the_planned_kv_memory(
     fraction: float, layers: int, kv_heads: int, block_size: int, head_size: int, itemsize: int
 ) -> None:
     """On CUDA the block count leaves room for every layer's promotion pool (as PromotionCache sizes it) and
-    keeps as many blocks as fit: pages + pools + generation counters ≤ the planned pages' bytes."""
+    keeps as many blocks as fit: pages + pools + generation counters + the step prefetch's ring, page lists
+    and grid maps ≤ the planned pages' bytes."""
     import math
 
     from certvllm.config import CertConfig
@@ -181,7 +182,10 @@ def test_promotion_pool_fits_in_the_planned_kv_memory(
             return blocks * page
         slots = max(1, math.ceil(fraction * blocks * subs * kv_heads))  # promotion_cache.pool_slots
         slot_bytes = 16 * head_size * itemsize + 16  # promotion_cache.bytes_per_slot
-        return blocks * page + layers * (slots * slot_bytes + 8 * blocks * subs)
+        pages = blocks * subs * kv_heads
+        used = blocks * page + layers * (slots * slot_bytes + 8 * blocks * subs)
+        cap = max(1, math.ceil(cfg.prefetch_fraction * pages))  # prefetch.StepPrefetcher.for_cache
+        return used + 2 * cap * slot_bytes + layers * (8 * cap + 4 * pages)  # ring; page lists and grid maps
 
     for planned in (1, 50, 1000, 123_457):
         kept = blocks_with_pool(planned, layers=layers, kv_heads=kv_heads, block_size=block_size,

@@ -56,6 +56,8 @@ def _promote_kernel(
     sabs,  # out [R, H_kv, G, S] float32 per-split max finite |exact score| on key-promoted blocks
     pool,  # [P, N, D] promotion-cache key pages (device; read when USE_POOL and the slot is ≥ 0)
     kslot,  # [R, H_kv, B] int32 pool slot of each needed key page, −1: read the shadow (USE_POOL only)
+    stage,  # [Q, N, D] prefetched key pages (device): slot nslots + i reads stage[i] (USE_POOL only)
+    nslots,  # pool slots: kslot values ≥ nslots index the staging pages
     num_blocks,  # total 16-token blocks (ids are clamped)
     B,  # block-table columns
     TB_STRIDE,  # row stride of tables
@@ -125,8 +127,12 @@ def _promote_kernel(
                         koffs = ((bid % M) * N + n[:, None]) * D + d[None, :]
                     if USE_POOL:
                         ks = tl.load(kslot + rk * B + b).to(tl.int64)
-                        if ks >= 0:  # the promotion cache holds this page (same bytes as the shadow)
-                            kt = tl.load(pool + ks * (N * D) + n[:, None] * D + d[None, :], mask=dm[None, :],
+                        if ks >= 0:  # the promotion cache or the step prefetch holds it (the shadow's bytes)
+                            if ks >= nslots:
+                                src = stage + (ks - nslots) * (N * D)
+                            else:
+                                src = pool + ks * (N * D)
+                            kt = tl.load(src + n[:, None] * D + d[None, :], mask=dm[None, :],
                                          other=0.0).to(tl.float32)  # fmt: skip
                         else:
                             kt = tl.load(shadow + kbase + koffs, mask=dm[None, :], other=0.0).to(tl.float32)
@@ -342,11 +348,13 @@ def promote(
     run_canary: bool,
     pool: torch.Tensor | None = None,
     kslot: torch.Tensor | None = None,
+    stage: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the promotion pass (shapes as in the kernel's parameter comments).
 
     ``pool``/``kslot``: the promotion cache's key pages and the step's slot map
-    (``certvllm.kv.promotion_cache``); None reads every key page from the shadow.
+    (``certvllm.kv.promotion_cache``); None reads every key page from the shadow. ``stage``: the step
+    prefetch's pages of this layer (``certvllm.kv.prefetch``); slot ``len(pool) + i`` reads ``stage[i]``.
 
     Returns:
         ``(smax, sabs)`` each ``[R, H_kv, G, S]`` float32.
@@ -361,9 +369,12 @@ def promote(
     use_pool = pool is not None and kslot is not None
     if not use_pool:
         pool, kslot = smax, bits  # placeholders, never read
+    nslots = pool.shape[0] if use_pool else 0
+    if stage is None:
+        stage = pool  # placeholder: no slot reaches past the pool
     _promote_kernel[(R * K, S)](
         qs, device_arg(shadow), tables, nfull, bits, active, scores, m8, delta, round1, canary, smax, sabs,
-        pool, kslot, geo.num_blocks, B, tables.stride(0), S, geo.blocks_per_split,
+        pool, kslot, stage, nslots, geo.num_blocks, B, tables.stride(0), S, geo.blocks_per_split,
         H=K, G=G, GP=next_pow2(G), D=D, DP=next_pow2(D), M=geo.sub_blocks, CHANNEL_MAJOR=geo.channel_major,
         CANARY=run_canary, PB=64, USE_POOL=use_pool, num_warps=4 if G <= 4 else 8,
     )  # fmt: skip

@@ -12,7 +12,8 @@ Same algorithm, same certificate and same report as :func:`certvllm.attention.pa
    draws on the device);
 5. phase 2 (``triton_kernels.phase2``): promotion pass (exact scores of promoted blocks read zero-copy
    from the shadow, or from the device-resident promotion cache ``certvllm.kv.promotion_cache`` when the
-   config enables it and the page is there under its current write generation; canary), then one
+   config enables it and the page is there under its current write generation, or from the step
+   prefetch's staging ``certvllm.kv.prefetch`` when the engine registered the layer; canary), then one
    attend pass mixing unquantized and INT8/INT4 blocks with float64 accumulation across blocks and
    splits, plus the bound accumulators;
 6. ``triton_kernels.finalize``: the output, the bounds (``certvllm.bounds``' formulas), the rank and
@@ -283,14 +284,20 @@ def _certified_rows(q, cache, block_tables, seq_lens, cfg, scale, pagein, genera
     canary = torch.zeros(R, dtype=torch.int32, device=dev)
     run_canary = certified and cfg.canary
     pcache = PromotionCache.for_call(cache, cfg)
-    pool = kslot = key_paged = None
+    pool = kslot = key_paged = stage = None
+    prefetch = cache.prefetch if pcache is not None else None
     if pcache is not None:  # device-resident promotion cache: hits are read from VRAM, not over PCIe
         need_mask = -1 if run_canary else (1 << G) - 1  # the bits for which the promotion pass reads keys
         kslot, key_paged = pcache.lookup(cache, tables, nfull, bits, need_mask)
         pool = pcache.pool
+        if prefetch is not None:  # step prefetch: pages staged while the previous layers ran
+            stage, served = prefetch[0].serve(prefetch[1], tables, nfull, bits, need_mask, kslot, pcache.slots)
+            key_paged = key_paged - served
         _mark(timings, "pool")
     smax, sabs = promote(geo, qs, shadow, tables, nfull, bits, active, p1.scores, p1.m8, p1.delta,
-                         round1.contiguous(), canary, run_canary, pool, kslot)  # fmt: skip
+                         round1.contiguous(), canary, run_canary, pool, kslot, stage)  # fmt: skip
+    if prefetch is not None:
+        prefetch[0].after_promote(prefetch[1])
     m = torch.maximum(smax.amax(dim=-1), s_tail.amax(dim=-1)).contiguous()  # (R, K, G)
     exact_lm = torch.empty(R, K, G, B, dtype=torch.float32, device=dev)
     _mark(timings, "promote")

@@ -142,6 +142,9 @@ class CertifiedMetadataBuilder(AttentionMetadataBuilder[CertifiedMetadata]):
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> CertifiedMetadata:  # fmt: skip
         cm = common_attn_metadata
+        prefetcher = worker_host_tier().prefetcher
+        if prefetcher is not None:  # the batch is scheduled: start staging the first layers' pages
+            prefetcher.begin_step()
         qsl = cm.query_start_loc_cpu.to(torch.int64)
         n_req = cm.num_reqs
         qsl = qsl[: n_req + 1]
@@ -280,6 +283,7 @@ class CertifiedAttentionImpl(AttentionImpl[CertifiedMetadata]):
                 pool = PromotionCache.attach(cache, self.config.promotion_cache_fraction)
                 logger.debug("certvllm: %s promotion cache %d slots, %.1f MiB", layer.layer_name, pool.slots,
                              pool.nbytes / 2**20)  # fmt: skip
+                tier.attach_prefetch(layer.layer_name, cache, self.config.prefetch_fraction)
         return cache
 
     # -- forward ------------------------------------------------------------------------------------

@@ -9,9 +9,11 @@ count so that pages and pools together fit the memory vLLM planned for pages alo
     blocks' · (page + pool) + fixed ≤ blocks · page
 
 with, per vLLM block and across this rank's layers, ``page = L · H_kv · B · C`` and
-``pool = L · (f · H_kv · B/16 · slot + 8 · B/16)`` (``f`` = ``promotion_cache_fraction``, a slot is one
-``[16, D]`` key page in the model's dtype plus its two int64 tags, 8 bytes of write generation per
-16-token block), and ``fixed = L · slot`` for the one slot each layer's rounding up may add.
+``pool = L · (f · H_kv · B/16 · slot + 8 · B/16) + 2 · p · H_kv · B/16 · slot + L · (8 p + 4) · H_kv · B/16``
+(``f`` = ``promotion_cache_fraction``, a slot is one ``[16, D]`` key page in the model's dtype plus its
+two int64 tags, 8 bytes of write generation per 16-token block; ``p`` = ``prefetch_fraction``: the step
+prefetch's ring of two slots shared by all layers, and per layer its page list and grid map,
+``certvllm.kv.prefetch``), and ``fixed = (L + 2) · slot + 8 L`` for what rounding up may add.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 
 from certvllm.config import CertConfig
 from certvllm.formats.layout import BLOCK_SIZE, PageLayout
+from certvllm.kv.prefetch import DEPTH
 
 logger = logging.getLogger("vllm.certvllm")
 
@@ -41,7 +44,8 @@ def blocks_with_pool(
         block_size: tokens per vLLM block (a multiple of 16).
         head_size: D.
         itemsize: bytes per element of the model's dtype (the shadow's and the pool's).
-        cfg: the run's settings (``promotion_cache_fraction``; 0 leaves ``num_blocks`` unchanged).
+        cfg: the run's settings (``promotion_cache_fraction``, 0 leaves ``num_blocks`` unchanged;
+            ``prefetch_fraction``).
     """
     fraction = cfg.promotion_cache_fraction
     if fraction <= 0 or num_blocks <= 0:
@@ -50,7 +54,10 @@ def blocks_with_pool(
     slot = BLOCK_SIZE * head_size * itemsize + TAG_BYTES
     page = layers * kv_heads * block_size * PageLayout(head_size, cfg.value_group_size).bytes_per_token
     pool = layers * (fraction * kv_heads * subs * slot + GENERATION_BYTES * subs)
-    fixed = layers * slot
+    prefetch = cfg.prefetch_fraction
+    if prefetch > 0:  # the ring (all layers) and, per layer, the page list and the grid map
+        pool += DEPTH * prefetch * kv_heads * subs * slot + layers * (8 * prefetch + 4) * kv_heads * subs
+    fixed = (layers + DEPTH) * slot + 8 * layers
     return max(int((num_blocks * page - fixed) // (page + pool)), 0)
 
 

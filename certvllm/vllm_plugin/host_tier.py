@@ -117,6 +117,19 @@ class HostTier:
     def __init__(self) -> None:
         self._layers: dict[str, LayerKVCache] = {}
         self.allocations = 0
+        self.prefetcher = None  # certvllm.kv.prefetch.StepPrefetcher of the CUDA layers (attach_prefetch)
+        self._prefetch_index: dict[str, int] = {}
+
+    def attach_prefetch(self, name: str, cache: LayerKVCache, fraction: float) -> None:
+        """Register layer ``name``'s (new) cache with this worker's step prefetcher, created with the first
+        one (layers register in forward order: the order they are first seen). ``fraction`` 0: none."""
+        from certvllm.kv.prefetch import StepPrefetcher
+
+        if fraction <= 0:
+            return
+        if self.prefetcher is None:
+            self.prefetcher = StepPrefetcher.for_cache(cache, fraction)
+        self._prefetch_index[name] = self.prefetcher.register(cache, self._prefetch_index.get(name))
 
     @property
     def nbytes(self) -> int:
