@@ -298,6 +298,8 @@ def run_point(batch: int, ctx: int, args, results: list[dict]) -> None:
         del res
     if args.steps > 0:
         rec["multistep"] = multistep(cache, tables, q, k, v, lens, args)
+        if args.layers > 0:
+            rec["pipeline"] = pipeline(cache, tables, q, k, v, lens, args)
 
     # zero-copy gather rate for as many pages as the default preset promoted (at least 4096)
     npages = max(4096, rec["default"]["pagein_bytes"] // (2 * 16 * D * 2))
@@ -316,6 +318,86 @@ def run_point(batch: int, ctx: int, args, results: list[dict]) -> None:
     ) / cache.layout.fp16_bytes_per_token()
     results.append(rec)
     release_cache(cache)
+
+
+def pipeline(cache, tables, q, k, v, lens, args) -> dict:
+    """Whole decode steps over ``args.layers`` layers, one CUDA graph per step, without and with the step
+    prefetch (``certvllm.kv.prefetch``). The layers are views of the same tokens, each with its own pool,
+    write generations, appended tokens and walking query (the ``walk`` regime of :func:`multistep`, drawn
+    per layer), so they select different pages. Per step: one token appended to every row of every layer,
+    the queries move, the step's graph replays; reported per layer (step time / layers)."""
+    from certvllm.attention.gpu import certified_attention_gpu
+    from certvllm.config import load_config
+    from certvllm.kv.cache import LayerKVCache
+    from certvllm.kv.cuda_pagein import CudaPageInEngine
+    from certvllm.kv.prefetch import StepPrefetcher
+
+    dev = q.device
+    n = args.layers
+    scale = 1.0 / math.sqrt(D)
+    start = [x - 32 for x in lens]
+    cfg = load_config("default")
+    out: dict = {"layers": n, "steps": args.steps, "prefetch_fraction": cfg.prefetch_fraction}
+    for use in (False, True):
+        views = [LayerKVCache(cache.pages, cache.shadow, cache.layout) for _ in range(n)]
+        pf = StepPrefetcher.for_cache(views[0], cfg.prefetch_fraction) if use else None
+        for view in views if pf is not None else ():
+            pf.register(view)
+        seqs = [torch.tensor(start, device=dev, dtype=torch.int64) for _ in range(n)]
+        gen = torch.Generator(device=dev).manual_seed(2)
+        qs = [(q.float() + 0.1 * torch.randn(q.shape, generator=gen, device=dev)).to(q.dtype) for _ in range(n)]
+        eng = CudaPageInEngine(dev)
+
+        def step(views=views, pf=pf, seqs=seqs, qs=qs, eng=eng):
+            if pf is not None:
+                pf.begin_step()
+            for i in range(n):
+                certified_attention_gpu(qs[i], views[i], tables, seqs[i], cfg, scale, eng, fallback="device")
+            if pf is not None:
+                pf.end_step()
+
+        for _ in range(2):
+            step()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        for view in views:
+            view.promotion_cache.take_stats()
+        if pf is not None:
+            pf.take_stats()
+        times, hits, looks, served, cand = [], 0, 0, 0, 0
+        for _ in range(args.steps):
+            for i in range(n):
+                append_tokens(views[i], tables, seqs[i], k, v)
+                qs[i].copy_(qs[i].float() + 0.1 * torch.randn(q.shape, generator=gen, device=dev))
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            graph.replay()
+            e1.record()
+            e1.synchronize()
+            times.append(e0.elapsed_time(e1) / n)
+            for view in views:
+                st = view.promotion_cache.take_stats()
+                hits, looks = hits + st["hits"], looks + st["lookups"]
+            if pf is not None:
+                st = pf.take_stats()
+                served, cand = served + st["served"], cand + st["candidates"]
+        del graph
+        key = "prefetch" if use else "pool"
+        out[key] = {"median_ms_per_layer": statistics.median(times), "ms_per_layer": times,
+                    "pool_hit_rate": hits / max(1, looks),
+                    "lookups_per_layer_step": looks / args.steps / n}  # fmt: skip
+        msg = ""
+        if pf is not None:
+            out[key].update(served=served / max(1, cand), ring_bytes=pf.nbytes,
+                            served_per_layer_step=served / args.steps / n)  # fmt: skip
+            msg = f", staged pages served {served / max(1, cand):.3f} of the pool's misses"
+        print(f"    {n} layers/step, {key:8s} median {out[key]['median_ms_per_layer']:.3f} ms per layer "
+              f"(pool hits {hits / max(1, looks):.3f}{msg})", flush=True)  # fmt: skip
+        del views, pf
+        torch.cuda.empty_cache()
+    return out
 
 
 def _fmt(ms: float | None) -> str:
@@ -405,6 +487,7 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--diffuse-mass", type=float, default=0.02)
     ap.add_argument("--steps", type=int, default=16, help="multi-step case: decode steps per regime (0: skip)")
+    ap.add_argument("--layers", type=int, default=8, help="whole-step case: layers per step (0: skip)")
     ap.add_argument("--out", type=Path, default=Path("runs/decode.json"))
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -454,6 +537,17 @@ def main() -> None:
         print(f"| {r['batch']} | {r['context'] // 1024}K | {x(d.get('nocache_ms'))} | {x(d.get('cold_ms'))} | "
               f"{x(d['ms'])} ({d.get('pool_repeat_hit_rate', 0):.2f}) | {' | '.join(cells)} | "
               f"{r['device_bytes_per_token_ratio_with_pool']:.3f} |")  # fmt: skip
+    piped = [r for r in results if "pipeline" in r]
+    if piped:
+        print(f"\nWhole steps of {piped[0]['pipeline']['layers']} layers (walk regime; ms per layer, ×dense; "
+              "pool hit rate; share of the pool's misses served from the step prefetch):")  # fmt: skip
+        print("| batch | context | pool | pool + step prefetch | served |")
+        print("|---|---|---|---|---|")
+        for r in piped:
+            a, b, dm = r["pipeline"]["pool"], r["pipeline"]["prefetch"], r["dense_ms"]
+            ma, mb = a["median_ms_per_layer"], b["median_ms_per_layer"]
+            print(f"| {r['batch']} | {r['context'] // 1024}K | {ma:.3f} ({ma / dm:.2f}×, {a['pool_hit_rate']:.2f}) | "
+                  f"{mb:.3f} ({mb / dm:.2f}×, {b['pool_hit_rate']:.2f}) | {b['served']:.2f} |")  # fmt: skip
     print(f"wrote {args.out}")
 
 

@@ -546,6 +546,81 @@ def test_promotion_cache_at_llama_shapes_hits_rewrites_and_graph_replays():
     bench.release_cache(cache)
 
 
+def test_step_prefetch_at_llama_shapes_in_graph_replays():
+    """Four layers per step (views of the same tokens, each its own pool and query), one CUDA graph per step
+    with the step prefetch: every layer's output is bit-identical to the path without pool and prefetch
+    while tokens are appended and a staged block is rewritten between replays, and staged pages are served."""
+    from certvllm.attention.gpu import certified_attention_gpu
+    from certvllm.config import load_config
+    from certvllm.kv.cache import LayerKVCache
+    from certvllm.kv.cuda_pagein import CudaPageInEngine, encode_blocks_from_shadow
+    from certvllm.kv.prefetch import StepPrefetcher
+
+    bench = _bench()
+    q, k, v = bench.synthetic_kv(4, 32768, seed=5)
+    lens = [32768 - 40] * 4
+    cache, tables = bench.build_cache(k, v, lens)
+    n = 4
+    layers = [LayerKVCache(cache.pages, cache.shadow, cache.layout) for _ in range(n)]
+    plain = LayerKVCache(cache.pages, cache.shadow, cache.layout)
+    cfg = load_config("default", canary=False)  # a stale key page must not be rescued by rung 4
+    off = cfg.model_copy(update={"promotion_cache_fraction": 0.0})
+    pf = StepPrefetcher.for_cache(layers[0], cfg.prefetch_fraction)
+    for lay in layers:
+        pf.register(lay)
+    seq = torch.tensor(lens, device="cuda")
+    eng = CudaPageInEngine("cuda")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    qs = [(q.float() + 0.2 * torch.randn(q.shape, generator=gen, device="cuda")).half() for _ in range(n)]
+    outs: list = []
+
+    def step():
+        pf.begin_step()
+        outs[:] = [certified_attention_gpu(qs[i], layers[i], tables, seq, cfg, pagein=eng, fallback="device")
+                   for i in range(n)]  # fmt: skip
+        pf.end_step()
+
+    for _ in range(2):
+        step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    pf.take_stats()
+    for s in range(6):
+        if s == 3:  # rewrite a block layer 0 staged for this step, after the staging was taken
+            page = int(pf.layers[0].pages[0])
+            assert page >= 0
+            block = torch.tensor([page // 8], device="cuda")
+            slots = (block.cpu() * 16 + torch.arange(16)).cpu()
+            kn = (k[0, :16].float() + torch.randn(16, 8, 128, generator=gen, device="cuda")).half()
+            layers[0].write_shadow(kn, v[0, :16], slots)
+            encode_blocks_from_shadow(layers[0], block)
+            for lay in layers[1:]:  # the other views share the storage
+                lay.bump_generation(block)
+        else:  # one token appended to every row (written once, every view's generation bumped)
+            rows = torch.arange(4)
+            pos = seq.cpu()
+            slots = tables[rows.cuda(), (pos // 16).cuda()].cpu() * 16 + pos % 16
+            full = layers[0].write_shadow(k[rows, pos], v[rows, pos], slots)
+            if full.numel():
+                encode_blocks_from_shadow(layers[0], full.cuda())
+                for lay in layers[1:]:
+                    lay.bump_generation(full.cuda())
+            seq += 1
+        for i in range(n):
+            qs[i].copy_((qs[i].float() + 0.1 * torch.randn(q.shape, generator=gen, device="cuda")).half())
+        graph.replay()
+        for i in range(n):
+            ref = certified_attention_gpu(qs[i], plain, tables, seq, off, pagein=eng, fallback="device")
+            _assert_identical(outs[i], ref)
+    st = pf.take_stats()
+    print(f"step prefetch over graph replays: {st}")
+    assert st["served"] > 0 and st["served"] <= st["candidates"]
+    del graph
+    bench.release_cache(cache)
+
+
 def test_soundness_with_a_warm_promotion_cache():
     """The soundness property over the families with the pool warm: several steps per cache, the queries
     drifting between them."""
