@@ -36,7 +36,7 @@ from certvllm.formats.keys import P2_RELATIVE_SLACK  # noqa: E402
 from certvllm.formats.layout import BLOCK_SIZE, FLAG_PRECONDITION, PageLayout, key_scale_lut  # noqa: E402
 from certvllm.formats.pages import PageReader, encode_pages  # noqa: E402
 from certvllm.kv.cache import LayerKVCache  # noqa: E402
-from certvllm.kv.cuda_pagein import CudaPageInEngine, encode_blocks_from_shadow  # noqa: E402
+from certvllm.kv.cuda_pagein import CudaPageInEngine, encode_blocks_from_shadow, ensure_device_readable  # noqa: E402
 from certvllm.testing import exact_attention, make_case, paged_batch  # noqa: E402
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -331,6 +331,7 @@ def test_pool_fill_copies_key_pages_from_the_shadow(sub, channel_major, gen):
     shadow = torch.randn(5, 3, 2, sub * BLOCK_SIZE, 64, generator=gen).bfloat16()
     cache = LayerKVCache(torch.zeros(5, 3, sub * lay.page_bytes, dtype=torch.uint8, device=DEV), shadow, lay,
                          keys_channel_major=channel_major)  # fmt: skip
+    shadow = ensure_device_readable(cache)  # registered with CUDA on a GPU machine, as the layer call does
     pool = torch.full((4, BLOCK_SIZE, 64), 7.0, dtype=torch.bfloat16, device=DEV)
     ids, heads = torch.tensor([5 * sub - 1, 0, 3]), torch.tensor([1, 2, 0])
     fill = torch.tensor([ids[0] * 3 + heads[0], -1, ids[1] * 3 + heads[1], ids[2] * 3 + heads[2]])
@@ -451,6 +452,7 @@ def test_stage_pages_copies_the_listed_pages(sub, channel_major, gen):
     shadow = torch.randn(5, 3, 2, sub * BLOCK_SIZE, 64, generator=gen).half()
     cache = LayerKVCache(torch.zeros(5, 3, sub * lay.page_bytes, dtype=torch.uint8, device=DEV), shadow, lay,
                          keys_channel_major=channel_major)  # fmt: skip
+    shadow = ensure_device_readable(cache)
     dst = torch.full((6, BLOCK_SIZE, 64), 7.0, dtype=torch.float16, device=DEV)
     ids, heads = torch.tensor([5 * sub - 1, 0, 3, 2]), torch.tensor([1, 2, 0, 0])
     pages = torch.tensor([ids[0] * 3 + heads[0], -1, ids[1] * 3 + heads[1], ids[2] * 3 + heads[2],

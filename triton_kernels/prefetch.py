@@ -3,7 +3,7 @@ with a few persistent programs, so that it runs beside a layer's kernels instead
 
 One program per page (``gather.fill_pool``) floods every SM with programs that wait on PCIe, and whatever
 runs on another stream waits behind them: measured on the H200, such a gather on a side stream added its
-whole time to a concurrent layer call. ``stage_pages`` launches ``programs`` programs (default 16) that
+whole time to a concurrent layer call. ``stage_pages`` launches ``programs`` programs (default 8) that
 each loop over the list, ``U`` pages per iteration (all loads issued before any store), which keeps about
 ``programs·U`` 4 KiB pages in flight: 45 GB/s alone at 16 × 4, and almost fully hidden behind a concurrent
 batch-8 128K layer call (``benchmarks/results/h200_prefetch_overlap.json``).
@@ -72,7 +72,7 @@ def stage_pages(
     num_kv_heads: int,
     sub_blocks: int,
     channel_major: bool = False,
-    programs: int = 16,
+    programs: int = 8,
     per_iteration: int = 4,
 ) -> None:
     """Copy the unquantized keys of page ``pages[i]`` (``block·H_kv + head``) into ``dst[i]`` for every

@@ -42,6 +42,7 @@ is bit-for-bit that of a call without prefetch (tests compare them).
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -71,16 +72,21 @@ class StepPrefetcher:
         head_dim, dtype, device: of the layers' shadows (one model: all layers alike).
         capacity: staging entries per ring slot (``CAP``).
         depth: ring slots.
-        programs: the staging gather's grid (few programs, so that it runs beside the layers' kernels).
+        programs: the staging gather's grid (few programs, so that it runs beside the layers' kernels);
+            default ``CERTVLLM_PREFETCH_PROGRAMS`` or 8 (pages in flight per program:
+            ``CERTVLLM_PREFETCH_UNROLL``, default 4).
     """
 
     def __init__(self, head_dim: int, dtype: torch.dtype, device: torch.device, capacity: int,
-                 depth: int = DEPTH, programs: int = 16) -> None:  # fmt: skip
+                 depth: int = DEPTH, programs: int | None = None) -> None:  # fmt: skip
+        if programs is None:
+            programs = int(os.environ.get("CERTVLLM_PREFETCH_PROGRAMS", "8"))
         if capacity < 1:
             raise ValueError(f"prefetch capacity={capacity}: needs at least one page; or set prefetch_fraction=0")
         if depth < 1:
             raise ValueError(f"prefetch depth={depth}: must be ≥ 1")
         self.capacity, self.depth, self.programs = int(capacity), int(depth), int(programs)
+        self.per_iteration = int(os.environ.get("CERTVLLM_PREFETCH_UNROLL", "4"))
         self.device = torch.device(device)
         self.ring = torch.zeros(depth, capacity, 16, head_dim, dtype=dtype, device=device)
         self.tag = torch.full((depth, capacity), -1, dtype=torch.int64, device=device)
@@ -181,25 +187,27 @@ class StepPrefetcher:
 
     # -- internals ---------------------------------------------------------------------------------------
     def _issue(self, i: int) -> None:
+        from certvllm.kv.cuda_pagein import ensure_device_readable
         from certvllm.triton_kernels.prefetch import snapshot_tags, stage_pages
 
         lay = self.layers[i]
         if lay.index is None:  # never called: nothing listed yet
             return
         cache = lay.cache
+        shadow = ensure_device_readable(cache)
         s = i % self.depth
         count = lay.step[:1]
         if self.side is None:  # CPU (the interpreter): in order
             snapshot_tags(lay.pages, count, cache.generation, self.tag[s], self.tag_gen[s], cache.num_kv_heads)
-            stage_pages(self.ring[s], cache.shadow, lay.pages, count, cache.num_kv_heads, cache.sub_blocks,
-                        cache.keys_channel_major, self.programs)  # fmt: skip
+            stage_pages(self.ring[s], shadow, lay.pages, count, cache.num_kv_heads, cache.sub_blocks,
+                        cache.keys_channel_major, self.programs, self.per_iteration)  # fmt: skip
         else:
             self.side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.side):
                 snapshot_tags(lay.pages, count, cache.generation, self.tag[s], self.tag_gen[s],
                               cache.num_kv_heads)  # fmt: skip
-                stage_pages(self.ring[s], cache.shadow, lay.pages, count, cache.num_kv_heads, cache.sub_blocks,
-                            cache.keys_channel_major, self.programs)  # fmt: skip
+                stage_pages(self.ring[s], shadow, lay.pages, count, cache.num_kv_heads, cache.sub_blocks,
+                            cache.keys_channel_major, self.programs, self.per_iteration)  # fmt: skip
                 lay.ready = torch.cuda.Event()
                 lay.ready.record(self.side)
         lay.staged = True
