@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from .common import device_arg, launch_device_ok, next_pow2
+from .pool import _items
 
 
 @triton.jit
@@ -132,17 +133,8 @@ def _serve_record_kernel(
     nslots, CAP,
     H: tl.constexpr, BLK: tl.constexpr, SERVE: tl.constexpr,
 ):  # fmt: skip
-    rk = tl.program_id(0).to(tl.int64)
-    r = rk // H
-    h = rk % H
-    b = tl.program_id(1) * BLK + tl.arange(0, BLK)
-    inb = b < B
-    valid = inb & (b < tl.load(nfull + r))
-    need = valid & ((tl.load(bits + rk * B + b, mask=valid, other=0) & need_mask) != 0)
-    bid = tl.load(tables + r * TB_STRIDE + b, mask=inb, other=0)
-    bid = tl.minimum(tl.maximum(bid, 0), num_blocks - 1)
-    page = bid * H + h
-    idx = rk * B + b
+    # the pool lookup's items (pool slots unused: one slot)
+    idx, inb, need, bid, page, _, _ = _items(tables, TB_STRIDE, nfull, bits, B, need_mask, num_blocks, 1, H, BLK)
     slot = tl.load(slot_map + idx, mask=inb, other=-1)
     tl.atomic_add(step + 2, tl.sum((need & (slot < 0)).to(tl.int64), axis=0))
     if SERVE:
