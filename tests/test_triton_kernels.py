@@ -444,8 +444,8 @@ def test_promotion_cache_never_serves_a_rewritten_block(gen, monkeypatch):
 
 
 # -- the step prefetch (certvllm.kv.prefetch) ------------------------------------------------------------
-@pytest.mark.parametrize("sub,channel_major", [(1, False), (4, True)])
-def test_stage_pages_copies_the_listed_pages(sub, channel_major, gen):
+@pytest.mark.parametrize("sub,channel_major,sparse", [(1, False, 0), (4, True, 0), (1, False, 100)])
+def test_stage_pages_copies_the_listed_pages(sub, channel_major, sparse, gen):
     from certvllm.triton_kernels.prefetch import stage_pages
 
     lay = PageLayout(64)
@@ -457,8 +457,9 @@ def test_stage_pages_copies_the_listed_pages(sub, channel_major, gen):
     ids, heads = torch.tensor([5 * sub - 1, 0, 3, 2]), torch.tensor([1, 2, 0, 0])
     pages = torch.tensor([ids[0] * 3 + heads[0], -1, ids[1] * 3 + heads[1], ids[2] * 3 + heads[2],
                           ids[3] * 3 + heads[3], 0])  # fmt: skip
+    # sparse = 100 > 5 listed pages: one of the two programs copies them all
     stage_pages(dst, shadow, pages.to(DEV), torch.tensor([5]).to(DEV), 3, sub, channel_major, programs=2,
-                per_iteration=2)  # fmt: skip
+                per_iteration=2, sparse=sparse)  # fmt: skip
     keys = cache.shadow_pages(ids, heads)[:, 0]
     assert torch.equal(dst[[0, 2, 3, 4]].cpu(), keys)
     assert (dst[1] == 7.0).all() and (dst[5] == 7.0).all()  # a −1 entry and an entry past the count

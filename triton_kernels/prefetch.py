@@ -30,6 +30,7 @@ def _stage_pages_kernel(
     pages,  # [CAP] int64: page id e = block·H + head to copy into dst[i], or −1 (skip)
     count,  # [1] int64 (device): entries of pages in use (capped at CAP)
     CAP,  # entries of pages and dst
+    SPARSE,  # fewer than this many pages: only half the programs copy (they disturb the layers less)
     NPROG: tl.constexpr,  # programs in the grid
     U: tl.constexpr,  # pages per program and iteration
     H: tl.constexpr,  # KV heads of the shadow
@@ -45,7 +46,8 @@ def _stage_pages_kernel(
     d = tl.arange(0, DP)
     dm = d < D
     P = tl.minimum(tl.load(count), CAP)
-    for first in range(pid * U, P, NPROG * U):
+    nprog = tl.where(P < SPARSE, max(NPROG // 2, 1), NPROG)
+    for first in range(tl.where(pid < nprog, pid * U, P), P, nprog * U):  # programs past nprog: no work
         i = first + u
         e = tl.load(pages + i, mask=i < P, other=-1)
         ok = e >= 0
@@ -75,6 +77,7 @@ def stage_pages(
     channel_major: bool = False,
     programs: int = 8,
     per_iteration: int = 4,
+    sparse: int = 0,
 ) -> None:
     """Copy the unquantized keys of page ``pages[i]`` (``block·H_kv + head``) into ``dst[i]`` for every
     ``i < min(count, P)`` with ``pages[i] ≥ 0``; zero-copy from the pinned shadow, no host synchronisation.
@@ -86,6 +89,7 @@ def stage_pages(
         num_kv_heads, sub_blocks: ``H_kv`` and ``m`` of the shadow.
         channel_major: keys are stored ``[D, m·N]`` per (engine block, head).
         programs, per_iteration: the grid and the pages each program has in flight (powers of two).
+        sparse: below this many listed pages only half the programs copy (see ``certvllm.kv.prefetch``).
     """
     p, _, d = dst.shape
     if p == 0:
@@ -94,7 +98,7 @@ def stage_pages(
         raise ValueError(f"pages has shape {tuple(pages.shape)}; it must be ({p},), one id per staging entry")
     launch_device_ok(dst)
     _stage_pages_kernel[(programs,)](
-        device_arg(shadow), dst, pages, count, p,
+        device_arg(shadow), dst, pages, count, p, sparse,
         NPROG=programs, U=per_iteration, H=num_kv_heads, M=sub_blocks, D=d, DP=next_pow2(d),
         CHANNEL_MAJOR=channel_major, num_warps=8 if per_iteration >= 4 else 4,
     )  # fmt: skip

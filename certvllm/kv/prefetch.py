@@ -53,6 +53,11 @@ if TYPE_CHECKING:
 
 #: ring slots: layer i's staging is filled while layers i−depth+1 … i−1 run
 DEPTH = 2
+#: a layer whose listed pages are under this share of its call's [R, H_kv, B] grid is staged by half the
+#: programs: few pages against a long call, so a slower staging still arrives in time and disturbs the
+#: call's kernels less (H200, 8 layers per step: at 128K, 2 % of the grid listed, 4 programs beat 8 by 7 %;
+#: at 32K, 11 % listed, 4 programs came too late — benchmarks/results/h200_prefetch_overlap.json)
+SPARSE_SHARE = 0.05
 
 
 @dataclass
@@ -195,19 +200,20 @@ class StepPrefetcher:
             return
         cache = lay.cache
         shadow = ensure_device_readable(cache)
+        sparse = int(SPARSE_SHARE * lay.index.numel())
         s = i % self.depth
         count = lay.step[:1]
         if self.side is None:  # CPU (the interpreter): in order
             snapshot_tags(lay.pages, count, cache.generation, self.tag[s], self.tag_gen[s], cache.num_kv_heads)
             stage_pages(self.ring[s], shadow, lay.pages, count, cache.num_kv_heads, cache.sub_blocks,
-                        cache.keys_channel_major, self.programs, self.per_iteration)  # fmt: skip
+                        cache.keys_channel_major, self.programs, self.per_iteration, sparse)  # fmt: skip
         else:
             self.side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.side):
                 snapshot_tags(lay.pages, count, cache.generation, self.tag[s], self.tag_gen[s],
                               cache.num_kv_heads)  # fmt: skip
                 stage_pages(self.ring[s], shadow, lay.pages, count, cache.num_kv_heads, cache.sub_blocks,
-                            cache.keys_channel_major, self.programs, self.per_iteration)  # fmt: skip
+                            cache.keys_channel_major, self.programs, self.per_iteration, sparse)  # fmt: skip
                 lay.ready = torch.cuda.Event()
                 lay.ready.record(self.side)
         lay.staged = True
