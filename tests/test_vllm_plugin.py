@@ -197,3 +197,34 @@ def test_promotion_pool_fits_in_the_planned_kv_memory(
             assert used(kept) <= planned * page, (planned, kept)
         if planned >= 1000:
             assert used(kept + 2) > planned * page, f"kept {kept} of {planned}: more blocks would fit"
+
+
+def test_host_tier_registers_layers_with_one_step_prefetcher_in_forward_order():
+    """The CUDA backend registers every layer's cache with the worker's step prefetcher as it first sees
+    it; a cache reallocated for a layer replaces its entry, or, at another size (profiling → real cache),
+    starts a prefetcher sized for it."""
+    import torch
+
+    from certvllm.formats.layout import PageLayout
+    from certvllm.vllm_plugin.host_tier import HostTier
+
+    tier = HostTier()
+    lay = PageLayout(64)
+    kv = {name: torch.zeros(6, 2, 16, lay.bytes_per_token, dtype=torch.uint8) for name in ("l.0", "l.1")}
+    caches = {name: tier.layer(name, t, 64, torch.float16, 16) for name, t in kv.items()}
+    tier.attach_prefetch("l.0", caches["l.0"], 0.0)
+    assert tier.prefetcher is None  # fraction 0: no prefetch
+    for name in ("l.0", "l.1"):
+        tier.attach_prefetch(name, caches[name], 0.5)
+    pf = tier.prefetcher
+    assert [lay_.cache for lay_ in pf.layers] == [caches["l.0"], caches["l.1"]]
+    assert caches["l.1"].prefetch == (pf, 1)
+    assert pf.capacity == 6  # half of one layer's 6 blocks × 2 KV heads
+    same = tier.layer("l.0", torch.zeros_like(kv["l.0"]), 64, torch.float16, 16)
+    tier.attach_prefetch("l.0", same, 0.5)
+    assert tier.prefetcher is pf and len(pf.layers) == 2 and pf.layers[0].cache is same
+    bigger = {name: torch.zeros(8, 2, 16, lay.bytes_per_token, dtype=torch.uint8) for name in kv}
+    for name in ("l.0", "l.1"):
+        tier.attach_prefetch(name, tier.layer(name, bigger[name], 64, torch.float16, 16), 0.5)
+    assert tier.prefetcher is not pf and tier.prefetcher.capacity == 8
+    assert [lay_.cache.pages.data_ptr() for lay_ in tier.prefetcher.layers] == [bigger[n].data_ptr() for n in kv]

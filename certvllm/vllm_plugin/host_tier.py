@@ -119,16 +119,22 @@ class HostTier:
         self.allocations = 0
         self.prefetcher = None  # certvllm.kv.prefetch.StepPrefetcher of the CUDA layers (attach_prefetch)
         self._prefetch_index: dict[str, int] = {}
+        self._prefetch_blocks = 0  # the 16-token blocks per layer the prefetcher was sized for
 
     def attach_prefetch(self, name: str, cache: LayerKVCache, fraction: float) -> None:
-        """Register layer ``name``'s (new) cache with this worker's step prefetcher, created with the first
-        one (layers register in forward order: the order they are first seen). ``fraction`` 0: none."""
+        """Register layer ``name``'s (new) cache with this worker's step prefetcher (layers register in
+        forward order: the order they are first seen). The prefetcher is sized by the first cache; a cache
+        of another size (the real cache after profiling) starts a new one, which the layers join again as
+        their caches are reallocated; a same-size reallocation replaces the layer's entry. ``fraction`` 0:
+        none."""
         from certvllm.kv.prefetch import StepPrefetcher
 
         if fraction <= 0:
             return
-        if self.prefetcher is None:
+        if self.prefetcher is None or self._prefetch_blocks != cache.num_blocks:
             self.prefetcher = StepPrefetcher.for_cache(cache, fraction)
+            self._prefetch_blocks = cache.num_blocks
+            self._prefetch_index = {}
         self._prefetch_index[name] = self.prefetcher.register(cache, self._prefetch_index.get(name))
 
     @property
