@@ -203,17 +203,13 @@ class StepPrefetcher:
         sparse = int(SPARSE_SHARE * lay.index.numel())
         s = i % self.depth
         count = lay.step[:1]
-        if self.side is None:  # CPU (the interpreter): in order
+        if self.side is not None:  # after everything queued so far on the layer's stream
+            self.side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.side):  # None (CPU, the interpreter): in order, no stream
             snapshot_tags(lay.pages, count, cache.generation, self.tag[s], self.tag_gen[s], cache.num_kv_heads)
             stage_pages(self.ring[s], shadow, lay.pages, count, cache.num_kv_heads, cache.sub_blocks,
                         cache.keys_channel_major, self.programs, self.per_iteration, sparse)  # fmt: skip
-        else:
-            self.side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(self.side):
-                snapshot_tags(lay.pages, count, cache.generation, self.tag[s], self.tag_gen[s],
-                              cache.num_kv_heads)  # fmt: skip
-                stage_pages(self.ring[s], shadow, lay.pages, count, cache.num_kv_heads, cache.sub_blocks,
-                            cache.keys_channel_major, self.programs, self.per_iteration, sparse)  # fmt: skip
+            if self.side is not None:
                 lay.ready = torch.cuda.Event()
                 lay.ready.record(self.side)
         lay.staged = True
