@@ -322,6 +322,16 @@ def build() -> dict:
     )
     lay.add(
         timeseries(
+            "Promoted key pages by source",
+            "Where the promotion pass read unquantized keys (CUDA): the promotion cache, the step prefetch's "
+            "ring, or over PCIe.",
+            [(f"sum by (source) (rate(vllm:cert_key_pages_total{F}[{RATE}]))", "{{source}}")],
+            "ops",
+        ),
+        8,
+    )
+    lay.add(
+        timeseries(
             "Page-in time per attention call",
             "Quantiles and mean of the page-in time.",
             quantiles("vllm:cert_page_in_seconds", (0.5, 0.99))

@@ -228,3 +228,20 @@ def test_host_tier_registers_layers_with_one_step_prefetcher_in_forward_order():
         tier.attach_prefetch(name, tier.layer(name, bigger[name], 64, torch.float16, 16), 0.5)
     assert tier.prefetcher is not pf and tier.prefetcher.capacity == 8
     assert [lay_.cache.pages.data_ptr() for lay_ in tier.prefetcher.layers] == [bigger[n].data_ptr() for n in kv]
+
+
+def test_key_page_sources_come_from_the_pool_and_the_prefetch_counters():
+    """Per layer call the backend exports where promoted keys came from: pool hits, pages served by the step
+    prefetch, and the rest (over PCIe), read from the two components' counters."""
+    from types import SimpleNamespace
+
+    from certvllm.vllm_plugin.backend import CertifiedAttentionImpl
+
+    seen = []
+    metrics = SimpleNamespace(count_key_pages=lambda *a: seen.append(a))
+    pool = SimpleNamespace(take_stats=lambda: {"lookups": 100, "hits": 60, "fills": 10, "bypass": 30})
+    prefetch = SimpleNamespace(take_stats=lambda: {"staged": 40, "candidates": 40, "served": 25})
+    impl = SimpleNamespace(metrics=metrics)
+    CertifiedAttentionImpl._count_key_pages(impl, SimpleNamespace(promotion_cache=pool, prefetch=(prefetch, 3)))
+    CertifiedAttentionImpl._count_key_pages(impl, SimpleNamespace(promotion_cache=pool, prefetch=None))
+    assert seen == [(60, 25, 15), (60, 0, 40)]

@@ -24,6 +24,7 @@ SECONDS_BUCKETS = (1e-5, 1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1.0)
 RUNG_NAMES = ("0", "1", "2", "3", "4")
 HEAD_REASONS = ("rank", "boundary", "bound_tol")
 LAYER_REASONS = ("canary", "precondition")
+KEY_PAGE_SOURCES = ("pool", "prefetch", "host")
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,10 @@ SPECS = (
     MetricSpec("vllm:cert_promoted_value_blocks_total", "counter",
                "(block, KV head) pages read with unquantized values (rung 2), summed over query heads and steps."),
     MetricSpec("vllm:cert_page_in_bytes_total", "counter", "Bytes paged in from the host shadow tier."),
+    MetricSpec("vllm:cert_key_pages_total", "counter",
+               "CUDA path: unquantized key pages the promotion pass read, by where they came from (pool = the "
+               "device-resident promotion cache, prefetch = the step prefetch's ring, host = over PCIe).",
+               ("source",)),
     MetricSpec("vllm:cert_page_in_seconds", "histogram", "Page-in time per attention call.",
                buckets=SECONDS_BUCKETS),
     MetricSpec("vllm:cert_exact_tokens_total", "counter",
@@ -103,6 +108,8 @@ class CertMetrics:
             made["vllm:cert_head_steps_total"].labels(**self.base, rung=rung)
         for reason in HEAD_REASONS:
             made["vllm:cert_head_fallbacks_total"].labels(**self.base, reason=reason)
+        for source in KEY_PAGE_SOURCES:
+            made["vllm:cert_key_pages_total"].labels(**self.base, source=source)
         for name in ("vllm:cert_canary_violations_total", "vllm:cert_promoted_key_blocks_total",
                      "vllm:cert_promoted_value_blocks_total", "vllm:cert_page_in_bytes_total"):  # fmt: skip
             made[name].labels(**self.base)
@@ -128,6 +135,12 @@ class CertMetrics:
 
     def set_host_tier_bytes(self, nbytes: int) -> None:
         self._child("vllm:cert_host_tier_bytes").set(nbytes)
+
+    def count_key_pages(self, pool: int, prefetch: int, host: int) -> None:
+        """Key pages the promotion pass read from the pool, the step prefetch's ring and over PCIe."""
+        for source, n in zip(KEY_PAGE_SOURCES, (pool, prefetch, host), strict=True):
+            if n:
+                self._child("vllm:cert_key_pages_total", source=source).inc(n)
 
     def count_exact_tokens(self, reason: str, n: int) -> None:
         if n:

@@ -316,8 +316,10 @@ class CertifiedAttentionImpl(AttentionImpl[CertifiedMetadata]):
             res = certified_attention(rows_q, cache, meta.row_block_table, meta.row_seq_lens, self.config,
                                       self.scale, pagein, self.generator, dense_fn=dense_rows)  # fmt: skip
             out[meta.row_tokens.to(out.device)] = res.out.to(out.dtype)
-            stats = pagein.take_stats()
+            stats = pagein.take_stats()  # synchronises (the CUDA path has already, for its fallback rows)
             self.metrics.record(res.report, self._layer(layer), stats.bytes, stats.seconds)
+            if cache.promotion_cache is not None:
+                self._count_key_pages(cache)
 
         if meta.exact_plan is not None:
             if meta.exact_all:
@@ -333,6 +335,12 @@ class CertifiedAttentionImpl(AttentionImpl[CertifiedMetadata]):
                     self.metrics.count_exact_tokens(reason, count)
             pagein.take_stats()
         return output
+
+    def _count_key_pages(self, cache) -> None:
+        """Where this call's promoted key pages came from: the pool, the step prefetch, or PCIe."""
+        pool = cache.promotion_cache.take_stats()
+        served = cache.prefetch[0].take_stats()["served"] if cache.prefetch is not None else 0
+        self.metrics.count_key_pages(pool["hits"], served, pool["lookups"] - pool["hits"] - served)
 
     def _exact_runtime(self, kv_cache: torch.Tensor) -> ExactAttention:
         if self._exact is None:
