@@ -502,6 +502,25 @@ def test_step_prefetch_serves_staged_pages_and_changes_nothing(n_layers, gen):
     assert pf.nbytes == pf.ring.numel() * 2 + 16 * pf.ring.shape[0] * pf.capacity
 
 
+def test_step_prefetch_follows_rows_when_the_batch_changes(gen):
+    # step 0 serves rows A, B, C; then B finishes and the engine compacts the batch to C, A with a narrower
+    # block table: each row keeps its staged pages (matched by its first block), the output is unchanged
+    cfg = load_config("default", promotion_cache_fraction=0.05, prefetch_fraction=0.5)
+    cases = [make_case("sink_and_recency", t, 8, 2, 64, torch.float16, gen) for t in (150, 261, 120)]
+    pf, layers, plain, tables, lens = _prefetch_layers(cases, 2, cfg)
+    q = torch.stack([c.q for c in cases]).to(DEV)
+    for rows in ([0, 1, 2], [2, 0]):
+        idx = torch.tensor(rows, device=DEV)
+        width = int((lens[idx].max() + BLOCK_SIZE - 1) // BLOCK_SIZE)
+        t, n, qq = tables[idx, :width].contiguous(), lens[idx], q[idx]
+        pf.begin_step()
+        for i in range(2):
+            _assert_identical(_certified_call(layers[i], qq, t, n, cfg), _certified_call(plain[i], qq, t, n, cfg))
+        pf.end_step()
+        st = pf.take_stats()
+        assert st["candidates"] > 0 and (st["served"] > 0) == (rows == [2, 0])
+
+
 def test_step_prefetch_never_serves_a_rewritten_block(gen, monkeypatch):
     cfg = load_config("default", promotion_cache_fraction=0.05, prefetch_fraction=1.0, canary=False)
     cases = [make_case("sink_and_recency", 200, 8, 2, 64, torch.float16, gen) for _ in range(2)]

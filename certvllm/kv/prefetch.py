@@ -34,9 +34,11 @@ pages starts (:func:`certvllm.triton_kernels.prefetch.snapshot_tags`, then ``sta
 side stream after an event on the main stream: a write queued before that event is seen by both; a write
 that lands later bumps the block's generation after its data is in the shadow, so a tag taken before the
 bump never matches again, and a tag taken after it was taken after the data landed, which the copy kernel
-(launched later) then reads. Rows that moved, blocks that were rewritten and pages that did not fit
-(``CAP``) are read over PCIe as before. The staged bytes are the shadow's bytes, so the attention output
-is bit-for-bit that of a call without prefetch (tests compare them).
+(launched later) then reads. Blocks that were rewritten and pages that did not fit (``CAP``) are read over
+PCIe as before. When the batch changes shape (requests finished or joined, the table widened), each row's
+map follows the row that began with the same block at the previous call (:meth:`StepPrefetcher._regrid`).
+The staged bytes are the shadow's bytes, so the attention output is bit-for-bit that of a call without
+prefetch (tests compare them).
 """
 
 from __future__ import annotations
@@ -68,6 +70,7 @@ class _Layer:
     index: torch.Tensor | None = None  # [R, H_kv, B] int32: staging entry per grid position
     ready: torch.cuda.Event | None = None  # recorded on the side stream once the staging is in
     staged: bool = False  # a staging was issued for the coming call (waited for or not)
+    first: torch.Tensor | None = None  # [R] int64: the first block id of each row at the last call
 
 
 class StepPrefetcher:
@@ -170,14 +173,31 @@ class StepPrefetcher:
                     f"step prefetch: layer {i} meets a new grid {shape} inside CUDA-graph capture; run the "
                     "shape once before capturing (the prefetch allocates its grid map outside capture)"
                 )
-            lay.index = torch.full(shape, -1, dtype=torch.int32, device=self.device)
-            staged = False  # the staging was listed for another grid
+            lay.index = self._regrid(lay, tables, shape)
+            staged = staged and lay.first is not None
         s = i % self.depth
         lay.step.zero_()
         serve_and_record(tables, nfull, bits, need_mask, cache.num_blocks, cache.generation, slot_map, lay.index,
                          self.tag[s], self.tag_gen[s], lay.pages, lay.step, nslots, staged)  # fmt: skip
         self.counts += lay.step[1:]
+        lay.first = tables[:, 0].clone()  # the rows' identities, should the next call's grid differ
         return self.ring[s], lay.step[3]
+
+    @staticmethod
+    def _regrid(lay: _Layer, tables: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+        """The grid map for a call whose ``[R, H_kv, B]`` grid differs from the previous call's (requests
+        finished or joined, rows moved, the table widened): each row takes the map of the previous row
+        that began with the same block — the same request, as far as the block tables tell — and a row
+        without one starts empty. A wrong match costs nothing but misses: entries are checked against
+        the page they are served for."""
+        index = torch.full(shape, -1, dtype=torch.int32, device=tables.device)
+        if lay.index is None or lay.first is None or lay.index.shape[1] != shape[1]:
+            return index
+        same = tables[:, :1] == lay.first.unsqueeze(0)  # [R, R_prev]
+        src = same.to(torch.int8).argmax(dim=1)
+        b = min(shape[2], lay.index.shape[2])
+        index[:, :, :b] = torch.where(same.any(dim=1).view(-1, 1, 1), lay.index[src, :, :b], -1)
+        return index
 
     def after_promote(self, i: int) -> None:
         """Layer ``i``'s promotion pass is queued: its ring slot is free once that runs, so stage layer
