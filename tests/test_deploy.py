@@ -212,6 +212,10 @@ def test_presets_documented_and_example_loads():
         assert re.search(rf"`{name}`", readme), f"configs/README.md does not document the preset {name}"
     example = load_config(str(ROOT / "configs" / "example.yaml"))  # what --cert-config configs/example.yaml does
     assert example.mode == "certified"
+    # as its header says: the default preset with every field spelled out
+    assert example == load_config("default")
+    spelled = set(yaml.safe_load((ROOT / "configs" / "example.yaml").read_text()))
+    assert spelled == set(type(example).model_fields), "configs/example.yaml must list every CertConfig field"
 
 
 # ---------------------------------------------------------------------------------------------------
