@@ -483,7 +483,7 @@ def _prefetch_layers(cases, n_layers, cfg):
 def test_step_prefetch_serves_staged_pages_and_changes_nothing(n_layers, gen):
     # a pool far too small for the promoted pages: most of them are left to the shadow, i.e. staged
     cfg = load_config("default", promotion_cache_fraction=0.05, prefetch_fraction=0.5)
-    cases = [make_case("sink_and_recency", t, 8, 2, 64, torch.float16, gen) for t in (150, 261)]
+    cases = [make_case("sink_and_recency", t, 8, 2, 64, torch.float16, gen) for t in (100, 181)]
     pf, layers, plain, tables, lens = _prefetch_layers(cases, n_layers, cfg)
     q0 = torch.stack([c.q for c in cases]).to(DEV)
     for step in range(2):
@@ -506,7 +506,7 @@ def test_step_prefetch_follows_rows_when_the_batch_changes(gen):
     # step 0 serves rows A, B, C; then B finishes and the engine compacts the batch to C, A with a narrower
     # block table: each row keeps its staged pages (matched by its first block), the output is unchanged
     cfg = load_config("default", promotion_cache_fraction=0.05, prefetch_fraction=0.5)
-    cases = [make_case("sink_and_recency", t, 8, 2, 64, torch.float16, gen) for t in (150, 261, 120)]
+    cases = [make_case("sink_and_recency", t, 8, 2, 64, torch.float16, gen) for t in (100, 181, 70)]
     pf, layers, plain, tables, lens = _prefetch_layers(cases, 2, cfg)
     q = torch.stack([c.q for c in cases]).to(DEV)
     for rows in ([0, 1, 2], [2, 0]):
