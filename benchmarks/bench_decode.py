@@ -174,15 +174,23 @@ def time_eager(fn, iters: int) -> float:
     return median_ms(fn, iters)
 
 
+def capture_graph(fn, warmup: int = 2) -> torch.cuda.CUDAGraph:
+    """``fn`` run ``warmup`` times (allocations, compiles, pools), then captured into a CUDA graph."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
 def time_graph(fn, iters: int) -> float | None:
     """Median ms of CUDA-graph replays of ``fn`` (None if it cannot be captured)."""
     for _ in range(2):
         fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
     try:
-        with torch.cuda.graph(graph):
-            fn()
+        graph = capture_graph(fn, warmup=0)
     except Exception as err:  # noqa: BLE001 - report and fall back to eager numbers
         print(f"    (graph capture failed: {type(err).__name__}: {str(err)[:160]})", flush=True)
         torch.cuda.synchronize()
@@ -356,12 +364,7 @@ def pipeline(cache, tables, q, k, v, lens, args) -> dict:
             if pf is not None:
                 pf.end_step()
 
-        for _ in range(2):
-            step()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            step()
+        graph = capture_graph(step)
         for view in views:
             view.promotion_cache.take_stats()
         if pf is not None:
@@ -436,12 +439,7 @@ def multistep(cache, tables, q, k, v, lens, args) -> dict:
             def call(view=view, cfg=cfg, seq=seq, static_q=static_q, eng=eng):
                 return certified_attention_gpu(static_q, view, tables, seq, cfg, scale, eng, fallback="device")
 
-            for _ in range(2):
-                call()
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                call()
+            graph = capture_graph(call)
             pool = view.promotion_cache
             if pool is not None:
                 pool.take_stats()

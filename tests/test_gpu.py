@@ -580,12 +580,7 @@ def test_step_prefetch_at_llama_shapes_in_graph_replays():
                    for i in range(n)]  # fmt: skip
         pf.end_step()
 
-    for _ in range(2):
-        step()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph = bench.capture_graph(step)
     pf.take_stats()
     for s in range(6):
         if s == 3:  # rewrite a block layer 0 staged for this step, after the staging was taken
