@@ -113,7 +113,8 @@ def compile_gluon(kernel, pointers: dict, constants: dict, arch: int = 90) -> Co
 
 
 def main_loop_mix(sass: str) -> collections.Counter:
-    """Opcode counts of one iteration of the longest loop in ``sass`` (``cuobjdump -sass`` text), without
+    """Opcode counts of one iteration of the longest loop in ``sass`` (``cuobjdump -sass`` text: the longest
+    backward branch, taken or conditional), without
     its largest conditional forward branch's body (the rarely taken path, e.g. value-promoted blocks)."""
     lines = []
     for line in sass.splitlines():
@@ -127,7 +128,7 @@ def main_loop_mix(sass: str) -> collections.Counter:
 
     best = (0, 0)
     for addr, ins in lines:
-        dest = target(ins) if "BRA" in ins and not ins.startswith("@") else None
+        dest = target(ins) if "BRA" in ins else None  # a loop may close with a conditional branch
         if dest is not None and dest < addr and addr - dest > best[1] - best[0]:
             best = (dest, addr)
     start, end = best
