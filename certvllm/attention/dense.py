@@ -2,14 +2,16 @@
 
 One function computes it for unpaged K/V; the paged variant gathers a row's shadow pages and calls
 that same function on the same values, so a head recomputed by rung 3/4 is bit-identical to
-``dense_decode`` on the originals.
+``dense_decode`` on the originals. The kernel (torch SDPA, or xformers where installed and measured
+faster on CUDA) is chosen per shape class by :mod:`certvllm.attention.dense_backend`
+(``CERTVLLM_DENSE_BACKEND``), and the choice is cached, so every call of a class uses the same one.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
+from certvllm.attention import dense_backend
 from certvllm.kv.cache import LayerKVCache
 from certvllm.kv.pagein import PageInEngine
 
@@ -21,13 +23,10 @@ def dense_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
         q: ``[H_q, D]``; k, v: ``[T, H_kv, D]`` (float16/bfloat16 originals).
 
     Returns:
-        ``[H_q, D]`` float32.
+        ``[H_q, D]`` float32, computed in float32 by the backend :func:`dense_backend.choose` picks
+        (``"sdpa"`` unless xformers is installed, on CUDA, and measured faster and in agreement).
     """
-    qf = q.float().unsqueeze(0).unsqueeze(2)  # (1, H_q, 1, D)
-    kf = k.float().permute(1, 0, 2).unsqueeze(0)  # (1, H_kv, T, D)
-    vf = v.float().permute(1, 0, 2).unsqueeze(0)
-    out = F.scaled_dot_product_attention(qf, kf, vf, scale=scale, enable_gqa=kf.shape[1] != qf.shape[1])
-    return out[0, :, 0]
+    return dense_backend.decode(q, k, v, scale)
 
 
 def gather_row_kv(

@@ -19,7 +19,8 @@ Same algorithm, same certificate and same report as :func:`certvllm.attention.pa
 6. ``triton_kernels.finalize``: the output, the bounds (``certvllm.bounds``' formulas), the rank and
    boundary checks and the report;
 7. rungs 3/4: ``fallback="sdpa"`` (default) recomputes escalated rows with ``dense_fn`` (default
-   ``dense_paged``: torch SDPA over the originals, bit-identical to ``dense_decode``), which needs the
+   ``dense_paged``: ``dense_decode`` over the originals, so bit-identical to it; its kernel is torch SDPA
+   unless ``CERTVLLM_DENSE_BACKEND`` selects xformers, ``certvllm.attention.dense_backend``), which needs the
    row list on the host: one synchronisation at the end of the layer call. ``fallback="device"`` instead
    re-runs the phase-2 kernels with every block of the escalated (row, KV head) groups unquantized:
    exact float32 attention over the originals with the reference's summation structure, and the whole

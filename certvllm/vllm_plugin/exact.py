@@ -3,7 +3,9 @@
 On the CPU the shadow tier is laid out exactly like vLLM's own CPU KV cache (keys stored
 transposed per block), so this runs vLLM's CPU attention kernel on it: an exactly recomputed head is
 bit-for-bit what ``--kv-cache-dtype auto`` (with the same block size) computes. Elsewhere it gathers
-the originals and runs float32 SDPA per request.
+the originals per request: a single query token (a decode row: rungs 3/4, the dense mode) goes through
+``dense_decode`` (the kernel ``certvllm.attention.dense_backend`` chose for its shape class), several
+(prefill) through float32 SDPA with the causal mask.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from certvllm.attention.dense import gather_row_kv
+from certvllm.attention.dense import dense_decode, gather_row_kv
 from certvllm.kv.cache import LayerKVCache
 from certvllm.kv.pagein import PageInEngine
 
@@ -92,6 +94,10 @@ class ExactAttention:
             sub = cache.sub_blocks
             table = (plan.block_table[i].cpu().long().unsqueeze(-1) * sub + torch.arange(sub)).flatten()
             k, v = gather_row_kv(cache, table, seq_len, pagein)
+            if end - start == 1:  # one query token sees the whole row: exactly dense_decode
+                o1 = dense_decode(query[start], k.to(query.device), v.to(query.device), self.scale)
+                out[start] = o1.to(out.dtype)
+                continue
             q = query[start:end].float().transpose(0, 1).unsqueeze(0)  # (1, H_q, q_len, D)
             kf = k.to(q.device).float().permute(1, 0, 2).unsqueeze(0)
             vf = v.to(q.device).float().permute(1, 0, 2).unsqueeze(0)

@@ -1,0 +1,255 @@
+"""The kernel of exact dense decode attention (``certvllm.attention.dense_backend``): SDPA by default,
+xformers only where importable, on CUDA, measured faster and in agreement with SDPA.
+
+xformers is not installed here (nor on the H200 we measure on), so these tests inject a stand-in
+``xformers.ops.memory_efficient_attention`` (plain torch math in xformers' ``[B, M, H, K]`` layout, equal
+head counts as its 4-D form requires) and, where the rule is about CUDA, let the device check accept the
+CPU. The measurement reads a fake clock that each kernel advances by a stated cost, so "faster" and
+"slower" do not depend on the load of the test machine. Tolerance of "equals SDPA": ``torch.allclose``
+with rtol = 1e-4, atol = 1e-5 (float32 outputs of magnitude ≤ ~3, two float32 summation orders).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import sys
+import types
+
+import pytest
+import torch
+
+from certvllm.attention import certified_decode, dense_backend, dense_decode
+from certvllm.config import make_config
+from certvllm.kv.pagein import PageInEngine
+from certvllm.testing import make_case, paged_batch
+from certvllm.vllm_plugin.exact import ExactAttention, ExactPlan
+
+RTOL, ATOL = 1e-4, 1e-5
+
+
+class Clock:
+    """The measurement's timer: time passes only when a kernel says it took some."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture(autouse=True)
+def clock(monkeypatch) -> Clock:
+    monkeypatch.delenv(dense_backend.ENV, raising=False)
+    dense_backend.reset()
+    fake = Clock()
+    monkeypatch.setattr(dense_backend, "_clock", fake)
+    yield fake
+    dense_backend.reset()
+
+
+class StandIn:
+    """``xformers.ops.memory_efficient_attention`` in plain torch: ``[B, M, H, K]`` in and out; each call
+    advances ``clock`` by ``cost_s`` (binary fractions of a second: exact differences, so ties are ties)."""
+
+    def __init__(self, clock: Clock, cost_s: float = 2.0**-10, wrong: bool = False) -> None:
+        self.clock, self.cost_s, self.wrong, self.calls = clock, cost_s, wrong, 0
+
+    def __call__(self, query, key, value, attn_bias=None, p=0.0, scale=None):
+        assert attn_bias is None and p == 0.0
+        assert query.dim() == key.dim() == value.dim() == 4 and query.shape[2] == key.shape[2] == value.shape[2]
+        self.calls += 1
+        self.clock.now += self.cost_s
+        s = torch.einsum("bmhk,bnhk->bhmn", query, key) * (1.0 if self.wrong else scale)  # wrong: forgets the scale
+        return torch.einsum("bhmn,bnhk->bmhk", s.softmax(dim=-1), value)
+
+
+def _inject(monkeypatch, fn: StandIn) -> StandIn:
+    package, ops = types.ModuleType("xformers"), types.ModuleType("xformers.ops")
+    ops.memory_efficient_attention = fn
+    package.ops = ops
+    monkeypatch.setitem(sys.modules, "xformers", package)
+    monkeypatch.setitem(sys.modules, "xformers.ops", ops)
+    return fn
+
+
+def _on_cuda(monkeypatch) -> None:
+    """Let the selection treat CPU tensors as if they were on CUDA (the device check only)."""
+    monkeypatch.setattr(dense_backend, "xformers_device_ok", lambda device: True)
+
+
+def _sdpa_costs(monkeypatch, clock: Clock, cost_s: float) -> None:
+    """SDPA as it is, but taking ``cost_s`` on the measurement's clock."""
+    real = dense_backend.sdpa_decode
+
+    def timed(q, k, v, scale):
+        clock.now += cost_s
+        return real(q, k, v, scale)
+
+    monkeypatch.setitem(dense_backend.KERNELS, "sdpa", timed)
+
+
+def _inputs(t: int = 100, hq: int = 8, hkv: int = 2, d: int = 64, dtype=torch.float16):
+    gen = torch.Generator().manual_seed(t)
+    q = torch.randn(hq, d, generator=gen).to(dtype)
+    k = torch.randn(t, hkv, d, generator=gen).to(dtype)
+    v = torch.randn(t, hkv, d, generator=gen).to(dtype)
+    return q, k, v, 1 / math.sqrt(d)
+
+
+def test_default_on_cpu_is_sdpa_even_with_xformers_importable(monkeypatch, clock):
+    fake = _inject(monkeypatch, StandIn(clock))
+    q, k, v, scale = _inputs()
+    assert dense_backend.requested() == "auto"
+    assert dense_backend.choose(q, k, v, scale) == "sdpa"
+    assert torch.equal(dense_decode(q, k, v, scale), dense_backend.sdpa_decode(q, k, v, scale))
+    assert fake.calls == 0 and dense_backend.decisions() == {}
+
+
+def test_sdpa_kernel_keeps_the_float32_semantics():
+    q, k, v, scale = _inputs(dtype=torch.bfloat16)
+    out = dense_decode(q, k, v, scale)
+    assert out.dtype == torch.float32 and out.shape == (8, 64)
+    qf, kf, vf = q.float().view(2, 4, 64), k.float(), v.float()
+    ref = torch.einsum("kgt,tkd->kgd", (torch.einsum("kgd,tkd->kgt", qf, kf) * scale).softmax(-1), vf)
+    torch.testing.assert_close(out, ref.reshape(8, 64), rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("value", ["flash", "SDPA2", "1"])
+def test_invalid_value_names_the_allowed_values(monkeypatch, value):
+    monkeypatch.setenv(dense_backend.ENV, value)
+    q, k, v, scale = _inputs()
+    with pytest.raises(ValueError, match=rf"CERTVLLM_DENSE_BACKEND='{value}'.*auto, sdpa, xformers"):
+        dense_decode(q, k, v, scale)
+
+
+def test_forced_xformers_without_xformers_raises_with_the_fix(monkeypatch):
+    monkeypatch.setitem(sys.modules, "xformers", None)  # import fails as if not installed
+    monkeypatch.setenv(dense_backend.ENV, "xformers")
+    q, k, v, scale = _inputs()
+    with pytest.raises(RuntimeError, match=r"xformers cannot be imported") as err:
+        dense_decode(q, k, v, scale)
+    assert "pip install 'certvllm[xformers]'" in str(err.value)
+    assert "CERTVLLM_DENSE_BACKEND=sdpa" in str(err.value)
+
+
+def test_auto_without_xformers_is_sdpa_even_on_cuda(monkeypatch):
+    monkeypatch.setitem(sys.modules, "xformers", None)
+    _on_cuda(monkeypatch)
+    q, k, v, scale = _inputs()
+    assert dense_backend.choose(q, k, v, scale) == "sdpa"
+
+
+def test_forced_xformers_off_cuda_raises(monkeypatch, clock):
+    _inject(monkeypatch, StandIn(clock))
+    monkeypatch.setenv(dense_backend.ENV, "xformers")
+    q, k, v, scale = _inputs()
+    with pytest.raises(RuntimeError, match=r"tensors are on cpu: xformers runs on CUDA only"):
+        dense_decode(q, k, v, scale)
+
+
+def test_forced_xformers_is_used_and_equals_sdpa(monkeypatch, clock):
+    fake = _inject(monkeypatch, StandIn(clock))
+    _on_cuda(monkeypatch)
+    monkeypatch.setenv(dense_backend.ENV, "xformers")
+    q, k, v, scale = _inputs(hq=12, hkv=3)  # GQA, G = 4: query head h reads KV head h // 4
+    out = dense_decode(q, k, v, scale)
+    assert fake.calls == 1 and out.dtype == torch.float32 and out.shape == (12, 64)
+    torch.testing.assert_close(out, dense_backend.sdpa_decode(q, k, v, scale), rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("xf_cost", [2.0**-8, 2.0**-9], ids=["slower", "equal"])
+def test_slower_xformers_is_not_chosen(monkeypatch, caplog, clock, xf_cost):
+    caplog.set_level(logging.INFO, logger="certvllm")
+    fake = _inject(monkeypatch, StandIn(clock, cost_s=xf_cost))
+    _on_cuda(monkeypatch)
+    _sdpa_costs(monkeypatch, clock, 2.0**-9)
+    q, k, v, scale = _inputs()
+    assert dense_backend.choose(q, k, v, scale) == "sdpa"
+    assert fake.calls == dense_backend.WARM_RUNS + dense_backend.TIMED_RUNS + 1  # timed, then compared
+    assert list(dense_backend.decisions().values()) == ["sdpa"]
+    assert "xformers not faster" in caplog.text
+
+
+def test_faster_agreeing_xformers_is_chosen_cached_and_logged_once(monkeypatch, caplog, clock):
+    caplog.set_level(logging.INFO, logger="certvllm")
+    fake = _inject(monkeypatch, StandIn(clock))
+    _on_cuda(monkeypatch)
+    _sdpa_costs(monkeypatch, clock, 2.0**-9)
+    q, k, v, scale = _inputs(t=100)
+    out = dense_decode(q, k, v, scale)
+    measured = dense_backend.WARM_RUNS + dense_backend.TIMED_RUNS + 1
+    assert fake.calls == measured + 1  # the timing and comparison, then the call itself
+    assert dense_backend.decisions() == {("cpu", torch.float16, 8, 2, 64, 128): "xformers"}
+    torch.testing.assert_close(out, dense_backend.sdpa_decode(q, k, v, scale), rtol=RTOL, atol=ATOL)
+
+    q2, k2, v2, _ = _inputs(t=120)  # same shape class (T rounds up to 128): no new timing
+    dense_decode(q2, k2, v2, scale)
+    assert fake.calls == measured + 2
+    assert caplog.text.count("uses xformers: faster and agrees") == 1
+
+    q3, k3, v3, _ = _inputs(t=200)  # next class: measured again
+    dense_decode(q3, k3, v3, scale)
+    assert fake.calls == 2 * measured + 3 and len(dense_backend.decisions()) == 2
+
+
+def test_faster_but_wrong_xformers_is_rejected(monkeypatch, caplog, clock):
+    caplog.set_level(logging.INFO, logger="certvllm")
+    fake = _inject(monkeypatch, StandIn(clock, wrong=True))
+    _on_cuda(monkeypatch)
+    _sdpa_costs(monkeypatch, clock, 2.0**-9)
+    q, k, v, scale = _inputs()
+    wrong = fake(q.float().view(1, 1, 8, 64), *(x.float().repeat_interleave(4, 1).unsqueeze(0) for x in (k, v)))
+    assert not torch.allclose(wrong[0, 0], dense_backend.sdpa_decode(q, k, v, scale), rtol=RTOL, atol=1e-2)
+    fake.calls = 0
+    out = dense_decode(q, k, v, scale)
+    assert fake.calls == dense_backend.WARM_RUNS + dense_backend.TIMED_RUNS + 1  # measured, never used
+    assert list(dense_backend.decisions().values()) == ["sdpa"]
+    assert "xformers disagrees with sdpa" in caplog.text
+    assert torch.equal(out, dense_backend.sdpa_decode(q, k, v, scale))
+
+
+def test_no_timing_during_cuda_graph_capture(monkeypatch, clock):
+    fake = _inject(monkeypatch, StandIn(clock))
+    _on_cuda(monkeypatch)
+    _sdpa_costs(monkeypatch, clock, 2.0**-9)
+    monkeypatch.setattr(dense_backend, "capturing", lambda device: True)
+    q, k, v, scale = _inputs()
+    assert dense_backend.choose(q, k, v, scale) == "sdpa"
+    assert fake.calls == 0 and list(dense_backend.decisions().values()) == ["sdpa"]
+    monkeypatch.setattr(dense_backend, "capturing", lambda device: False)
+    assert dense_backend.choose(q, k, v, scale) == "sdpa" and fake.calls == 0  # the class keeps its kernel
+    monkeypatch.setenv(dense_backend.ENV, "xformers")
+    monkeypatch.setattr(dense_backend, "capturing", lambda device: True)
+    assert dense_backend.choose(q, k, v, scale) == "xformers" and fake.calls == 0
+
+
+def test_rung3_heads_equal_dense_decode_with_the_chosen_kernel(monkeypatch, gen, clock):
+    fake = _inject(monkeypatch, StandIn(clock))
+    _on_cuda(monkeypatch)
+    monkeypatch.setenv(dense_backend.ENV, "xformers")
+    case = make_case("random", 300, 8, 2, 128, torch.bfloat16, gen)
+    res = certified_decode(case.q, case.k, case.v, make_config(bound_tol=1e-9))  # every head to rung 3
+    assert (res.report.rung == 3).all() and fake.calls == 1
+    dense = dense_decode(case.q, case.k, case.v, 1 / math.sqrt(128))
+    assert torch.equal(res.out, dense)
+    torch.testing.assert_close(dense, dense_backend.sdpa_decode(case.q, case.k, case.v, 1 / math.sqrt(128)),
+                               rtol=RTOL, atol=ATOL)  # fmt: skip
+
+
+def test_plugin_decode_rows_off_cpu_use_dense_decode(monkeypatch, gen, clock):
+    """The vLLM plugin's exact path off the CPU (``ExactAttention(on_cpu=False)``): one-token rows are
+    ``dense_decode`` on the shadow originals, so they follow the same kernel choice."""
+    fake = _inject(monkeypatch, StandIn(clock))
+    _on_cuda(monkeypatch)
+    monkeypatch.setenv(dense_backend.ENV, "xformers")
+    cases = [make_case("random", t, 8, 2, 64, torch.float16, gen) for t in (40, 75)]
+    cache, tables, lens = paged_batch(cases)
+    exact = ExactAttention(8, 2, 64, torch.float16, 1 / 8, 16, on_cpu=False)
+    plan = ExactPlan(torch.tensor([0, 1, 2], dtype=torch.int32), lens.to(torch.int32), tables.to(torch.int32))
+    query = torch.stack([c.q for c in cases])
+    out = torch.empty_like(query)
+    exact.run(plan, query, cache, out, PageInEngine("cpu"))
+    assert fake.calls == 2
+    for i, c in enumerate(cases):
+        assert torch.equal(out[i], dense_decode(c.q, c.k, c.v, 1 / 8).to(torch.float16))
