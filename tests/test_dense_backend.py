@@ -2,8 +2,8 @@
 xformers only where importable, on CUDA, measured faster and in agreement with SDPA.
 
 xformers is not installed here (nor on the H200 we measure on), so these tests inject a stand-in
-``xformers.ops.memory_efficient_attention`` (plain torch math in xformers' ``[B, M, H, K]`` layout, equal
-head counts as its 4-D form requires) and, where the rule is about CUDA, let the device check accept the
+``xformers.ops.memory_efficient_attention`` (plain torch math in xformers' grouped ``[B, M, G, H, K]``
+layout, the keys and values broadcast over H) and, where the rule is about CUDA, let the device check accept the
 CPU. The measurement reads a fake clock that each kernel advances by a stated cost, so "faster" and
 "slower" do not depend on the load of the test machine. Tolerance of "equals SDPA": ``torch.allclose``
 with rtol = 1e-4, atol = 1e-5 (float32 outputs of magnitude ≤ ~3, two float32 summation orders).
@@ -49,7 +49,7 @@ def clock(monkeypatch) -> Clock:
 
 
 class StandIn:
-    """``xformers.ops.memory_efficient_attention`` in plain torch: ``[B, M, H, K]`` in and out; each call
+    """``xformers.ops.memory_efficient_attention`` in plain torch: ``[B, M, G, H, K]`` in and out; each call
     advances ``clock`` by ``cost_s`` (binary fractions of a second: exact differences, so ties are ties)."""
 
     def __init__(self, clock: Clock, cost_s: float = 2.0**-10, wrong: bool = False) -> None:
@@ -57,11 +57,11 @@ class StandIn:
 
     def __call__(self, query, key, value, attn_bias=None, p=0.0, scale=None):
         assert attn_bias is None and p == 0.0
-        assert query.dim() == key.dim() == value.dim() == 4 and query.shape[2] == key.shape[2] == value.shape[2]
+        assert query.dim() == key.dim() == value.dim() == 5 and query.shape[2:4] == key.shape[2:4] == value.shape[2:4]
         self.calls += 1
         self.clock.now += self.cost_s
-        s = torch.einsum("bmhk,bnhk->bhmn", query, key) * (1.0 if self.wrong else scale)  # wrong: forgets the scale
-        return torch.einsum("bhmn,bnhk->bmhk", s.softmax(dim=-1), value)
+        s = torch.einsum("bmghk,bnghk->bghmn", query, key) * (1.0 if self.wrong else scale)  # wrong: forgets the scale
+        return torch.einsum("bghmn,bnghk->bmghk", s.softmax(dim=-1), value)
 
 
 def _inject(monkeypatch, fn: StandIn) -> StandIn:
@@ -199,8 +199,8 @@ def test_faster_but_wrong_xformers_is_rejected(monkeypatch, caplog, clock):
     _on_cuda(monkeypatch)
     _sdpa_costs(monkeypatch, clock, 2.0**-9)
     q, k, v, scale = _inputs()
-    wrong = fake(q.float().view(1, 1, 8, 64), *(x.float().repeat_interleave(4, 1).unsqueeze(0) for x in (k, v)))
-    assert not torch.allclose(wrong[0, 0], dense_backend.sdpa_decode(q, k, v, scale), rtol=RTOL, atol=1e-2)
+    wrong = dense_backend.xformers_decode(q, k, v, scale)
+    assert not torch.allclose(wrong, dense_backend.sdpa_decode(q, k, v, scale), rtol=RTOL, atol=1e-2)
     fake.calls = 0
     out = dense_decode(q, k, v, scale)
     assert fake.calls == dense_backend.WARM_RUNS + dense_backend.TIMED_RUNS + 1  # measured, never used

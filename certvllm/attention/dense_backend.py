@@ -11,8 +11,8 @@ Backends:
 
 * ``"sdpa"``: ``torch.nn.functional.scaled_dot_product_attention`` in its ``[B, H, M, K]`` layout with
   ``enable_gqa`` (what ``dense_decode`` always ran before this module existed);
-* ``"xformers"``: ``xformers.ops.memory_efficient_attention`` in its ``[B, M, H, K]`` layout, the KV
-  heads expanded to ``H_q`` (one float32 copy, which the float conversion makes anyway). Only on CUDA,
+* ``"xformers"``: ``xformers.ops.memory_efficient_attention`` in its grouped ``[B, M, G, H, K]`` layout
+  (the KV heads as groups, broadcast with stride 0 over their query heads: no expanded copy). Only on CUDA,
   and only where xformers is installed (``pip install 'certvllm[xformers]'``); never required.
 
 Selection, from ``CERTVLLM_DENSE_BACKEND`` (``auto`` when unset or empty):
@@ -107,23 +107,24 @@ def sdpa_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float)
     return out[0, :, 0]
 
 
-def _expand_heads(x: torch.Tensor, h_q: int) -> torch.Tensor:
-    """``[T, H_kv, D]`` → ``[1, T, H_q, D]`` float32, KV head ``j`` repeated for query heads ``j·G … j·G+G-1``."""
+def _grouped(x: torch.Tensor, group: int) -> torch.Tensor:
+    """``[T, H_kv, D]`` → ``[1, T, H_kv, G, D]`` float32: the KV heads broadcast over their ``G`` query
+    heads with stride 0 (xformers' grouped ``[B, M, G, H, K]`` form; no copy beyond the float conversion)."""
     T, h_kv, D = x.shape
-    out = torch.empty(T, h_kv, h_q // h_kv, D, dtype=torch.float32, device=x.device)
-    out.copy_(x.unsqueeze(2).expand(T, h_kv, h_q // h_kv, D))  # one pass: expand and convert
-    return out.view(1, T, h_q, D)
+    return x.float().view(1, T, h_kv, 1, D).expand(1, T, h_kv, group, D)
 
 
 def xformers_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """xformers' memory-efficient attention, float32: same arguments and result as :func:`sdpa_decode`."""
+    """xformers' memory-efficient attention, float32: same arguments and result as :func:`sdpa_decode`.
+    Grouped form: query head ``j·G + g`` is ``[.., j, g, :]`` and reads KV head ``j``."""
     attention, why = xformers_attention()
     if attention is None:
         raise RuntimeError(f"xformers cannot be imported ({why})")
-    h_q = q.shape[0]
-    qf = q.float().reshape(1, 1, h_q, q.shape[-1])  # (B=1, M=1, H_q, D)
-    out = attention(qf, _expand_heads(k, h_q), _expand_heads(v, h_q), scale=scale)
-    return out[0, 0]
+    h_q, D = q.shape
+    group = h_q // k.shape[1]
+    qf = q.float().reshape(1, 1, k.shape[1], group, D)  # (B=1, M=1, G=H_kv, H=group, K=D)
+    out = attention(qf, _grouped(k, group), _grouped(v, group), scale=scale)
+    return out.reshape(h_q, D)
 
 
 KERNELS: dict[str, Kernel] = {"sdpa": sdpa_decode, "xformers": xformers_decode}
