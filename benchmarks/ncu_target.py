@@ -1,0 +1,61 @@
+"""A minimal program for Nsight Compute: one certified layer call's phase-1 or attend kernel at one point.
+
+Usage (on a CUDA machine with ncu, e.g. the lent H200, where it is ``/usr/local/cuda/bin/ncu``)::
+
+    ncu --kernel-name regex:_phase1_gluon --launch-skip 1 --launch-count 1 --section SpeedOfLight \\
+        --section MemoryWorkloadAnalysis --section SourceCounters --section Occupancy \\
+        python benchmarks/ncu_target.py --kernel phase1 --point 8x131072
+
+It builds the synthetic cache of ``bench_decode`` at ``batch × context`` and launches the kernel twice with
+the launchers' defaults (the first launch compiles, so profile the second: ``--launch-skip 1``). For
+``attend`` it runs two whole certified calls instead, whose attend passes ncu can select the same way
+(``regex:_attend_gluon``). ``benchmarks/results/h200_ncu_phase1.txt`` is the first such profile.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import torch
+from bench_decode import D, build_cache, synthetic_kv
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--kernel", choices=("phase1", "attend"), default="phase1")
+    ap.add_argument("--point", default="8x131072", help="batch x context, e.g. 1x8192")
+    a = ap.parse_args()
+    batch, ctx = (int(x) for x in a.point.lower().split("x"))
+    if not torch.cuda.is_available():
+        raise SystemExit("ncu_target.py needs a CUDA device (it is a launch target for Nsight Compute)")
+
+    from certvllm.triton_kernels import phase1 as p1mod
+    from certvllm.triton_kernels.common import split_plan
+
+    from certvllm.attention.gpu import _lut, certified_attention_gpu
+    from certvllm.bounds import delta_factor, rounding_factor
+    from certvllm.config import load_config
+    from certvllm.kv.cuda_pagein import CudaPageInEngine
+
+    q, k, v = synthetic_kv(batch, ctx, seed=ctx + batch)
+    lens = [ctx - 7] * batch
+    cache, tables = build_cache(k, v, lens)
+    del k, v
+    dev = torch.device("cuda")
+    lens_t = torch.tensor(lens, device=dev)
+    kv_heads = cache.num_kv_heads
+    for _ in range(2):
+        if a.kernel == "phase1":
+            qs = (q.float() * (1 / math.sqrt(D))).contiguous()
+            splits, bps = split_plan(tables.shape[1], batch * kv_heads)
+            p1mod.phase1(qs, cache.pages, tables.long().contiguous(), lens_t // 16, _lut(dev), cache.layout,
+                         kv_heads, cache.sub_blocks, delta_factor(D), rounding_factor(D), splits, bps)  # fmt: skip
+        else:
+            certified_attention_gpu(q, cache, tables, lens_t, load_config("default"), 1 / math.sqrt(D),
+                                    CudaPageInEngine(dev), fallback="device")  # fmt: skip
+        torch.cuda.synchronize()
+
+
+if __name__ == "__main__":
+    main()
