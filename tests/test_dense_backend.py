@@ -144,7 +144,7 @@ def test_forced_xformers_off_cuda_raises(monkeypatch, clock):
     _inject(monkeypatch, StandIn(clock))
     monkeypatch.setenv(dense_backend.ENV, "xformers")
     q, k, v, scale = _inputs()
-    with pytest.raises(RuntimeError, match=r"tensors are on cpu: xformers runs on CUDA only"):
+    with pytest.raises(RuntimeError, match=r"the tensors' device cpu is not CUDA: xformers runs on CUDA only"):
         dense_decode(q, k, v, scale)
 
 
@@ -253,3 +253,25 @@ def test_plugin_decode_rows_off_cpu_use_dense_decode(monkeypatch, gen, clock):
     assert fake.calls == 2
     for i, c in enumerate(cases):
         assert torch.equal(out[i], dense_decode(c.q, c.k, c.v, 1 / 8).to(torch.float16))
+
+
+def test_startup_check_names_the_fix(monkeypatch, clock):
+    """``check_request`` (what the vLLM plugin runs at startup): a bad value and a forced xformers off CUDA or
+    without xformers fail before any request; auto and sdpa pass on any platform."""
+    for value in ("", "auto", "sdpa"):
+        monkeypatch.setenv(dense_backend.ENV, value)
+        assert dense_backend.check_request(on_cuda=False) == (value or "auto")
+    monkeypatch.setenv(dense_backend.ENV, "flash")
+    with pytest.raises(ValueError, match="choose one of auto, sdpa, xformers"):
+        dense_backend.check_request(on_cuda=True)
+    monkeypatch.setenv(dense_backend.ENV, "xformers")
+    monkeypatch.setitem(sys.modules, "xformers", None)  # an import of xformers fails
+    monkeypatch.setitem(sys.modules, "xformers.ops", None)
+    dense_backend.reset()
+    with pytest.raises(RuntimeError, match=r"pip install 'certvllm\[xformers\]'"):
+        dense_backend.check_request(on_cuda=True)
+    _inject(monkeypatch, StandIn(clock))
+    dense_backend.reset()  # forget the failed import
+    with pytest.raises(RuntimeError, match="this platform is not CUDA"):
+        dense_backend.check_request(on_cuda=False)
+    assert dense_backend.check_request(on_cuda=True) == "xformers"

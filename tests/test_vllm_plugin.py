@@ -91,12 +91,13 @@ def test_unsupported_vllm_versions_are_refused(monkeypatch):
         _compat.check_version()
 
 
-def _engine_error(extra: dict) -> str:
+def _engine_error(extra: dict, env: dict | None = None) -> str:
     code = (
         "from vllm import LLM\n"
         f"LLM({MODEL!r}, kv_cache_dtype='certified', enforce_eager=True, max_model_len=2048, **{extra!r})\n"
     )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=ENV)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                          env={**ENV, **(env or {})})  # fmt: skip
     assert proc.returncode != 0
     return proc.stdout + proc.stderr
 
@@ -106,6 +107,13 @@ def _engine_error(extra: dict) -> str:
 def test_host_budget_too_small_refuses_to_start_naming_the_flag():
     out = _engine_error({"additional_config": {"certvllm": {"host_memory_gb": 0.0001}}})
     assert "Raise --cert-host-memory-gb" in out
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_bad_dense_backend_fails_at_startup():
+    out = _engine_error({}, {"CERTVLLM_DENSE_BACKEND": "flash"})
+    assert "CERTVLLM_DENSE_BACKEND='flash' is not a dense attention backend" in out
 
 
 @pytest.mark.vllm

@@ -75,6 +75,26 @@ def requested() -> str:
     return value
 
 
+def check_request(on_cuda: bool, where: str = "this platform") -> str:
+    """Validate ``CERTVLLM_DENSE_BACKEND`` before serving (the vLLM plugin calls this at startup, so a bad
+    value fails there and not at the first rung-3/4 event): the value, and for a forced ``xformers`` that
+    it imports and that the platform is CUDA. Returns the requested value; raises with the fix."""
+    want = requested()
+    if want == "xformers":
+        attention, why = xformers_attention()
+        if attention is None:
+            raise RuntimeError(
+                f"{ENV}=xformers but xformers cannot be imported ({why}): install it with "
+                f"pip install 'certvllm[xformers]' (CUDA machines only) or set {ENV}=sdpa (or auto)"
+            )
+        if not on_cuda:
+            raise RuntimeError(
+                f"{ENV}=xformers but {where} is not CUDA: xformers runs on CUDA only; set {ENV}=auto "
+                "(SDPA off CUDA) or sdpa"
+            )
+    return want
+
+
 def xformers_attention() -> tuple[Callable[..., torch.Tensor] | None, str]:
     """``xformers.ops.memory_efficient_attention`` and ``""``, or ``None`` and why it cannot be imported.
 
@@ -170,21 +190,10 @@ def _measure(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) ->
 
 def choose(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> str:
     """The backend (``"sdpa"`` or ``"xformers"``) for these inputs, by the rule of the module docstring."""
-    want = requested()
+    want = check_request(xformers_device_ok(k.device), f"the tensors' device {k.device}")
     if want == "sdpa":
         return "sdpa"
     if want == "xformers":
-        attention, why = xformers_attention()
-        if attention is None:
-            raise RuntimeError(
-                f"{ENV}=xformers but xformers cannot be imported ({why}): install it with "
-                f"pip install 'certvllm[xformers]' (CUDA machines only) or set {ENV}=sdpa (or auto)"
-            )
-        if not xformers_device_ok(k.device):
-            raise RuntimeError(
-                f"{ENV}=xformers but the tensors are on {k.device}: xformers runs on CUDA only; "
-                f"set {ENV}=auto (SDPA off CUDA) or sdpa"
-            )
         if "xformers" not in _forced_logged:
             _forced_logged.add("xformers")
             logger.info("certvllm: exact dense attention uses xformers (%s=xformers)", ENV)

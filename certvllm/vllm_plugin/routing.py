@@ -135,9 +135,13 @@ def _prepare_certified(vllm_config: Any) -> None:
             f"KV connector {transfer.kv_connector!r} writes device pages directly, bypassing the certified "
             "write path and the host shadow tier; it cannot be combined with --kv-cache-dtype certified."
         )
+    from vllm.platforms import current_platform
+
+    from certvllm.attention import dense_backend
     from certvllm.vllm_plugin import host_tier
 
     host_tier.check_minimum(vllm_config, cfg)
+    dense_backend.check_request(current_platform.is_cuda())  # CERTVLLM_DENSE_BACKEND, before any request
     logger.info("certvllm: certified KV cache, preset settings %s", cfg.model_dump(exclude_defaults=True))
 
 
