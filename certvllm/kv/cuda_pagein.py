@@ -2,10 +2,9 @@
 
 The shadow (tier 2) is host memory registered with CUDA (``cudaHostRegister``, see ``kv/host.py``), so
 its address is valid on the device: a gather kernel reads the wanted pages over PCIe directly into a
-device buffer, with no staging copy and no host synchronisation (measured on the H200: 47–51 GB/s for
-4 KiB pages when thousands are in flight, against 2.5 GB/s for one copy per page). The kernel is the
-Triton gather (``certvllm.triton_kernels.gather``), or the CUDA extension in ``csrc/cuda`` when it is built
-(``certvllm.kv.cuda_ext``).
+device buffer, with no staging copy and no host synchronisation, and with thousands of pages in flight
+where a copy per page would pay a transfer's latency for each. The kernel is the Triton gather
+(``certvllm.triton_kernels.gather``).
 
 Certified attention on CUDA reads promoted pages inside its phase-2 kernels (the same zero-copy reads,
 fused); this engine serves the trailing partial block, the exact fallbacks and any caller that wants
@@ -75,18 +74,9 @@ def unregister(cache: LayerKVCache) -> None:
 
 
 def _gather(cache: LayerKVCache, ids: torch.Tensor, heads: torch.Tensor, device: torch.device) -> torch.Tensor:
-    from certvllm.kv import cuda_ext
-
-    shadow = ensure_device_readable(cache)
-    ext = cuda_ext.module() if device.type == "cuda" else None
-    if ext is not None and not cache.keys_channel_major:
-        out = torch.empty(ids.numel(), 2, cache.layout.block_size, cache.layout.head_dim, dtype=shadow.dtype,
-                          device=device)  # fmt: skip
-        ext.gather_pages(cuda_ext.device_view(shadow), ids, heads, out, cache.sub_blocks)
-        return out
     from certvllm.triton_kernels.gather import gather_pages
 
-    return gather_pages(shadow, ids, heads, device, channel_major=cache.keys_channel_major)
+    return gather_pages(ensure_device_readable(cache), ids, heads, device, channel_major=cache.keys_channel_major)
 
 
 class CudaPageInEngine(PageInEngine):
