@@ -28,15 +28,16 @@ from bench_decode import build_cache, median_ms, release_cache, synthetic_kv
 
 
 def parse_config(name: str) -> dict:
-    """``triton`` → Triton kernel; ``gPxCxW[rN]`` → Gluon with P parts, C chunk bytes, W warps and, with
-    ``rN``, at most N registers per thread (r0: no cap; without it the geometry's default)."""
+    """The ``KernelTuning`` fields of a configuration: ``triton`` → the Triton kernel; ``gPxCxW[rN]`` →
+    Gluon with P parts, C chunk bytes, W warps and, with ``rN``, at most N registers per thread (r0: no
+    cap; without it the default)."""
     if name == "triton":
-        return {"gluon": False}
+        return {"dialect": "triton"}
     m = re.fullmatch(r"g(\d+)x(\d+)x(\d+)(?:r(\d+))?", name)
     if m is None:
         raise SystemExit(f"unknown configuration {name!r}: use triton or gPxCxW[rN], e.g. g1x2x4 or g1x2x4r0")
     p, c, w = (int(x) for x in m.group(1, 2, 3))
-    cfg = {"gluon": True, "attend_parts": p, "attend_chunk_bytes": c, "attend_warps": w, "attend_blk": w}
+    cfg = {"attend_parts": p, "attend_chunk_bytes": c, "attend_warps": w, "attend_blk": w}
     if m.group(4) is not None:
         cfg["attend_maxnreg"] = int(m.group(4))
     return cfg
@@ -64,26 +65,21 @@ def capture(batch: int, ctx: int, preset: str) -> tuple[tuple, object, float]:
 
 
 def run_config(args: tuple, cfg: dict, iters: int):
-    """Time the attend pass in configuration ``cfg``; returns (median ms, AttendOut, exact_lm)."""
-    import os
-
+    """Time the attend pass in configuration ``cfg`` (``KernelTuning`` fields); returns (median ms,
+    AttendOut, exact_lm), or Nones where the Gluon kernel does not support the configuration."""
     from certvllm.triton_kernels import phase2
 
-    geo = dataclasses.replace(args[0], **{k: v for k, v in cfg.items() if k != "gluon"})
-    os.environ["CERTVLLM_ATTEND_GLUON"] = "1" if cfg["gluon"] else "0"
-    try:
-        if cfg["gluon"] and not phase2.use_gluon_attend(geo):
-            return None, None, None
-        lm = args[-1].clone()
+    geo = dataclasses.replace(args[0], tuning=dataclasses.replace(args[0].tuning, **cfg))
+    if geo.tuning.dialect != "triton" and not phase2.use_gluon_attend(geo):
+        return None, None, None
+    lm = args[-1].clone()
 
-        def call():
-            return phase2.attend(geo, *args[1:-1], lm)
+    def call():
+        return phase2.attend(geo, *args[1:-1], lm)
 
-        out = call()
-        torch.cuda.synchronize()
-        return median_ms(call, iters), out, lm
-    finally:
-        del os.environ["CERTVLLM_ATTEND_GLUON"]
+    out = call()
+    torch.cuda.synchronize()
+    return median_ms(call, iters), out, lm
 
 
 def main() -> None:

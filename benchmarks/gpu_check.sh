@@ -4,12 +4,11 @@
 #
 #   OUT=runs bash benchmarks/gpu_check.sh
 #   PYTEST_FLAGS="-q" BENCH_ARGS="--contexts 8192 32768" bash benchmarks/gpu_check.sh
-#   SKIP_TESTS=1 SWEEP="CERTVLLM_P1_BLK=4 CERTVLLM_P1_WARPS=4;CERTVLLM_P1_BLK=8 CERTVLLM_P1_WARPS=8" \
-#     BENCH_ARGS="--contexts 131072 --batches 8" bash benchmarks/gpu_check.sh
+#   SKIP_TESTS=1 BENCH_ARGS="--contexts 131072 --batches 8" bash benchmarks/gpu_check.sh
 #
-# RETRY_ENV: environment assignments for a second test run (and the benchmark) if the first fails.
-# SWEEP: ';'-separated sets of environment assignments (kernel tile sizes, warps, the split plan); the
-# benchmark runs once per set, all output in bench.log and the JSON files in sweep.tar.
+# Kernel tuning (tiles, warps, the split plan, Triton instead of Gluon) is not set through the environment:
+# it is a certvllm.triton_kernels.tuning.KernelTuning passed to the launchers (benchmarks/bench_attend.py
+# compares the attend pass's configurations).
 #
 # Wheels in .whl/ (pydantic and its dependencies, which the H200 image lacks) are installed first.
 set -uo pipefail
@@ -35,33 +34,9 @@ if [ -z "${SKIP_TESTS:-}" ]; then
   # shellcheck disable=SC2086
   python3 -m pytest -m gpu ${PYTEST_FLAGS:--x -q} tests/test_gpu.py 2>&1 | tee "$OUT/pytest_gpu.log"
   test_rc=${PIPESTATUS[0]}
-  if [ "$test_rc" -ne 0 ] && [ -n "${RETRY_ENV:-}" ]; then
-    # e.g. RETRY_ENV="CERTVLLM_ATTEND_GLUON=0": run the tests again, and benchmark, in that configuration
-    echo "gpu_check: tests failed (rc=$test_rc); again with $RETRY_ENV" | tee -a "$OUT/pytest_gpu.log"
-    # shellcheck disable=SC2163
-    for kv in $RETRY_ENV; do export "$kv"; done
-    # shellcheck disable=SC2086
-    python3 -m pytest -m gpu ${PYTEST_FLAGS:--x -q} tests/test_gpu.py 2>&1 | tee -a "$OUT/pytest_gpu.log"
-    test_rc=${PIPESTATUS[0]}
-  fi
 fi
-bench_rc=0
-if [ -n "${SWEEP:-}" ]; then
-  mkdir -p /tmp/sweep
-  i=0
-  IFS=';' read -ra cfgs <<<"$SWEEP"
-  for cfg in "${cfgs[@]}"; do
-    i=$((i + 1))
-    echo "=== sweep $i: $cfg" | tee -a "$OUT/bench.log"
-    # shellcheck disable=SC2086
-    env $cfg python3 benchmarks/bench_decode.py --out "/tmp/sweep/decode_$i.json" ${BENCH_ARGS:-} 2>&1 | tee -a "$OUT/bench.log"
-    [ "${PIPESTATUS[0]}" -eq 0 ] || bench_rc=1
-  done
-  tar -C /tmp/sweep -cf "$OUT/sweep.tar" .
-else
-  # shellcheck disable=SC2086
-  python3 benchmarks/bench_decode.py --out "$OUT/decode.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
-  bench_rc=${PIPESTATUS[0]}
-fi
+# shellcheck disable=SC2086
+python3 benchmarks/bench_decode.py --out "$OUT/decode.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
+bench_rc=${PIPESTATUS[0]}
 echo "gpu_check: pytest rc=$test_rc, bench rc=$bench_rc"
 exit $(( test_rc != 0 || bench_rc != 0 ))

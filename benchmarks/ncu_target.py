@@ -9,7 +9,8 @@ Usage (on a CUDA machine with ncu, e.g. the lent H200, where it is ``/usr/local/
 It builds the synthetic cache of ``bench_decode`` at ``batch × context`` and launches the kernel twice with
 the launchers' defaults (the first launch compiles, so profile the second: ``--launch-skip 1``). For
 ``attend`` it runs two whole certified calls instead, whose attend passes ncu can select the same way
-(``regex:_attend_gluon``). ``benchmarks/results/h200_ncu_phase1.txt`` is the first such profile.
+(``regex:_attend_gluon``). ``--dialect triton`` launches phase 1's Triton kernel instead of the Gluon one
+(``regex:_phase1_kernel``).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--kernel", choices=("phase1", "attend"), default="phase1")
     ap.add_argument("--point", default="8x131072", help="batch x context, e.g. 1x8192")
+    ap.add_argument("--dialect", choices=("auto", "triton"), default="auto", help="phase 1: KernelTuning.dialect")
     a = ap.parse_args()
     batch, ctx = (int(x) for x in a.point.lower().split("x"))
     if not torch.cuda.is_available():
@@ -32,6 +34,7 @@ def main() -> None:
 
     from certvllm.triton_kernels import phase1 as p1mod
     from certvllm.triton_kernels.common import split_plan
+    from certvllm.triton_kernels.tuning import KernelTuning
 
     from certvllm.attention.gpu import _lut, certified_attention_gpu
     from certvllm.bounds import delta_factor, rounding_factor
@@ -45,12 +48,14 @@ def main() -> None:
     dev = torch.device("cuda")
     lens_t = torch.tensor(lens, device=dev)
     kv_heads = cache.num_kv_heads
+    tuning = KernelTuning(dialect=a.dialect)
     for _ in range(2):
         if a.kernel == "phase1":
             qs = (q.float() * (1 / math.sqrt(D))).contiguous()
-            splits, bps = split_plan(tables.shape[1], batch * kv_heads)
+            splits, bps = split_plan(tables.shape[1], batch * kv_heads, tuning=tuning)
             p1mod.phase1(qs, cache.pages, tables.long().contiguous(), lens_t // 16, _lut(dev), cache.layout,
-                         kv_heads, cache.sub_blocks, delta_factor(D), rounding_factor(D), splits, bps)  # fmt: skip
+                         kv_heads, cache.sub_blocks, delta_factor(D), rounding_factor(D), splits, bps,
+                         tuning=tuning)  # fmt: skip
         else:
             certified_attention_gpu(q, cache, tables, lens_t, load_config("default"), 1 / math.sqrt(D),
                                     CudaPageInEngine(dev), fallback="device")  # fmt: skip

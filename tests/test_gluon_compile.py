@@ -18,24 +18,23 @@ from certvllm.triton_kernels.offline_compile import run_jobs
 from certvllm.formats.layout import PageLayout
 
 ATTEND_CASES = [
-    # hq, hkv, d, geometry overrides, largest stack (spilled bytes) accepted
+    # hq, hkv, d, KernelTuning overrides, largest stack (spilled bytes) accepted
     (32, 8, 128, {}, 64),  # LLaMA-3.1-8B, the default configuration (128-register cap: a few bytes spill)
     (64, 8, 128, {}, 0),  # G = 8: no cap, no spills
     (8, 8, 64, {}, 64),  # G = 1
     (24, 3, 64, {}, 64),
     (8, 4, 256, {}, 64),
-    (32, 8, 128, {"attend_parts": 2, "attend_chunk_bytes": 4}, 512),  # measured slower; spills under the cap
+    (32, 8, 128, {"attend_parts": 2, "attend_chunk_bytes": 4}, 512),  # spills under the cap
     (32, 8, 128, {"attend_parts": 4}, 64),
 ]
-PHASE1_CASES = [(32, 8, 128, "0"), (32, 8, 128, "1"), (64, 8, 64, "0"), (8, 8, 128, "0"), (8, 4, 256, "0")]
+PHASE1_CASES = [(32, 8, 128), (64, 8, 64), (8, 8, 128), (8, 4, 256)]
 
 
 @pytest.fixture(scope="module")
 def compiled() -> dict:
     """Every case compiled once (one child process), keyed by its parameters."""
-    jobs = [{"kernel": "attend", "hq": hq, "hkv": hkv, "d": d, "geometry": geo} for hq, hkv, d, geo, _ in ATTEND_CASES]
-    jobs += [{"kernel": "phase1", "hq": hq, "hkv": hkv, "d": d, "env": {"CERTVLLM_P1_CHAIN": chain}}
-             for hq, hkv, d, chain in PHASE1_CASES]  # fmt: skip
+    jobs = [{"kernel": "attend", "hq": hq, "hkv": hkv, "d": d, "tuning": tun} for hq, hkv, d, tun, _ in ATTEND_CASES]
+    jobs += [{"kernel": "phase1", "hq": hq, "hkv": hkv, "d": d} for hq, hkv, d in PHASE1_CASES]
     results = run_jobs(jobs)
     missing = [r["missing"] for r in results if "missing" in r]
     if missing:
@@ -43,23 +42,25 @@ def compiled() -> dict:
     return {repr(j): r for j, r in zip(jobs, results, strict=True)}
 
 
-@pytest.mark.parametrize("hq,hkv,d,geometry,max_stack", ATTEND_CASES)
-def test_attend_kernel_compiles_for_sm90(hq, hkv, d, geometry, max_stack, compiled):
+@pytest.mark.parametrize("hq,hkv,d,tuning,max_stack", ATTEND_CASES)
+def test_attend_kernel_compiles_for_sm90(hq, hkv, d, tuning, max_stack, compiled):
     from certvllm.triton_kernels import attend_gluon
     from certvllm.triton_kernels.phase2 import Phase2Geometry
+    from certvllm.triton_kernels.tuning import KernelTuning
 
-    geo = Phase2Geometry(PageLayout(d), hkv, hq // hkv, 1, 1024, 4, 64, **geometry)
-    assert attend_gluon.supported(d, geo.group, geo.attend_warps, geo.attend_warps, 16, geo.attend_parts,
-                                  geo.attend_chunk_bytes)  # fmt: skip
-    use = compiled[repr({"kernel": "attend", "hq": hq, "hkv": hkv, "d": d, "geometry": geometry})]
-    cap = geo.attend_maxnreg if geo.group <= 4 and geo.attend_maxnreg else 255
+    tun = KernelTuning(**tuning)
+    geo = Phase2Geometry(PageLayout(d), hkv, hq // hkv, 1, 1024, 4, 64, tuning=tun)
+    assert attend_gluon.supported(d, geo.group, tun.attend_warps, tun.attend_warps, 16, tun.attend_parts,
+                                  tun.attend_chunk_bytes)  # fmt: skip
+    use = compiled[repr({"kernel": "attend", "hq": hq, "hkv": hkv, "d": d, "tuning": tuning})]
+    cap = tun.attend_maxnreg if geo.group <= 4 and tun.attend_maxnreg else 255
     assert use["registers"] <= cap and use["stack"] <= max_stack, use
     assert use["loop_instructions"] > 0  # the main loop was found (the offline SASS reading works)
 
 
-@pytest.mark.parametrize("hq,hkv,d,chain", PHASE1_CASES)
-def test_phase1_kernel_compiles_for_sm90(hq, hkv, d, chain, compiled):
-    use = compiled[repr({"kernel": "phase1", "hq": hq, "hkv": hkv, "d": d, "env": {"CERTVLLM_P1_CHAIN": chain}})]
+@pytest.mark.parametrize("hq,hkv,d", PHASE1_CASES)
+def test_phase1_kernel_compiles_for_sm90(hq, hkv, d, compiled):
+    use = compiled[repr({"kernel": "phase1", "hq": hq, "hkv": hkv, "d": d})]
     assert use["registers"] <= 255 and use["stack"] == 0, use
 
 
@@ -90,7 +91,7 @@ def test_compiled_constants_match_a_launch():
         attend_gluon._attend_gluon_kernel = orig
     grid = seen.pop("grid")
     assert seen == attend_gluon.launch_constants(geo, 4)
-    assert grid == (2 * 8 * geo.attend_parts, geo.splits)
+    assert grid == (2 * 8 * geo.tuning.attend_parts, geo.splits)
 
 
 def test_a_gluon_kernel_that_fails_to_compile_falls_back_once_and_loudly():
@@ -104,13 +105,13 @@ def test_a_gluon_kernel_that_fails_to_compile_falls_back_once_and_loudly():
         calls.append("gluon")
         raise RuntimeError("PassManager::run failed")
 
-    gate = GluonGate("attend", "CERTVLLM_ATTEND_GLUON")
-    with pytest.warns(RuntimeWarning, match="CERTVLLM_ATTEND_GLUON=0"):
+    gate = GluonGate("attend")
+    with pytest.warns(RuntimeWarning, match=r'KernelTuning\(dialect="triton"\)'):
         gate.run(broken, lambda: calls.append("triton"))
     gate.run(broken, lambda: calls.append("triton"))  # not retried
     assert calls == ["gluon", "triton", "triton"] and "PassManager" in gate.failure
 
-    ok = GluonGate("phase-1", "CERTVLLM_P1_GLUON")
+    ok = GluonGate("phase-1")
     ok.run(lambda: calls.append("gluon ok"), lambda: calls.append("never"))
     with pytest.raises(RuntimeError, match="illegal"):
         ok.run(lambda: (_ for _ in ()).throw(RuntimeError("illegal memory access")), lambda: calls.append("never"))

@@ -7,6 +7,9 @@
 * ``phase2``  — promotion pass (exact scores from the shadow, canary) and the attend pass (FP16 and
   INT8/INT4 blocks in one softmax, float64 accumulation, the bound accumulators).
 
+Every launch-time knob (tiles, warps, the split plan, the staging grid, and whether the Gluon kernels may
+run) is a field of ``tuning.KernelTuning``, which the launchers take as ``tuning=``.
+
 On a machine without CUDA the kernels can only run in Triton's interpreter, so importing this package
 there sets ``TRITON_INTERPRET=1`` unless it is already set (before any kernel is defined; the
 interpreter operates on CPU tensors).

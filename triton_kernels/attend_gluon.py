@@ -24,7 +24,7 @@ The float32 sums are thus over SN ≤ 16 of a block's tokens, in order: each is 
 exact value, and everything after it is float64, so the error terms of docs/certification.md §5.1 hold
 (the float64 sums have at most TN·B + 1 terms, negligible there). Used on CUDA when Gluon is available
 and the shape fits (``supported``); the Triton kernel remains the implementation under the interpreter
-(CPU tests) and the fallback. Measured configurations: benchmarks/bench_attend.py.
+(CPU tests) and the fallback. ``benchmarks/bench_attend.py`` times and checks each configuration.
 """
 
 from __future__ import annotations
@@ -76,42 +76,18 @@ def _blocks(jb, it, split, BPS, B, nf, tables, r, TB_STRIDE, num_blocks, h, H: g
 
 @gluon.jit
 def _attend_gluon_kernel(
-    scores,  # [R, H_kv, B, G, N] float32 phase-2 scores
-    mmax,  # [R, H_kv, G] float32 global max score m per query head
-    shadow,  # [E, H_kv, 2, m·N, D] originals (pinned host; values token-major)
-    pages_u8,  # cache.pages as uint8
-    pages_f16,  # as float16 (value scales and zeros)
-    pages_f32,  # as float32 (η)
-    tables,  # [R, ≥B] int64 block ids
-    nfull,  # [R] int64 full blocks per row
-    bits,  # [R, H_kv, B] int32 promotion bitmask
-    active,  # [R, H_kv] int32: 0 = skip this group
-    acc,  # out [R, H_kv, S, G, D] float64 Σ_b num_b (each part writes its channels)
-    den,  # out [R, H_kv, S, G] float64 Σ_b den_b (part 0 writes it, as the three below)
-    aval,  # out [R, H_kv, S, G] float64 Σ den_b·η_b over INT4-value blocks
-    atail,  # out [R, H_kv, S, G] float64 Σ den_b over INT8-key blocks
-    exact_lm,  # out [R, H_kv, G, B] float32 m + log den_b on key-promoted blocks (others untouched)
-    num_blocks,
-    B,
-    TB_STRIDE,
-    S,
-    BPS,
-    H: gl.constexpr,
-    G: gl.constexpr,
-    GP: gl.constexpr,
-    D: gl.constexpr,
-    M: gl.constexpr,
-    GRP: gl.constexpr,
-    NG: gl.constexpr,
-    BLK: gl.constexpr,
-    PAGE_BYTES: gl.constexpr,
-    V_CODES: gl.constexpr,
-    V_SCALE: gl.constexpr,
-    V_ZERO: gl.constexpr,
-    HEADER: gl.constexpr,
+    scores, mmax, shadow, pages_u8, pages_f16, pages_f32, tables, nfull, bits, active,
+    acc, den, aval, atail, exact_lm,
+    num_blocks, B, TB_STRIDE, S, BPS,
+    H: gl.constexpr, G: gl.constexpr, GP: gl.constexpr, D: gl.constexpr, M: gl.constexpr, GRP: gl.constexpr,
+    NG: gl.constexpr, BLK: gl.constexpr, PAGE_BYTES: gl.constexpr, V_CODES: gl.constexpr, V_SCALE: gl.constexpr,
+    V_ZERO: gl.constexpr, HEADER: gl.constexpr,
     CS: gl.constexpr,  # channel parts (programs per row, head and split)
     VB: gl.constexpr,  # value bytes per lane and token
-):
+):  # fmt: skip
+    """The arguments of ``phase2._attend_kernel`` (documented there; D a power of two, so no DP, and libdevice
+    always), plus ``CS`` and ``VB``. With ``CS`` parts each program writes its part's channels of ``acc``;
+    part 0 writes ``den``, ``aval``, ``atail`` and ``exact_lm``."""
     N: gl.constexpr = 16
     DH: gl.constexpr = D // 2  # value bytes per token
     DHC: gl.constexpr = DH // CS  # value bytes per token in this program's part
@@ -253,13 +229,14 @@ def launch_constants(geo, num_warps: int) -> dict:
     consts = dict(
         H=geo.num_kv_heads, G=geo.group, GP=next_pow2(geo.group), D=lay.head_dim, M=geo.sub_blocks,
         GRP=lay.value_group, NG=lay.groups, BLK=num_warps, PAGE_BYTES=lay.page_bytes, V_CODES=lay.v_codes,
-        V_SCALE=lay.v_scale, V_ZERO=lay.v_zero, HEADER=lay.header, CS=geo.attend_parts, VB=geo.attend_chunk_bytes,
+        V_SCALE=lay.v_scale, V_ZERO=lay.v_zero, HEADER=lay.header, CS=geo.tuning.attend_parts,
+        VB=geo.tuning.attend_chunk_bytes,
         num_warps=num_warps, enable_fp_fusion=True,  # the FMA chains (Triton 3.10 turns fusion off by default)
     )  # fmt: skip
-    # the register cap gives 4 programs per SM at G ≤ 4 (measured faster, benchmarks/bench_attend.py); at
-    # G = 8 it would spill hundreds of bytes per thread
-    if geo.attend_maxnreg and geo.group <= 4:
-        consts["maxnreg"] = geo.attend_maxnreg
+    # the register cap (4 programs per SM at G ≤ 4) applies at G ≤ 4 only: at G = 8 it would spill hundreds
+    # of bytes per thread
+    if geo.tuning.attend_maxnreg and geo.group <= 4:
+        consts["maxnreg"] = geo.tuning.attend_maxnreg
     return consts
 
 
@@ -268,7 +245,7 @@ def launch(out, geo, scores, mmax, shadow, pages, tables, nfull, bits, active, e
     from .common import device_arg
 
     R = scores.shape[0]
-    _attend_gluon_kernel[(R * geo.num_kv_heads * geo.attend_parts, geo.splits)](
+    _attend_gluon_kernel[(R * geo.num_kv_heads * geo.tuning.attend_parts, geo.splits)](
         scores, mmax, device_arg(shadow), pages, pages.view(torch.float16), pages.view(torch.float32),
         tables, nfull, bits, active, out.acc, out.den, out.aval, out.atail, exact_lm,
         geo.num_blocks, tables.shape[1], tables.stride(0), geo.splits, geo.blocks_per_split,

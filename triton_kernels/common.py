@@ -1,25 +1,27 @@
 """Helpers shared by the Triton kernels: directed float16/float32 rounding, rounding to nearest even,
-exp/log with documented accuracy, and the launch-time switches.
+exp/log with documented accuracy, the split-K plan and program indexing, and the launch helpers.
 
-Every kernel runs compiled on a CUDA device, or under ``TRITON_INTERPRET=1`` on CPU tensors (the
-test-suite does this at tiny shapes). ``libdevice`` has no interpreter implementation, so each kernel
-takes a ``PRECISE`` constexpr: True when compiled (libdevice ``expf``/``rint``, ≤ 2 ulp and exact), False
-under the interpreter (NumPy's ``exp``/``rint``, which are at least as accurate).
+Every kernel runs compiled on a CUDA device, or in Triton's interpreter on CPU tensors (the test-suite
+does this at tiny shapes; importing ``certvllm.triton_kernels`` turns the interpreter on where CUDA is
+absent). ``libdevice`` has no interpreter implementation, so each kernel takes a ``PRECISE`` constexpr:
+True when compiled (libdevice ``expf``/``rint``, ≤ 2 ulp and exact), False under the interpreter (NumPy's
+``exp``/``rint``, which are at least as accurate).
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from .tuning import DEFAULT_TUNING, KernelTuning
+
 __all__ = [
     "GLUE_MAX_BLOCKS",
     "GluonGate",
     "as_mask",
+    "copy_key_page",
     "device_arg",
     "expm1_f32",
     "head_program",
@@ -31,19 +33,30 @@ __all__ = [
     "key_scale_sigma",
     "launch_device_ok",
     "next_pow2",
+    "page_base",
     "precise",
+    "split_columns",
     "split_plan",
+    "split_program",
 ]
 
 
 GLUE_MAX_BLOCKS = 8192
-"""Most block-table columns the glue kernels take (128K tokens, the widest measured on the H200, where the
-windowed selection and its full-order fallback compile and pass); wider tables use the torch glue."""
+"""Most block-table columns the glue kernels take (128K tokens: the widest table at which the GPU tests run
+the windowed selection and its full-order fallback); wider tables use the torch glue."""
 
 
 def interpreting() -> bool:
-    """True when Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    """True when Triton runs kernels in its CPU interpreter: Triton's own ``knobs.runtime.interpret`` (the
+    setting its ``jit`` decorator follows), or, on a Triton without knobs, whether this module's kernels
+    were defined as interpreted functions."""
+    knobs = getattr(triton, "knobs", None)
+    runtime = getattr(knobs, "runtime", None)
+    if runtime is not None and hasattr(runtime, "interpret"):
+        return bool(runtime.interpret)
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(as_mask, InterpretedFunction)
 
 
 def precise() -> bool:
@@ -55,8 +68,8 @@ def launch_device_ok(t: torch.Tensor) -> None:
     """Refuse CPU tensors outside the interpreter with a clear message (Triton would fail obscurely)."""
     if t.device.type != "cuda" and not interpreting():
         raise RuntimeError(
-            "certvllm Triton kernels need CUDA tensors, or TRITON_INTERPRET=1 (set before the first launch) "
-            f"to run on {t.device} in Triton's interpreter"
+            "certvllm Triton kernels need CUDA tensors, or Triton's interpreter (TRITON_INTERPRET=1 before "
+            f"certvllm.triton_kernels is imported) to run on {t.device}"
         )
 
 
@@ -89,11 +102,11 @@ class GluonGate:
     happens at a first launch and not later), it warns once, disables the Gluon kernel for the process and
     runs the Triton kernel, which computes the same certified quantities. An error after a successful
     launch is re-raised: only compilation is forgiven. ``tests/test_gluon_compile.py`` compiles the Gluon
-    kernels for sm_90 in ``make test``, so a failure here means a Triton other than the tested ones."""
+    kernels for sm_90 in ``make test``, so a failure here means a Triton other than the tested ones.
+    ``KernelTuning(dialect="triton")`` skips the Gluon kernels altogether."""
 
-    def __init__(self, name: str, env: str) -> None:
+    def __init__(self, name: str) -> None:
         self.name = name
-        self.env = env  # the switch that skips the Gluon kernel
         self.launched = False
         self.failure: str | None = None
 
@@ -110,7 +123,7 @@ class GluonGate:
                 warnings.warn(
                     f"certvllm: the Gluon {self.name} kernel failed to compile with Triton {triton.__version__} "
                     f"({self.failure}); using the Triton kernel for the rest of this process (same results, "
-                    f"slower). Set {self.env}=0 to skip the attempt.",
+                    'slower). Pass KernelTuning(dialect="triton") to the launchers to skip the attempt.',
                     RuntimeWarning,
                     stacklevel=3,
                 )
@@ -124,20 +137,55 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
-def split_plan(num_blocks: int, groups: int, blocks_per_split: int | None = None) -> tuple[int, int]:
+def split_plan(
+    num_blocks: int, groups: int, blocks_per_split: int | None = None, tuning: KernelTuning = DEFAULT_TUNING
+) -> tuple[int, int]:
     """Split-K plan ``(splits, blocks_per_split)`` for ``groups`` (row, KV head) programs over
-    ``num_blocks`` blocks: at most ``CERTVLLM_GPU_PROGRAMS_PER_SM`` (default 8) programs per multiprocessor
-    (rounded down, so that the programs fill whole waves of resident blocks), at least 4 blocks per
-    program."""
+    ``num_blocks`` blocks: at most ``tuning.programs_per_sm`` programs per multiprocessor (rounded down,
+    so that the programs fill whole waves of resident blocks), at least 4 blocks per program."""
     if blocks_per_split is None:
         sms = 132
         if torch.cuda.is_available() and not interpreting():
             sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
-        per_sm = int(os.environ.get("CERTVLLM_GPU_PROGRAMS_PER_SM", "8"))
-        want = max(1, per_sm * sms // max(1, groups))  # rounded down: no partial last wave of programs
+        want = max(1, tuning.programs_per_sm * sms // max(1, groups))  # rounded down: no partial last wave of programs
         blocks_per_split = max(4, -(-num_blocks // want))
     blocks_per_split = max(1, min(int(blocks_per_split), max(1, num_blocks)))
     return max(1, -(-num_blocks // blocks_per_split)), blocks_per_split
+
+
+# The split-K kernels (phase 1, the promotion and the attend pass: grid (rows·H_kv, splits)) share these
+# arguments, in this order: num_blocks (16-token blocks in the cache; block ids are clamped to it, as the
+# reference does), B (block-table columns), TB_STRIDE (row stride of ``tables``), S (splits), BPS (blocks
+# per split), and the constexprs H (KV heads), G (query heads per KV head), GP (next power of two ≥ G),
+# D (head dim), DP (next power of two ≥ D), M (16-token blocks per engine block).
+
+
+@triton.jit
+def split_program(H: tl.constexpr):
+    """``(rk, split, r, h)`` of a split-K program, grid ``(rows·H, splits)``: rk = r·H + h (int64), the
+    split, the row r (int64) and the KV head h."""
+    rk = tl.program_id(0).to(tl.int64)
+    return rk, tl.program_id(1), rk // H, rk % H
+
+
+@triton.jit
+def split_columns(it, jv, split, BPS, B, nf, BLK: tl.constexpr):
+    """Block columns ``bv = split·BPS + it·BLK + jv`` of loop iteration ``it`` (``jv``: the ``BLK`` offsets
+    in any shape), in the table and the split (``inb``) and full (``valid``: below ``nf``)."""
+    iv = it * BLK + jv
+    bv = split * BPS + iv
+    inb = (bv < B) & (iv < BPS)
+    return bv, inb, inb & (bv < nf)
+
+
+@triton.jit
+def page_base(tables, r, TB_STRIDE, bv, mask, num_blocks, h, H: tl.constexpr, M: tl.constexpr,
+              PAGE_BYTES: tl.constexpr):  # fmt: skip
+    """Block ids of row r's columns ``bv`` (loaded where ``mask``, else 0; clamped to ``[0, num_blocks)`` as
+    the reference does) and the byte offsets of their KV-head-h pages in ``cache.pages``."""
+    bid = tl.load(tables + r * TB_STRIDE + bv, mask=mask, other=0)
+    bid = tl.minimum(tl.maximum(bid, 0), num_blocks - 1)
+    return bid, ((bid // M) * H + h) * (M * PAGE_BYTES) + (bid % M) * PAGE_BYTES
 
 
 @triton.jit
@@ -174,22 +222,14 @@ def fp32_round_up_nonneg(x):
 @triton.jit
 def rint(x, PRECISE: tl.constexpr):
     """Round to nearest, ties to even (``torch.round``), for |x| < 2^22."""
-    if PRECISE:
-        r = libdevice.rint(x)
-    else:
-        r = (x + 8388608.0) - 8388608.0
-    return r
+    return libdevice.rint(x) if PRECISE else (x + 8388608.0) - 8388608.0
 
 
 @triton.jit
 def exp_f32(x, PRECISE: tl.constexpr):
     """exp in float32 within 2 ulp (libdevice ``expf``; ``tl.exp`` is ``ex2.approx`` of a rounded product,
     whose error grows with |x| and is not what the certificate's exp term assumes)."""
-    if PRECISE:
-        r = libdevice.exp(x)
-    else:
-        r = tl.exp(x)
-    return r
+    return libdevice.exp(x) if PRECISE else tl.exp(x)
 
 
 @triton.jit
@@ -204,32 +244,26 @@ def head_program(G: tl.constexpr, H: tl.constexpr):
 @triton.jit
 def log_f32(x, PRECISE: tl.constexpr):
     """log in float32 (libdevice ``logf``, ≤ 1 ulp; NumPy's under the interpreter)."""
-    if PRECISE:
-        r = libdevice.log(x)
-    else:
-        r = tl.log(x)
-    return r
+    return libdevice.log(x) if PRECISE else tl.log(x)
 
 
 @triton.jit
 def expm1_f32(x, PRECISE: tl.constexpr):
     """e^x − 1 in float32 (libdevice ``expm1f``; under the interpreter through float64)."""
-    if PRECISE:
-        r = libdevice.expm1(x)
-    else:
-        r = (tl.exp(x.to(tl.float64)) - 1.0).to(tl.float32)
-    return r
+    return libdevice.expm1(x) if PRECISE else (tl.exp(x.to(tl.float64)) - 1.0).to(tl.float32)
 
 
 @triton.jit
 def tanh_f32(x, PRECISE: tl.constexpr):
     """tanh in float32 (libdevice ``tanhf``; under the interpreter through float64)."""
-    if PRECISE:
-        r = libdevice.tanh(x)
-    else:
-        e = tl.exp(2.0 * x.to(tl.float64))
-        r = tl.where(x > 20.0, 1.0, (e - 1.0) / (e + 1.0)).to(tl.float32)
-    return r
+    return libdevice.tanh(x) if PRECISE else _tanh_f64(x)
+
+
+@triton.jit
+def _tanh_f64(x):
+    """tanh of float32 x through float64 exp, rounded to float32 (the interpreter's ``tanh_f32``)."""
+    e = tl.exp(2.0 * x.to(tl.float64))
+    return tl.where(x > 20.0, 1.0, (e - 1.0) / (e + 1.0)).to(tl.float32)
 
 
 @triton.jit
@@ -341,6 +375,15 @@ def load_shadow_tile(src, bid, h, kv, H: tl.constexpr, M: tl.constexpr, D: tl.co
     else:
         offs = token_major
     return tl.load(src + base + offs, mask=d[None, :] < D, other=0.0)
+
+
+@triton.jit
+def copy_key_page(src, e, dst, slot, H: tl.constexpr, M: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+                  CHANNEL_MAJOR: tl.constexpr):  # fmt: skip
+    """Copy the keys of shadow page ``e = block·H + head`` of ``src`` (:func:`load_shadow_tile`) to slot
+    ``slot`` of ``dst`` ``[P, 16, D]`` (token-major)."""
+    x = load_shadow_tile(src, e // H, e % H, 0, H, M, D, DP, CHANNEL_MAJOR)
+    store_page_tile(dst + slot * (16 * D), x, D, DP)
 
 
 @triton.jit

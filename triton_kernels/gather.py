@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import device_arg, launch_device_ok, load_shadow_tile, next_pow2, store_page_tile
+from .common import copy_key_page, device_arg, launch_device_ok, load_shadow_tile, next_pow2, store_page_tile
 
 
 @triton.jit
@@ -78,8 +78,7 @@ def _fill_pool_kernel(
     p = tl.program_id(0).to(tl.int64)
     e = tl.load(fill_page + p)
     if e >= 0:
-        x = load_shadow_tile(src, e // H, e % H, 0, H, M, D, DP, CHANNEL_MAJOR)
-        store_page_tile(pool + p * (16 * D), x, D, DP)
+        copy_key_page(src, e, pool, p, H, M, D, DP, CHANNEL_MAJOR)
 
 
 def fill_pool(

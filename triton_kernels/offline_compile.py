@@ -13,9 +13,9 @@ Used by ``tests/test_gluon_compile.py`` (the kernels compile, within register an
 **One process cannot do both.** On a machine without CUDA, importing ``certvllm.triton_kernels`` sets
 ``TRITON_INTERPRET=1`` before Triton is imported, so that the Triton kernels run in the interpreter; Triton
 then defines its standard library (``tl.sum`` …) as interpreted functions, which a Gluon compile cannot
-reference. :func:`run_jobs` therefore compiles in a child process started with ``TRITON_INTERPRET=0``
-(``python -m certvllm.triton_kernels.offline_compile``, job specs as JSON on stdin, results as JSON on the
-last line of stdout).
+reference. :func:`run_jobs` therefore compiles in a child process whose Triton is told not to interpret
+(``env TRITON_INTERPRET=0 python -m certvllm.triton_kernels.offline_compile``, job specs as JSON on stdin,
+results as JSON on the last line of stdout).
 """
 
 from __future__ import annotations
@@ -82,8 +82,10 @@ def compile_gluon(kernel, pointers: dict, constants: dict, arch: int = 90) -> Co
     (constexprs plus the compile options in :data:`OPTIONS`); pointers not in ``pointers`` are float32.
     Needs a process whose Triton was imported without the interpreter (module docstring; else
     :func:`run_jobs`)."""
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-        raise RuntimeError("TRITON_INTERPRET is set in this process: compile Gluon kernels with run_jobs()")
+    from .common import interpreting
+
+    if interpreting():
+        raise RuntimeError("Triton interprets kernels in this process: compile Gluon kernels with run_jobs()")
     try:
         from triton.experimental.gluon._runtime import GluonASTSource
     except ImportError as err:
@@ -151,12 +153,11 @@ def run_jobs(jobs: list[dict], timeout: float = 1200.0) -> list[dict]:
     ``stack``, ``loop_instructions`` and ``loop_top`` (the 12 most frequent opcodes of the loop), or
     ``missing`` (why this Triton cannot compile offline).
 
-    A job: ``{"kernel": "attend" | "phase1", "hq", "hkv", "d", "geometry": {Phase2Geometry field: value},
-    "env": {variable: value}}`` (the last two optional; ``env`` is set while the job's constants are
-    computed, e.g. ``CERTVLLM_P1_CHAIN``)."""
-    env = dict(os.environ, TRITON_INTERPRET="0")
-    proc = subprocess.run([sys.executable, "-m", "certvllm.triton_kernels.offline_compile"], input=json.dumps(jobs),
-                          capture_output=True, text=True, env=env, timeout=timeout)  # fmt: skip
+    A job: ``{"kernel": "attend" | "phase1", "hq", "hkv", "d", "tuning": {KernelTuning field: value}}``
+    (``tuning`` optional: the launchers' ``DEFAULT_TUNING`` with these fields replaced). The child inherits
+    this process's environment; ``env`` sets Triton's own switch off in it before Python starts."""
+    cmd = ["env", "TRITON_INTERPRET=0", sys.executable, "-m", "certvllm.triton_kernels.offline_compile"]
+    proc = subprocess.run(cmd, input=json.dumps(jobs), capture_output=True, text=True, timeout=timeout)
     lines = proc.stdout.strip().splitlines()
     if proc.returncode != 0 or not lines:
         raise RuntimeError(f"offline compilation failed (exit {proc.returncode}): {proc.stderr[-3000:]}")
@@ -168,32 +169,29 @@ def _run_job(spec: dict) -> dict:
 
     from . import attend_gluon, phase1_gluon
     from .phase2 import Phase2Geometry
+    from .tuning import KernelTuning
 
-    saved = {k: os.environ.get(k) for k in spec.get("env", {})}
-    os.environ.update(spec.get("env", {}))
+    tuning = KernelTuning(**spec.get("tuning", {}))
     try:
         hq, hkv, d = spec["hq"], spec["hkv"], spec["d"]
         if spec["kernel"] == "attend":
-            geo = Phase2Geometry(PageLayout(d), hkv, hq // hkv, 1, 1024, 4, 64, **spec.get("geometry", {}))
-            kernel, pointers, consts = attend_gluon._attend_gluon_kernel, ATTEND_POINTERS, attend_gluon.launch_constants(
-                geo, geo.attend_warps)  # fmt: skip
+            geo = Phase2Geometry(PageLayout(d), hkv, hq // hkv, 1, 1024, 4, 64, tuning=tuning)
+            kernel, pointers = attend_gluon._attend_gluon_kernel, ATTEND_POINTERS
+            consts = attend_gluon.launch_constants(geo, tuning.attend_warps)
         else:
             kernel, pointers = phase1_gluon._phase1_gluon_kernel, PHASE1_POINTERS
-            consts = phase1_gluon.launch_constants(PageLayout(d), hkv, hq // hkv, 1, 4, 4)
+            consts = phase1_gluon.launch_constants(PageLayout(d), hkv, hq // hkv, 1, tuning.phase1_warps,
+                                                   tuning.phase1_warps)  # fmt: skip
         c = compile_gluon(kernel, pointers, consts)
         return {"registers": c.registers, "stack": c.stack, "loop_instructions": c.loop_instructions,
                 "loop_top": dict(c.loop.most_common(12))}  # fmt: skip
     except ToolMissing as err:
         return {"missing": str(err)}
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 if __name__ == "__main__":
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    from .common import interpreting
+
+    if interpreting():
         raise SystemExit("run with TRITON_INTERPRET=0: a Gluon compile cannot use the interpreter's Triton")
     print(json.dumps([_run_job(spec) for spec in json.loads(sys.stdin.read())]))

@@ -21,7 +21,6 @@ the shape; the Triton kernel below runs under the interpreter and otherwise. Bot
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -30,10 +29,17 @@ import triton.language as tl
 
 from certvllm.formats.layout import PageLayout
 
-from .common import GluonGate, interpreting, key_scale_sigma, launch_device_ok, next_pow2
-
-PHASE1_BLK = 4  # blocks per loop iteration
-PHASE1_WARPS = 4  # warps per program
+from .common import (
+    GluonGate,
+    interpreting,
+    key_scale_sigma,
+    launch_device_ok,
+    next_pow2,
+    page_base,
+    split_columns,
+    split_program,
+)
+from .tuning import DEFAULT_TUNING, KernelTuning
 
 
 @triton.jit
@@ -55,24 +61,16 @@ def _phase1_kernel(
     rmax,  # out [R, H_kv, G, B] float32 per-block score rounding R_b (0 past the last full block)
     amax,  # out [R, H_kv, G, B] float32 per-block max finite |s̃⁸| (0 past the last full block)
     bad,  # out [R, H_kv, B] int32 per block: a valid page is flagged or invalid
-    num_blocks,  # total 16-token blocks in the cache (ids are clamped to it, as the reference does)
-    B,  # blocks per row in the outputs (block-table columns)
-    TB_STRIDE,  # row stride of ``tables``
-    BPS,  # blocks per split
+    num_blocks, B, TB_STRIDE, BPS,  # the split-K arguments (``common``; no S: the grid has it)
     DELTA_F,  # float32 factor of Δ_b
     ROUND_F,  # float32 factor of R_b
-    H: tl.constexpr,  # KV heads
-    G: tl.constexpr,  # query heads per KV head
-    GP: tl.constexpr,  # next power of two ≥ G
-    D: tl.constexpr,  # head dim
-    DP: tl.constexpr,  # next power of two ≥ D
-    M: tl.constexpr,  # 16-token blocks per engine block
+    H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, M: tl.constexpr,
     BLK: tl.constexpr,  # blocks per loop iteration (power of two)
     PAGE_BYTES: tl.constexpr,  # bytes of one page
     K_OFFSET: tl.constexpr,  # byte offset of the key offsets ℓ̃ (float16 [D])
     K_SCODE: tl.constexpr,  # byte offset of the key scale codes (uint8 [D])
     HEADER: tl.constexpr,  # byte offset of the 16-byte header
-):
+):  # fmt: skip
     # The tile is [BLK, N, D] (blocks, tokens, channels). Every load and product of the loop is meant to
     # share one layout: D over the 32 lanes of a warp, 4 channels per thread (the loads see runs of 4
     # contiguous channels only, ``d4``), BLK over the warps, the 16 tokens of a block in each thread's
@@ -80,10 +78,7 @@ def _phase1_kernel(
     # the lanes of one warp. The key codes are loaded last: Triton's layout propagation lets the last
     # large load of the loop decide the layout of the arithmetic that consumes it.
     N: tl.constexpr = 16
-    rk = tl.program_id(0).to(tl.int64)
-    split = tl.program_id(1)
-    r = rk // H
-    h = rk % H
+    rk, split, r, h = split_program(H)
     dd = tl.arange(0, DP)
     d4 = dd % 4 + (dd // 4) * 4  # = dd, seen by the compiler as runs of 4
     dv = d4[None, None, :]  # [1, 1, DP]
@@ -97,13 +92,8 @@ def _phase1_kernel(
     q2 = tl.load(qs + (r * (H * G) + h * G + gq) * D + dq, mask=(gq < G) & (dq < D), other=0.0)  # [GP, DP]
     nf = tl.load(nfull + r)
     for it in range(0, tl.cdiv(BPS, BLK)):
-        iv = it * BLK + jv
-        bv = split * BPS + iv  # [BLK, 1, 1] block column
-        inb = (bv < B) & (iv < BPS)
-        valid = inb & (bv < nf)
-        bid = tl.load(tables + r * TB_STRIDE + bv, mask=inb, other=0)
-        bid = tl.minimum(tl.maximum(bid, 0), num_blocks - 1)
-        base = ((bid // M) * H + h) * (M * PAGE_BYTES) + (bid % M) * PAGE_BYTES  # [BLK, 1, 1]
+        bv, inb, valid = split_columns(it, jv, split, BPS, B, nf, BLK)  # [BLK, 1, 1] block columns
+        _, base = page_base(tables, r, TB_STRIDE, bv, inb, num_blocks, h, H, M, PAGE_BYTES)  # [BLK, 1, 1]
         vm = valid & dmv
         e_b = tl.load(pages_f32 + (base + HEADER) // 4, mask=valid, other=0.0)
         n_b = tl.load(pages_f32 + (base + HEADER) // 4 + 1, mask=valid, other=0.0)
@@ -158,19 +148,20 @@ def _phase1_kernel(
         tl.store(amax + orow, tl.where(valid, a_all, 0.0), mask=om)
 
 
-PHASE1_GLUON_GATE = GluonGate("phase-1", "CERTVLLM_P1_GLUON")
+PHASE1_GLUON_GATE = GluonGate("phase-1")
 
 
-def use_gluon(head_dim: int, group: int, num_warps: int) -> bool:
+def use_gluon(head_dim: int, group: int, tuning: KernelTuning = DEFAULT_TUNING) -> bool:
     """Whether :func:`phase1` runs the Gluon kernel (``phase1_gluon``): compiled (not the interpreter),
-    Gluon importable and compiling (``PHASE1_GLUON_GATE``), a supported shape, and ``CERTVLLM_P1_GLUON`` not ``0``."""
-    if interpreting() or os.environ.get("CERTVLLM_P1_GLUON", "1") == "0" or PHASE1_GLUON_GATE.failure is not None:
+    ``tuning.dialect`` not ``"triton"``, Gluon importable and compiling (``PHASE1_GLUON_GATE``) and a
+    supported shape (one block per warp: ``tuning.phase1_warps`` blocks per iteration)."""
+    if interpreting() or tuning.dialect == "triton" or PHASE1_GLUON_GATE.failure is not None:
         return False
     try:
         from . import phase1_gluon
     except ImportError:  # a Triton without Gluon
         return False
-    return phase1_gluon.supported(head_dim, group, num_warps, num_warps)
+    return phase1_gluon.supported(head_dim, group, tuning.phase1_warps, tuning.phase1_warps)
 
 
 @dataclass
@@ -201,8 +192,8 @@ def phase1(
     rounding_factor: float,
     splits: int,
     blocks_per_split: int,
-    blk: int | None = None,
-    num_warps: int | None = None,
+    *,
+    tuning: KernelTuning = DEFAULT_TUNING,
 ) -> Phase1Out:
     """Launch phase 1.
 
@@ -212,8 +203,8 @@ def phase1(
         tables: ``[R, B]`` int64 block ids; nfull: ``[R]`` int64 full blocks per row.
         lut: ``[256]`` float32 :func:`~certvllm.formats.layout.key_scale_lut` on the device.
         splits, blocks_per_split: the split-K plan (``splits·blocks_per_split ≥ B``).
-        blk, num_warps: blocks per loop iteration and warps per program (defaults: ``PHASE1_BLK``,
-            ``PHASE1_WARPS``, or the environment variables ``CERTVLLM_P1_BLK`` / ``CERTVLLM_P1_WARPS``).
+        tuning: blocks per loop iteration (``phase1_blk``; the Gluon kernel: one block per warp), warps per
+            program (``phase1_warps``) and the kernel dialect.
 
     Returns:
         :class:`Phase1Out` with scores ``[R, H_kv, B, G, 16]``, l8/m8/delta ``[R, H_kv, G, B]``,
@@ -221,8 +212,7 @@ def phase1(
         (per block: reduce over the last axis).
     """
     launch_device_ok(pages)
-    blk = next_pow2(blk or int(os.environ.get("CERTVLLM_P1_BLK", PHASE1_BLK)))
-    num_warps = num_warps or int(os.environ.get("CERTVLLM_P1_WARPS", PHASE1_WARPS))
+    blk, num_warps = tuning.phase1_blk, tuning.phase1_warps
     R, Hq, D = qs.shape
     K = num_kv_heads
     G = Hq // K
@@ -253,7 +243,7 @@ def phase1(
             num_warps=num_warps,
         )  # fmt: skip
 
-    if use_gluon(D, G, num_warps):
+    if use_gluon(D, G, tuning):
         from . import phase1_gluon
 
         PHASE1_GLUON_GATE.run(

@@ -7,36 +7,23 @@ contiguous channels per thread (one 16-byte load of key codes per token), the ch
 ``DP/VEC`` lanes, the 16 tokens over the remaining lanes (and in registers), one block per warp. So
 
 * the D-term dot products (scores, and the Σ|q|σ, Σ|q|·k_max of Δ_b and R_b) reduce ``VEC`` products in
-  a thread, then over ``DP/VEC`` lanes (3 shuffle rounds at D = 128) — any summation order is allowed by
-  the certificate (γ_D, docs/certification.md §5). ``CERTVLLM_P1_CHAIN=1`` makes the in-thread part one
-  chain of fused multiply-adds (``_fma_chain``): 10 % fewer instructions per block than ``gl.sum``'s
-  tree (offline sm_90 compile), but measured 11 % *slower* on the H200 (1.35 vs 1.22 ms at batch 8 /
-  128K: the 16-deep dependent chains), so it is off by default;
+  a thread (``gl.sum``'s tree), then over ``DP/VEC`` lanes (3 shuffle rounds at D = 128) — any summation
+  order is allowed by the certificate (γ_D, docs/certification.md §5);
 * per-block reductions over the tokens stay inside one warp;
 * nothing is converted between layouts inside the loop (no shared-memory round trips, no barriers).
 
-The block ids of iteration ``it + 1`` are loaded during iteration ``it``, so a page's loads need no round
-trip to ``tables`` first (about 3 % faster on the H200 than loading them in the iteration). Measured and
-dropped (Triton 3.6, D = 128, G = 4, BLK = 4, 4 warps): software-pipelining every page load one iteration
-ahead (key codes carried as packed words) is about 5 % *slower* — 168 registers instead of 128, 3 resident
-programs per SM instead of 4 — and about 8 % faster only at equal occupancy. The loop issues ~1,450
-instructions per warp and 16-token block of keys, which caps it near 1.75 TB/s even at one instruction per
-cycle; it runs at ~60 % of that, so fewer instructions per byte, not more latency hiding, is what would
-speed it up.
+The block ids of iteration ``it + 1`` are loaded during iteration ``it``, so a page's loads do not wait on a
+load of ``tables`` first.
 
-Δ_b and R_b do not depend on the token, yet as [BLK, 1, D] dot products per head each was formed on every
-token lane; they are now computed for all heads at once with the heads on the token lanes ([BLK, GP, D],
-same reduction tree, one store each). Offline (Triton 3.9, G = 4, D = 128): 1,619 → 1,430 instructions
-per block and 164 → 126 registers; on the H200 (Triton 3.6) phase 1 took the same time (1.22 ms at
-batch 8 / 128K, ``benchmarks/results/h200_profile_p1dedup.json``).
+Δ_b and R_b do not depend on the token: they are computed for all heads at once with the heads on the token
+lanes ([BLK, GP, D], the same reduction tree as a [BLK, 1, D] dot product, one store each), so each product
+is formed once instead of on every token lane.
 
 Used on CUDA when Gluon is available and the shape fits (``supported``); the Triton kernel remains the
 implementation under the interpreter (CPU tests) and the fallback.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 from triton.experimental import gluon
@@ -133,40 +120,6 @@ def _page_loads(
 
 
 @gluon.jit
-def _halves(x):
-    """[A, B, 2k] → two [A, B, k] tensors (even and odd positions of the last axis; in-thread, no data moves)."""
-    return gl.split(gl.reshape(x, [x.shape[0], x.shape[1], x.shape[2] // 2, 2]))
-
-
-@gluon.jit
-def _fma_chain(acc, x, y, LEVELS: gl.constexpr, FIRST: gl.constexpr):
-    """acc + Σ x·y over the 2^LEVELS in-thread elements of the last axis as one chain of fused multiply-adds
-    ([A, B, C] → [A, B, C / 2^LEVELS]; ``FIRST``: start from the first product, ``acc`` unused). A tree
-    (``gl.sum``) would leave half of the products as separate multiplies and adds."""
-    if LEVELS == 0:
-        if FIRST:
-            return x * y
-        else:
-            return acc + x * y
-    else:
-        xa, xb = _halves(x)
-        ya, yb = _halves(y)
-        acc = _fma_chain(acc, xa, ya, LEVELS - 1, FIRST)
-        return _fma_chain(acc, xb, yb, LEVELS - 1, False)
-
-
-@gluon.jit
-def _dot(x, y, LEVELS: gl.constexpr, CHAIN: gl.constexpr):
-    """Σ over the last axis of x·y (``y`` broadcast to the shape of ``x``), [A, B, D] → [A, B]: with ``CHAIN``
-    a fused chain over the 2^LEVELS channels each thread holds, then a sum over the lanes; else ``gl.sum``."""
-    if not CHAIN:
-        return gl.sum(x * y, axis=2)
-    xb, yb = gl.broadcast(x, y)
-    out = gl.sum(_fma_chain(0.0, xb, yb, LEVELS, True), axis=2)
-    return gl.convert_layout(out, gl.SliceLayout(2, xb.type.layout))  # the same mapping: no data moves
-
-
-@gluon.jit
 def _block_compute(
     ex,
     e_b,
@@ -199,11 +152,8 @@ def _block_compute(
     GP: gl.constexpr,
     N: gl.constexpr,
     D: gl.constexpr,
-    LVEC: gl.constexpr,
-    CHAIN: gl.constexpr,
 ):
-    """One iteration's arithmetic and stores, from the values :func:`_page_loads` returned (``codes`` uint8
-    or, unpacked from words, int32: either converts to the same float32)."""
+    """One iteration's arithmetic and stores, from the values :func:`_page_loads` returned."""
     ex = gl.minimum(gl.maximum(ex.to(gl.int32), -126), 127)
     two_e = ((ex + 127) << 23).to(gl.float32, bitcast=True)  # 2^E exactly
     flags = flags.to(gl.int32)
@@ -228,11 +178,11 @@ def _block_compute(
     qa = gl.abs(gl.load(qrow + g3 * D + dv, mask=(g3 < G) & (dv < D), other=0.0))  # [1, GP, D]
     orow = (rk * G + g2) * B + gl.expand_dims(bb, 1)  # [BLK, GP]
     gmask = gl.expand_dims(inb, 1) & (g2 < G)
-    gl.store(delta + orow, gl.where(valid2, _dot(sigma, qa, LVEC, CHAIN) * DELTA_F, 0.0), mask=gmask)
-    gl.store(rmax + orow, gl.where(valid2, _dot(kmag, qa, LVEC, CHAIN) * ROUND_F, 0.0), mask=gmask)
+    gl.store(delta + orow, gl.where(valid2, gl.sum(sigma * qa, axis=2) * DELTA_F, 0.0), mask=gmask)
+    gl.store(rmax + orow, gl.where(valid2, gl.sum(kmag * qa, axis=2) * ROUND_F, 0.0), mask=gmask)
     for g in gl.static_range(G):
         qg = gl.load(qrow + g * D + dv)  # [1, 1, D]
-        s = _dot(khat, qg, LVEC, CHAIN)  # [BLK, N] D-term float32 dot products
+        s = gl.sum(khat * qg, axis=2)  # [BLK, N] D-term float32 dot products
         s = gl.where(valid2, s, float("-inf"))
         mb = gl.max(s, axis=1)  # [BLK]
         fin = gl.abs(mb) < float("inf")
@@ -283,8 +233,6 @@ def _phase1_gluon_kernel(
     K_SCODE: gl.constexpr,
     HEADER: gl.constexpr,
     VEC: gl.constexpr,
-    LVEC: gl.constexpr,  # log2(VEC)
-    CHAIN: gl.constexpr,  # the in-thread part of the dot products as FMA chains (else gl.sum's tree)
 ):
     """One program per (row, KV head, split): per iteration the page loads of ``BLK`` blocks (their ids loaded
     one iteration ahead), then the arithmetic and stores (``_block_compute``)."""
@@ -302,7 +250,7 @@ def _phase1_gluon_kernel(
         bid = _block_ids(tables, r, TB_STRIDE, bb1, inb1, num_blocks)  # iteration it + 1's (0 past the end)
         _block_compute(
             ex, e_b, n_b, flags, off, sc, codes, bb, inb, valid, rk, qrow, lut,
-            scores, l8, m8, delta, eta, nu, rmax, amax, bad, B, DELTA_F, ROUND_F, n2, dv, G, GP, N, D, LVEC, CHAIN,
+            scores, l8, m8, delta, eta, nu, rmax, amax, bad, B, DELTA_F, ROUND_F, n2, dv, G, GP, N, D,
         )  # fmt: skip
 
 
@@ -310,8 +258,7 @@ def launch_constants(layout, K: int, G: int, sub_blocks: int, blk: int, num_warp
     """The compile-time arguments of :func:`_phase1_gluon_kernel`: constexprs, ``num_warps``, FMA contraction."""
     return dict(
         H=K, G=G, GP=1 << max(0, (G - 1).bit_length()), D=layout.head_dim, M=sub_blocks, BLK=blk, PAGE_BYTES=layout.page_bytes, K_OFFSET=layout.k_offset,
-        K_SCODE=layout.k_scale_code, HEADER=layout.header, VEC=VEC, LVEC=VEC.bit_length() - 1,
-        CHAIN=os.environ.get("CERTVLLM_P1_CHAIN", "0") == "1", num_warps=num_warps,
+        K_SCODE=layout.k_scale_code, HEADER=layout.header, VEC=VEC, num_warps=num_warps,
         enable_fp_fusion=True,  # fused dequantization and dot products (Triton 3.10 turns fusion off by default)
     )  # fmt: skip
 

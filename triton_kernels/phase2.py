@@ -27,7 +27,6 @@ per (head, token), FMA chains, the same bounds) runs when it supports the shape.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -36,7 +35,19 @@ import triton.language as tl
 
 from certvllm.formats.layout import PageLayout
 
-from .common import GluonGate, device_arg, exp_f32, interpreting, launch_device_ok, next_pow2, precise
+from .common import (
+    GluonGate,
+    device_arg,
+    exp_f32,
+    interpreting,
+    launch_device_ok,
+    next_pow2,
+    page_base,
+    precise,
+    split_columns,
+    split_program,
+)
+from .tuning import DEFAULT_TUNING, KernelTuning
 
 
 @triton.jit
@@ -58,27 +69,15 @@ def _promote_kernel(
     kslot,  # [R, H_kv, B] int32 pool slot of each needed key page, −1: read the shadow (USE_POOL only)
     stage,  # [Q, N, D] prefetched key pages (device): slot nslots + i reads stage[i] (USE_POOL only)
     nslots,  # pool slots: kslot values ≥ nslots index the staging pages
-    num_blocks,  # total 16-token blocks (ids are clamped)
-    B,  # block-table columns
-    TB_STRIDE,  # row stride of tables
-    S,  # splits
-    BPS,  # blocks per split
-    H: tl.constexpr,  # KV heads
-    G: tl.constexpr,  # query heads per KV head
-    GP: tl.constexpr,  # next power of two ≥ G
-    D: tl.constexpr,  # head dim
-    DP: tl.constexpr,  # next power of two ≥ D
-    M: tl.constexpr,  # 16-token blocks per engine block
+    num_blocks, B, TB_STRIDE, S, BPS,  # the split-K arguments (``common``)
+    H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, M: tl.constexpr,
     CHANNEL_MAJOR: tl.constexpr,  # shadow keys stored [D, m·N] (the CPU layout)
     CANARY: tl.constexpr,  # run the canary (loads keys of value-only promoted blocks too)
     PB: tl.constexpr,  # blocks per tile of the bitmask scan
     USE_POOL: tl.constexpr,  # read key pages from the promotion cache where kslot ≥ 0
-):
+):  # fmt: skip
     N: tl.constexpr = 16
-    rk = tl.program_id(0).to(tl.int64)
-    split = tl.program_id(1)
-    r = rk // H
-    h = rk % H
+    rk, split, r, h = split_program(H)
     g = tl.arange(0, GP)
     d = tl.arange(0, DP)
     n = tl.arange(0, N)
@@ -173,17 +172,8 @@ def _attend_kernel(
     aval,  # out [R, H_kv, S, G] float64 Σ den_b·η_b over INT4-value blocks
     atail,  # out [R, H_kv, S, G] float64 Σ den_b over INT8-key blocks
     exact_lm,  # out [R, H_kv, G, B] float32 m + log den_b on key-promoted blocks (others untouched)
-    num_blocks,  # total 16-token blocks
-    B,  # block-table columns
-    TB_STRIDE,  # row stride of tables
-    S,  # splits
-    BPS,  # blocks per split
-    H: tl.constexpr,  # KV heads
-    G: tl.constexpr,  # query heads per KV head
-    GP: tl.constexpr,  # next power of two ≥ G
-    D: tl.constexpr,  # head dim
-    DP: tl.constexpr,  # next power of two ≥ D
-    M: tl.constexpr,  # 16-token blocks per engine block
+    num_blocks, B, TB_STRIDE, S, BPS,  # the split-K arguments (``common``)
+    H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, M: tl.constexpr,
     GRP: tl.constexpr,  # value group size g
     NG: tl.constexpr,  # value groups per token
     BLK: tl.constexpr,  # blocks per loop iteration (power of two)
@@ -193,7 +183,7 @@ def _attend_kernel(
     V_ZERO: tl.constexpr,
     HEADER: tl.constexpr,
     PRECISE: tl.constexpr,  # libdevice expf (compiled) / NumPy exp (interpreter)
-):
+):  # fmt: skip
     # Tiles [BLK, N, DP/2] over the value bytes (blocks, tokens, byte k = channels 2k and 2k+1): the 16 tokens
     # of a block sit in each thread's registers, so den_b and num_b (16-term float32 sums over the block's
     # tokens) need no data exchange; even and odd channels (low and high nibbles) are kept as two tiles.
@@ -201,10 +191,7 @@ def _attend_kernel(
     # (row g only: the other rows add an exact 0), reduced over BLK once at the end.
     N: tl.constexpr = 16
     DH: tl.constexpr = DP // 2
-    rk = tl.program_id(0).to(tl.int64)
-    split = tl.program_id(1)
-    r = rk // H
-    h = rk % H
+    rk, split, r, h = split_program(H)
     kk = tl.arange(0, DH)
     k2 = kk % 2 + (kk // 2) * 2  # = kk, seen by the compiler as runs of 2 bytes
     kv = k2[None, None, :]  # [1, 1, DH]
@@ -221,14 +208,9 @@ def _attend_kernel(
     av64 = tl.zeros([BLK, GP, 1], tl.float64)
     at64 = tl.zeros([BLK, GP, 1], tl.float64)
     for it in range(0, n_iter):
-        iv = it * BLK + jv
-        bv = split * BPS + iv  # [BLK, 1, 1]
-        inb = (bv < B) & (iv < BPS)
-        valid = inb & (bv < nf)
+        bv, _, valid = split_columns(it, jv, split, BPS, B, nf, BLK)  # [BLK, 1, 1]
         bb = tl.load(bits + rk * B + bv, mask=valid, other=0)
-        bid = tl.load(tables + r * TB_STRIDE + bv, mask=valid, other=0)
-        bid = tl.minimum(tl.maximum(bid, 0), num_blocks - 1)
-        base = ((bid // M) * H + h) * (M * PAGE_BYTES) + (bid % M) * PAGE_BYTES  # [BLK, 1, 1]
+        bid, base = page_base(tables, r, TB_STRIDE, bv, valid, num_blocks, h, H, M, PAGE_BYTES)  # [BLK, 1, 1]
         eta_b = tl.load(pages_f32 + (base + HEADER) // 4, mask=valid, other=0.0).to(tl.float64)
         vm = valid & km
         anyv = tl.max(tl.max(tl.max(bb >> G, axis=2), axis=1), axis=0) != 0
@@ -296,7 +278,8 @@ def _attend_kernel(
 
 @dataclass
 class Phase2Geometry:
-    """Static launch parameters shared by both phase-2 kernels."""
+    """Static launch parameters shared by both phase-2 kernels; ``tuning`` holds the attend pass's tile,
+    warps, Gluon parameters and the kernel dialect (``tuning.KernelTuning``)."""
 
     layout: PageLayout
     num_kv_heads: int
@@ -306,30 +289,26 @@ class Phase2Geometry:
     splits: int
     blocks_per_split: int
     channel_major: bool = False
-    attend_blk: int = int(os.environ.get("CERTVLLM_ATTEND_BLK", "4"))  # blocks per attend-loop iteration
-    attend_warps: int = int(os.environ.get("CERTVLLM_ATTEND_WARPS", "4"))
-    attend_parts: int = int(os.environ.get("CERTVLLM_ATTEND_PARTS", "1"))  # Gluon: value-channel parts
-    attend_chunk_bytes: int = int(os.environ.get("CERTVLLM_ATTEND_CHUNK", "2"))  # Gluon: bytes per lane and token
-    # Gluon: registers per thread at most (0: no cap), for G ≤ 4 only (at G = 8 the cap would spill)
-    attend_maxnreg: int = int(os.environ.get("CERTVLLM_ATTEND_MAXNREG", "128"))
+    tuning: KernelTuning = DEFAULT_TUNING
 
 
-ATTEND_GLUON_GATE = GluonGate("attend", "CERTVLLM_ATTEND_GLUON")
+ATTEND_GLUON_GATE = GluonGate("attend")
 
 
 def use_gluon_attend(geo: Phase2Geometry) -> bool:
-    """Whether :func:`attend` runs the Gluon kernel (``attend_gluon``): compiled (not the interpreter), Gluon
-    importable and compiling (``ATTEND_GLUON_GATE``), a supported shape, and ``CERTVLLM_ATTEND_GLUON`` not
-    ``0``."""
-    if interpreting() or os.environ.get("CERTVLLM_ATTEND_GLUON", "1") == "0" or ATTEND_GLUON_GATE.failure is not None:
+    """Whether :func:`attend` runs the Gluon kernel (``attend_gluon``): compiled (not the interpreter),
+    ``geo.tuning.dialect`` not ``"triton"``, Gluon importable and compiling (``ATTEND_GLUON_GATE``) and a
+    supported shape."""
+    tun = geo.tuning
+    if interpreting() or tun.dialect == "triton" or ATTEND_GLUON_GATE.failure is not None:
         return False
     try:
         from . import attend_gluon
     except ImportError:  # a Triton without Gluon
         return False
     lay = geo.layout
-    return attend_gluon.supported(lay.head_dim, geo.group, geo.attend_warps, geo.attend_warps, lay.value_group,
-                                  geo.attend_parts, geo.attend_chunk_bytes)  # fmt: skip
+    return attend_gluon.supported(lay.head_dim, geo.group, tun.attend_warps, tun.attend_warps, lay.value_group,
+                                  tun.attend_parts, tun.attend_chunk_bytes)  # fmt: skip
 
 
 def promote(
@@ -428,8 +407,8 @@ def attend(
             tables, nfull, bits, active, out.acc, out.den, out.aval, out.atail, exact_lm,
             geo.num_blocks, B, tables.stride(0), S, geo.blocks_per_split,
             H=K, G=G, GP=next_pow2(G), D=D, DP=next_pow2(D), M=geo.sub_blocks, GRP=lay.value_group, NG=lay.groups,
-            BLK=geo.attend_blk, PAGE_BYTES=lay.page_bytes, V_CODES=lay.v_codes, V_SCALE=lay.v_scale,
-            V_ZERO=lay.v_zero, HEADER=lay.header, PRECISE=precise(), num_warps=geo.attend_warps,
+            BLK=geo.tuning.attend_blk, PAGE_BYTES=lay.page_bytes, V_CODES=lay.v_codes, V_SCALE=lay.v_scale,
+            V_ZERO=lay.v_zero, HEADER=lay.header, PRECISE=precise(), num_warps=geo.tuning.attend_warps,
         )  # fmt: skip
 
     if use_gluon_attend(geo):
@@ -437,7 +416,7 @@ def attend(
 
         ATTEND_GLUON_GATE.run(
             lambda: attend_gluon.launch(out, geo, scores, mmax, shadow, pages, tables, nfull, bits, active,
-                                        exact_lm, geo.attend_warps),
+                                        exact_lm, geo.tuning.attend_warps),
             launch_triton,
         )  # fmt: skip
     else:

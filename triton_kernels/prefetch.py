@@ -2,11 +2,10 @@
 with a few persistent programs, so that it runs beside a layer's kernels instead of in front of them.
 
 One program per page (``gather.fill_pool``) floods every SM with programs that wait on PCIe, and whatever
-runs on another stream waits behind them: measured on the H200, such a gather on a side stream added its
-whole time to a concurrent layer call. ``stage_pages`` launches ``programs`` programs (default 8) that
-each loop over the list, ``U`` pages per iteration (all loads issued before any store), which keeps about
-``programs·U`` 4 KiB pages in flight: 45 GB/s alone at 16 × 4, and almost fully hidden behind a concurrent
-batch-8 128K layer call (``benchmarks/results/h200_prefetch_overlap.json``).
+runs on another stream waits behind them. ``stage_pages`` launches ``programs`` programs
+(``KernelTuning.prefetch_programs``) that each loop over the list, ``U`` pages per iteration
+(``KernelTuning.prefetch_unroll``; all loads issued before any store), which keeps about ``programs·U``
+4 KiB pages in flight while leaving the SMs to a concurrent layer call.
 
 Byte layout of the destination (``certvllm.kv.prefetch``): ``dst[i]`` is ``[N, D]`` token-major in the
 shadow's dtype (the promotion cache's page layout), for ``i < len(pages)``; an entry whose page id is −1 is
@@ -21,6 +20,7 @@ import triton.language as tl
 
 from .common import device_arg, launch_device_ok, next_pow2
 from .pool import _items
+from .tuning import DEFAULT_TUNING
 
 
 @triton.jit
@@ -75,8 +75,8 @@ def stage_pages(
     num_kv_heads: int,
     sub_blocks: int,
     channel_major: bool = False,
-    programs: int = 8,
-    per_iteration: int = 4,
+    programs: int = DEFAULT_TUNING.prefetch_programs,
+    per_iteration: int = DEFAULT_TUNING.prefetch_unroll,
     sparse: int = 0,
 ) -> None:
     """Copy the unquantized keys of page ``pages[i]`` (``block·H_kv + head``) into ``dst[i]`` for every
@@ -88,7 +88,8 @@ def stage_pages(
         pages: ``[P]`` int64 on ``dst``'s device; count: ``[1]`` (or a 1-element view) int64 there.
         num_kv_heads, sub_blocks: ``H_kv`` and ``m`` of the shadow.
         channel_major: keys are stored ``[D, m·N]`` per (engine block, head).
-        programs, per_iteration: the grid and the pages each program has in flight (powers of two).
+        programs, per_iteration: the grid and the pages each program has in flight (a power of two);
+            defaults: ``DEFAULT_TUNING.prefetch_programs`` and ``.prefetch_unroll``.
         sparse: below this many listed pages only half the programs copy (see ``certvllm.kv.prefetch``).
     """
     p, _, d = dst.shape

@@ -5,8 +5,7 @@ Why: with the promotion cache (``certvllm.kv.promotion_cache``) a layer call sti
 and on its critical path, the promoted key pages that the pool does not hold — mostly the same pages at
 every step (they lose their pool slots to other pages; at batch 8 and 128K about 6,700 of 28,000 per call).
 Those reads cannot start before the layer's selection. But the set is known one step ahead, and a gather
-with few programs on another stream runs beside a layer's kernels almost for free (measured on the H200:
-``benchmarks/results/h200_prefetch_overlap.json``). So:
+with few programs on another stream runs beside a layer's kernels instead of in front of them. So:
 
 * at step t, each layer call lists the needed key pages the pool did not serve, and where they sit in the
   ``[R, H_kv, B]`` grid (``index``);
@@ -44,11 +43,12 @@ prefetch (tests compare them).
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+
+from certvllm.triton_kernels.tuning import DEFAULT_TUNING, KernelTuning
 
 if TYPE_CHECKING:
     from certvllm.kv.cache import LayerKVCache
@@ -57,8 +57,7 @@ if TYPE_CHECKING:
 DEPTH = 2
 #: a layer whose listed pages are under this share of its call's [R, H_kv, B] grid is staged by half the
 #: programs: few pages against a long call, so a slower staging still arrives in time and disturbs the
-#: call's kernels less (H200, 8 layers per step: at 128K, 2 % of the grid listed, 4 programs beat 8 by 7 %;
-#: at 32K, 11 % listed, 4 programs came too late — benchmarks/results/h200_prefetch_overlap.json)
+#: call's kernels less; a larger share needs every program to arrive in time
 SPARSE_SHARE = 0.05
 
 
@@ -81,20 +80,22 @@ class StepPrefetcher:
         capacity: staging entries per ring slot (``CAP``).
         depth: ring slots.
         programs: the staging gather's grid (few programs, so that it runs beside the layers' kernels);
-            default ``CERTVLLM_PREFETCH_PROGRAMS`` or 8 (pages in flight per program:
-            ``CERTVLLM_PREFETCH_UNROLL``, default 4).
+            default ``tuning.prefetch_programs``.
+        tuning: the staging gather's programs (unless ``programs`` is given) and the pages each has in
+            flight (``prefetch_unroll``).
     """
 
     def __init__(self, head_dim: int, dtype: torch.dtype, device: torch.device, capacity: int,
-                 depth: int = DEPTH, programs: int | None = None) -> None:  # fmt: skip
+                 depth: int = DEPTH, programs: int | None = None, *,
+                 tuning: KernelTuning = DEFAULT_TUNING) -> None:  # fmt: skip
         if programs is None:
-            programs = int(os.environ.get("CERTVLLM_PREFETCH_PROGRAMS", "8"))
+            programs = tuning.prefetch_programs
         if capacity < 1:
             raise ValueError(f"prefetch capacity={capacity}: needs at least one page; or set prefetch_fraction=0")
         if depth < 1:
             raise ValueError(f"prefetch depth={depth}: must be ≥ 1")
         self.capacity, self.depth, self.programs = int(capacity), int(depth), int(programs)
-        self.per_iteration = int(os.environ.get("CERTVLLM_PREFETCH_UNROLL", "4"))
+        self.per_iteration = tuning.prefetch_unroll
         self.device = torch.device(device)
         self.ring = torch.zeros(depth, capacity, 16, head_dim, dtype=dtype, device=device)
         self.tag = torch.full((depth, capacity), -1, dtype=torch.int64, device=device)
@@ -106,14 +107,15 @@ class StepPrefetcher:
         self.nbytes = self.ring.numel() * self.ring.element_size() + 16 * depth * capacity
 
     @classmethod
-    def for_cache(cls, cache: LayerKVCache, fraction: float, depth: int = DEPTH) -> StepPrefetcher | None:
+    def for_cache(cls, cache: LayerKVCache, fraction: float, depth: int = DEPTH, *,
+                  tuning: KernelTuning = DEFAULT_TUNING) -> StepPrefetcher | None:  # fmt: skip
         """A prefetcher whose ring slots hold ``fraction`` of one layer's (block, KV head) pages (None when
         ``fraction`` is 0). Its device memory is ``depth·fraction`` of one layer's key half in the shadow
         dtype, for all layers together."""
         if fraction <= 0:
             return None
         cap = max(1, math.ceil(fraction * cache.num_blocks * cache.num_kv_heads))
-        return cls(cache.layout.head_dim, cache.shadow.dtype, cache.pages.device, cap, depth)
+        return cls(cache.layout.head_dim, cache.shadow.dtype, cache.pages.device, cap, depth, tuning=tuning)
 
     # -- registration ----------------------------------------------------------------------------------
     def register(self, cache: LayerKVCache, at: int | None = None) -> int:

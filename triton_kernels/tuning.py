@@ -1,0 +1,84 @@
+"""The tuning knobs of the kernel layer, in one validated, immutable object.
+
+Every launch-time choice that is not part of the certificate (tile sizes, warps, split plan, staging grid,
+and whether the Gluon kernels may run) is a field of :class:`KernelTuning`; the launchers take one as the
+keyword argument ``tuning`` (default :data:`DEFAULT_TUNING`). None of them changes what is certified: each
+configuration computes the same certified quantities (``tests/test_gpu.py`` compares them).
+
+* ``programs_per_sm``: the split-K plan's programs per multiprocessor (``common.split_plan``).
+* ``phase1_blk``, ``phase1_warps``: blocks per loop iteration and warps per program of phase 1 (the Gluon
+  phase-1 kernel takes one block per warp).
+* ``attend_blk``, ``attend_warps``: the same for the attend pass (the Gluon attend kernel: one block per
+  warp); ``attend_parts``: Gluon attend programs per (row, KV head, split), each taking a part of the
+  value channels; ``attend_chunk_bytes``: Gluon attend value bytes per lane and token;
+  ``attend_maxnreg``: Gluon attend registers per thread at most, applied at G ≤ 4 only (0: no cap; at
+  G = 8 the cap would spill).
+* ``prefetch_programs``, ``prefetch_unroll``: the step prefetch's staging gather: its programs and the
+  pages each has in flight (``prefetch.stage_pages``).
+* ``dialect``: ``"auto"`` runs the Gluon kernels where they compile (CUDA, a supported shape) and the
+  Triton kernels otherwise (the interpreter included); ``"triton"`` always runs the Triton kernels (what
+  tests and benchmarks that compare the two pass).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Literal
+
+DIALECTS = ("auto", "triton")
+
+
+def _pow2(x: int) -> bool:
+    return x > 0 and x & (x - 1) == 0
+
+
+# field: (predicate, the allowed values in words)
+_RULES = {
+    "programs_per_sm": (lambda x: 1 <= x <= 256, "an integer in [1, 256]"),
+    "phase1_blk": (lambda x: _pow2(x) and x <= 64, "a power of two in [1, 64]"),
+    "phase1_warps": (lambda x: _pow2(x) and x <= 32, "a power of two in [1, 32]"),
+    "attend_blk": (lambda x: _pow2(x) and x <= 64, "a power of two in [1, 64]"),
+    "attend_warps": (lambda x: _pow2(x) and x <= 32, "a power of two in [1, 32]"),
+    "attend_parts": (lambda x: _pow2(x) and x <= 64, "a power of two in [1, 64]"),
+    "attend_chunk_bytes": (lambda x: _pow2(x) and x <= 16, "a power of two in [1, 16]"),
+    "attend_maxnreg": (lambda x: x == 0 or 16 <= x <= 255, "0 (no cap) or an integer in [16, 255]"),
+    "prefetch_programs": (lambda x: 1 <= x <= 1024, "an integer in [1, 1024]"),
+    "prefetch_unroll": (lambda x: _pow2(x) and x <= 64, "a power of two in [1, 64]"),
+}
+
+
+@dataclass(frozen=True)
+class KernelTuning:
+    """Launch parameters of the kernels (module docstring); validated on construction."""
+
+    programs_per_sm: int = 8
+    phase1_blk: int = 4
+    phase1_warps: int = 4
+    attend_blk: int = 4
+    attend_warps: int = 4
+    attend_parts: int = 1
+    attend_chunk_bytes: int = 2
+    attend_maxnreg: int = 128
+    prefetch_programs: int = 8
+    prefetch_unroll: int = 4
+    dialect: Literal["auto", "triton"] = "auto"
+
+    def __post_init__(self) -> None:
+        defaults = {f.name: f.default for f in fields(self)}
+        for name, (ok, allowed) in _RULES.items():
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not ok(value):
+                raise ValueError(
+                    f"KernelTuning.{name}={value!r} is out of range: it must be {allowed}; pass e.g. "
+                    f"KernelTuning({name}={defaults[name]!r}) (the default)"
+                )
+        if self.dialect not in DIALECTS:
+            raise ValueError(
+                f"KernelTuning.dialect={self.dialect!r} is not a kernel dialect: it must be one of "
+                f"{', '.join(map(repr, DIALECTS))}; pass KernelTuning(dialect='auto') (the default: Gluon where it "
+                "compiles) or KernelTuning(dialect='triton') (the Triton kernels only)"
+            )
+
+
+DEFAULT_TUNING = KernelTuning()
+"""The tuning every launcher uses unless given another."""
