@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import importlib.util
 import math
-import os
 from pathlib import Path
 
 import pytest
@@ -281,28 +280,6 @@ def test_gpu_canary_catches_corrupted_pages():
     assert torch.equal(res.out[0], dense_decode(c.q.cuda(), c.k.cuda(), c.v.cuda(), 1 / math.sqrt(128)))
 
 
-@pytest.mark.skipif(os.environ.get("CERTVLLM_TEST_CUDA_EXT", "1") == "0", reason="CERTVLLM_TEST_CUDA_EXT=0")
-def test_cuda_extension_gather_matches_triton():
-    from certvllm.triton_kernels.gather import gather_pages
-
-    from certvllm.kv import cuda_ext
-    from certvllm.kv.host import allocate_host
-
-    try:
-        ext = cuda_ext.load()
-    except RuntimeError as err:
-        pytest.skip(str(err))
-    shadow = allocate_host((512, 8, 2, 32, 128), torch.bfloat16, pin=True)  # engine blocks of 2 sub-blocks
-    shadow.copy_(torch.randn(shadow.shape, dtype=torch.bfloat16))
-    ids = torch.randint(0, 1024, (3000,), device="cuda")
-    heads = torch.randint(0, 8, (3000,), device="cuda")
-    out = torch.empty(3000, 2, 16, 128, dtype=torch.bfloat16, device="cuda")
-    ext.gather_pages(cuda_ext.device_view(shadow), ids, heads, out, 2)
-    assert torch.equal(out, gather_pages(shadow, ids, heads, torch.device("cuda")))
-    torch.cuda.synchronize()
-    torch.cuda.cudart().cudaHostUnregister(shadow.data_ptr())
-
-
 @pytest.mark.parametrize("hq,hkv,d", [(32, 8, 128), (24, 3, 64), (8, 8, 64)])
 def test_gluon_phase1_matches_the_triton_kernel(hq, hkv, d):
     """The Gluon phase-1 kernel against the Triton one on the same pages: page fields and flags equal,
@@ -310,12 +287,13 @@ def test_gluon_phase1_matches_the_triton_kernel(hq, hkv, d):
     statistics to float32 rounding."""
     from certvllm.triton_kernels import phase1 as p1mod
     from certvllm.triton_kernels.common import split_plan
+    from certvllm.triton_kernels.tuning import KernelTuning
 
     from certvllm.attention.gpu import _lut
     from certvllm.bounds import delta_factor, rounding_factor
     from certvllm.testing import make_case
 
-    if not p1mod.use_gluon(d, hq // hkv, p1mod.PHASE1_WARPS):
+    if not p1mod.use_gluon(d, hq // hkv):
         pytest.skip("Gluon phase 1 not available for this shape")
     gen = torch.Generator().manual_seed(9)
     cases = [make_case(f, t, hq, hkv, d, torch.float16, gen) for f, t in (("random", 700), ("outlier_channels", 333))]
@@ -327,11 +305,7 @@ def test_gluon_phase1_matches_the_triton_kernel(hq, hkv, d):
     args = (q, cache.pages, tables, lens // 16, _lut(q.device), cache.layout, hkv, cache.sub_blocks,
             delta_factor(d), rounding_factor(d), splits, bps)  # fmt: skip
     got = p1mod.phase1(*args)
-    os.environ["CERTVLLM_P1_GLUON"] = "0"
-    try:
-        ref = p1mod.phase1(*args)
-    finally:
-        del os.environ["CERTVLLM_P1_GLUON"]
+    ref = p1mod.phase1(*args, tuning=KernelTuning(dialect="triton"))
     for name in ("eta", "nu", "bad", "delta", "rmax"):
         torch.testing.assert_close(getattr(got, name), getattr(ref, name), rtol=1e-6, atol=0.0, msg=name)
     valid = (torch.arange(B, device="cuda") < (lens // 16).unsqueeze(1)).view(len(cases), 1, B, 1, 1)
@@ -345,9 +319,14 @@ def test_gluon_phase1_matches_the_triton_kernel(hq, hkv, d):
     assert bool(((got.l8 - ref.l8).abs()[fin] <= r_sum[fin] + 1e-5 * (1 + ref.l8.abs()[fin])).all())
 
 
-def test_gluon_kernels_match_the_triton_kernels_end_to_end():
+def test_gluon_kernels_match_the_triton_kernels_end_to_end(monkeypatch):
     """The whole CUDA path with the Gluon phase-1 and attend kernels against the same path with the Triton
     kernels: equal selections, outputs to float32 rounding, bounds to float32 rounding."""
+    import functools
+
+    from certvllm.triton_kernels.tuning import KernelTuning
+
+    import certvllm.attention.gpu as gpu
     from certvllm.attention.gpu import certified_attention_gpu
     from certvllm.config import load_config
     from certvllm.testing import make_case
@@ -358,11 +337,11 @@ def test_gluon_kernels_match_the_triton_kernels_end_to_end():
     q = torch.stack([c.q for c in cases]).cuda()
     cfg = load_config("default")
     got = certified_attention_gpu(q, cache, tables, lens, cfg, fallback="device")
-    os.environ["CERTVLLM_P1_GLUON"] = os.environ["CERTVLLM_ATTEND_GLUON"] = "0"
-    try:
-        ref = certified_attention_gpu(q, cache, tables, lens, cfg, fallback="device")
-    finally:
-        del os.environ["CERTVLLM_P1_GLUON"], os.environ["CERTVLLM_ATTEND_GLUON"]
+    # the op takes no kernel tuning: its phase-1 launch and phase-2 geometry get the Triton dialect here
+    triton_only = KernelTuning(dialect="triton")
+    monkeypatch.setattr(gpu, "phase1", functools.partial(gpu.phase1, tuning=triton_only))
+    monkeypatch.setattr(gpu, "Phase2Geometry", functools.partial(gpu.Phase2Geometry, tuning=triton_only))
+    ref = certified_attention_gpu(q, cache, tables, lens, cfg, fallback="device")
     both = (got.report.rung <= 2) & (ref.report.rung <= 2)
     assert float(both.float().mean()) >= 0.95
     assert float((got.report.k_star == ref.report.k_star).float().mean()) >= 0.98
@@ -399,22 +378,21 @@ def test_gluon_attend_configurations_match_the_triton_kernel(hq, hkv, d):
     args[7] = bits | torch.where(extra, 1 << (geo.group + g), 0).int()  # values promoted on ~15 % of blocks
     vabs_max = 1.5 * max(float(c.v.float().abs().max()) for c in cases)
 
+    def tuned(**kw):
+        return dataclasses.replace(geo, tuning=dataclasses.replace(geo.tuning, **kw))
+
     def run(**kw):
         lm = args[-1].clone()
-        out = phase2.attend(dataclasses.replace(geo, **kw), *args[1:-1], lm)
+        out = phase2.attend(tuned(**kw), *args[1:-1], lm)
         return out, lm
 
-    os.environ["CERTVLLM_ATTEND_GLUON"] = "0"
-    try:
-        ref, ref_lm = run()
-    finally:
-        del os.environ["CERTVLLM_ATTEND_GLUON"]
+    ref, ref_lm = run(dialect="triton")
     tested = 0
     configs = [(1, 2, 4, 128), (1, 2, 4, 0), (2, 2, 4, 128), (4, 2, 4, 0), (1, 4, 4, 0), (2, 4, 4, 0), (1, 2, 8, 0)]
     for parts, chunk, warps, maxnreg in configs:
         kw = dict(attend_parts=parts, attend_chunk_bytes=chunk, attend_warps=warps, attend_blk=warps,
                   attend_maxnreg=maxnreg)  # fmt: skip
-        if not phase2.use_gluon_attend(dataclasses.replace(geo, **kw)):
+        if not phase2.use_gluon_attend(tuned(**kw)):
             continue
         out, lm = run(**kw)
         dev = attend_deviation(out, lm, ref, ref_lm, vabs_max)
@@ -660,14 +638,16 @@ def test_pool_lookup_kernels_equal_the_torch_reference_at_full_shape():
     shadow.copy_(torch.randn(nb, H, 2, 16, 128, device="cuda", generator=gen).half())
     cache = LayerKVCache(torch.zeros(nb, H, lay.page_bytes, dtype=torch.uint8, device="cuda"), shadow, lay)
     pools = [PromotionCache(cache, nb * H // 16) for _ in range(2)]
-    pools[1].impl = "torch"
     tables = (torch.randperm(nb - 1, device="cuda", generator=gen) + 1)[: 8 * B].view(8, B)
     nfull = torch.full((8,), B - 2, device="cuda")
     dense = torch.rand(8, H, B, device="cuda", generator=gen) < 0.06
     for _ in range(4):
         dense = dense ^ (torch.rand(8, H, B, device="cuda", generator=gen) < 0.01)  # the set drifts
         bits = torch.where(dense, 1 << 2, 0).to(torch.int32)
-        out = [pc.lookup(cache, tables, nfull, bits, -1) for pc in pools]
+        out = [
+            pools[0].lookup(cache, tables, nfull, bits, -1),
+            pools[1].lookup_reference(cache, tables, nfull, bits, -1),
+        ]
         assert torch.equal(out[0][0], out[1][0]) and torch.equal(out[0][1], out[1][1])
         for name in ("tag", "tag_gen", "pool", "counts"):
             assert torch.equal(getattr(pools[0], name), getattr(pools[1], name)), name

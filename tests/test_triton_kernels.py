@@ -207,7 +207,8 @@ def test_attend_pass_replayed_with_other_tiles_agrees(blk, gen):
 
     def run(**kw):
         lm = args[-1].clone()
-        return phase2.attend(dataclasses.replace(geo, **kw), *args[1:-1], lm), lm
+        tuned = dataclasses.replace(geo, tuning=dataclasses.replace(geo.tuning, **kw))
+        return phase2.attend(tuned, *args[1:-1], lm), lm
 
     ref, ref_lm = run()
     out, lm = run(attend_blk=blk, attend_warps=blk)
@@ -350,14 +351,14 @@ def test_pool_lookup_kernels_equal_the_torch_reference(sub, channel_major, gen):
     cache = LayerKVCache(torch.zeros(E, H, sub * lay.page_bytes, dtype=torch.uint8, device=DEV), shadow, lay,
                          keys_channel_major=channel_major)  # fmt: skip
     pools = [PromotionCache(cache, 5) for _ in range(2)]
-    pools[1].impl = "torch"
     for step in range(6):
         tables = torch.randperm(12, generator=gen)[:10].view(2, 5).to(DEV)
         nfull = torch.tensor([5, 3]).to(DEV)
         bits = torch.randint(0, 1 << (2 * G), (2, H, 5), generator=gen).to(torch.int32)
         bits = torch.where(torch.rand(2, H, 5, generator=gen) < 0.5, bits, 0).to(DEV)
         need_mask = -1 if step % 2 else (1 << G) - 1
-        out = [pc.lookup(cache, tables, nfull, bits, need_mask) for pc in pools]
+        out = [pools[0].lookup(cache, tables, nfull, bits, need_mask),
+               pools[1].lookup_reference(cache, tables, nfull, bits, need_mask)]  # fmt: skip
         assert torch.equal(out[0][0], out[1][0]) and int(out[0][1]) == int(out[1][1])
         for name in ("tag", "tag_gen", "counts"):
             assert torch.equal(getattr(pools[0], name), getattr(pools[1], name)), name

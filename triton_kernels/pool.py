@@ -23,11 +23,11 @@ import torch
 import triton
 import triton.language as tl
 
-from certvllm.kernels.pool_format import CLAIM_HIT, HASH_MUL
+from certvllm.formats.pool_slots import CLAIM_HIT, HASH_MUL
 
-from .common import device_arg, launch_device_ok, load_shadow_tile, next_pow2, store_page_tile
+from .common import copy_key_page, device_arg, launch_device_ok, next_pow2
 
-_HASH_MUL = tl.constexpr(HASH_MUL)  # the two slots and the claim encoding: ``certvllm.kernels.pool_format``
+_HASH_MUL = tl.constexpr(HASH_MUL)  # the two slots and the claim encoding: ``certvllm.formats.pool_slots``
 _CLAIM_HIT = tl.constexpr(CLAIM_HIT)
 
 
@@ -113,8 +113,7 @@ def _fill(src, pool, claim, claim2, gen, tag, tag_gen, step, P,
             e1 = tl.load(claim + p)
             e = tl.where(e1 >= 0, e1, tl.load(claim2 + p))
             if (e >= 0) & (e < _CLAIM_HIT):
-                x = load_shadow_tile(src, e // H, e % H, 0, H, M, D, DP, CHANNEL_MAJOR)
-                store_page_tile(pool + p * (16 * D), x, D, DP)
+                copy_key_page(src, e, pool, p, H, M, D, DP, CHANNEL_MAJOR)
 
 
 def pool_lookup(

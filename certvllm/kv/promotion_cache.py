@@ -1,7 +1,7 @@
 """Device-resident promotion cache: a bounded VRAM pool of unquantized key pages reused across decode steps.
 
 The promotion pass (``triton_kernels.phase2.promote``) reads the unquantized keys of every promoted
-(row, KV head, block) from the pinned host shadow over PCIe (zero-copy, ~48 GB/s on the H200). The top
+(row, KV head, block) from the pinned host shadow over PCIe (zero-copy). The top
 blocks of a head change little from one decode step to the next, so most of those reads repeat. This pool
 keeps copies of key pages (one 16-token block of one KV head: ``[16, D]`` in the shadow's dtype,
 token-major) in device memory:
@@ -18,9 +18,10 @@ token-major) in device memory:
   generation)**: a rewritten block has a larger generation than any copy taken before, so a stale copy is
   never read. Misses read the shadow exactly as before.
 
-Per layer call, :meth:`PromotionCache.lookup` (four Triton kernels, ``triton_kernels.pool``, or the torch
-reference :meth:`PromotionCache.resolve`; no host synchronisation, CUDA-graph capturable) resolves the
-step's needed pages to slots:
+Per layer call, :meth:`PromotionCache.lookup` (four Triton kernels, ``triton_kernels.pool``; no host
+synchronisation, CUDA-graph capturable) resolves the step's needed pages to slots. Its torch reference,
+:meth:`PromotionCache.lookup_reference` (built on :meth:`PromotionCache.resolve`), computes the same
+result bit for bit and is what the tests compare the kernels with:
 
 1. hit = the tag of one of the page's two slots matches (e, generation);
 2. each slot is claimed by at most one page per step: a hit keeps its slot; otherwise the missing page with
@@ -44,12 +45,11 @@ zero-copy by the attend pass.
 from __future__ import annotations
 
 import math
-import os
 from typing import TYPE_CHECKING
 
 import torch
 
-from certvllm.kernels.pool_format import CLAIM_HIT, HASH_MUL
+from certvllm.formats.pool_slots import CLAIM_HIT, HASH_MUL
 
 if TYPE_CHECKING:
     from certvllm.config import CertConfig
@@ -90,9 +90,6 @@ class PromotionCache:
         # cumulative, on the device: pages looked up, hits, slots filled, pages read from the shadow (bypass)
         self.counts = torch.zeros(4, dtype=torch.int64, device=dev)
         self.nbytes = self.slots * bytes_per_slot(cache)
-        self.impl = os.environ.get("CERTVLLM_POOL_LOOKUP", "triton")
-        if self.impl not in ("triton", "torch"):
-            raise ValueError(f"CERTVLLM_POOL_LOOKUP={self.impl!r}: choose triton or torch")
 
     # -- construction --------------------------------------------------------------------------------
     @classmethod
@@ -166,7 +163,8 @@ class PromotionCache:
     def lookup(
         self, cache: LayerKVCache, tables: torch.Tensor, nfull: torch.Tensor, bits: torch.Tensor, need_mask: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Resolve, fill the claimed slots from the shadow and retag them. No host synchronisation.
+        """Resolve, fill the claimed slots from the shadow and retag them, in the four launches of
+        ``triton_kernels.pool``. No host synchronisation.
 
         Args:
             cache: the layer's cache (the pool's).
@@ -178,35 +176,41 @@ class PromotionCache:
             ``(slot_map, paged)``: the ``[R, H_kv, B]`` int32 slot map for the promotion kernel (see
             :meth:`resolve`) and a 0-dim int64 device tensor, the key pages this step reads over PCIe
             (slots filled + pages that bypass the pool).
-
-        The Triton kernels of ``triton_kernels.pool`` do this in four launches; ``CERTVLLM_POOL_LOOKUP=torch``
-        (or ``impl="torch"``) runs the torch reference (:meth:`resolve` and ``gather.fill_pool``) instead,
-        with the same result bit for bit.
         """
         from certvllm.kv.cuda_pagein import ensure_device_readable
+        from certvllm.triton_kernels.pool import pool_lookup
 
         shadow = ensure_device_readable(cache)
-        if self.impl == "triton":
-            from certvllm.triton_kernels.pool import pool_lookup
+        slot_map, step = pool_lookup(self.pool, self.tag, self.tag_gen, self.generation, shadow, tables, nfull,
+                                     bits, need_mask, cache.num_blocks, cache.sub_blocks,
+                                     cache.keys_channel_major)  # fmt: skip
+        return self._count(slot_map, step)
 
-            slot_map, step = pool_lookup(self.pool, self.tag, self.tag_gen, self.generation, shadow, tables, nfull,
-                                         bits, need_mask, cache.num_blocks, cache.sub_blocks,
-                                         cache.keys_channel_major)  # fmt: skip
-        else:
-            from certvllm.triton_kernels.gather import fill_pool
+    def lookup_reference(
+        self, cache: LayerKVCache, tables: torch.Tensor, nfull: torch.Tensor, bits: torch.Tensor, need_mask: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`lookup` in torch (:meth:`resolve`, then the fill with ``gather.fill_pool``): the same slot
+        map, tags, pool contents and counts, bit for bit, in about 35 launches. The reference the tests
+        compare the kernels with."""
+        from certvllm.kv.cuda_pagein import ensure_device_readable
+        from certvllm.triton_kernels.gather import fill_pool
 
-            B = bits.shape[2]
-            valid = torch.arange(B, device=bits.device) < nfull.unsqueeze(1)
-            need = valid.unsqueeze(1) & ((bits & need_mask) != 0)
-            slot_map, claim, hit = self.resolve(tables, need, cache.num_blocks)
-            fill = (claim >= 0) & (claim < CLAIM_HIT)
-            fill_page = torch.where(fill, claim, -1)
-            fill_bid = fill_page.clamp(min=0) // self.num_kv_heads
-            self.tag_gen.copy_(torch.where(fill, self.generation.index_select(0, fill_bid), self.tag_gen))
-            self.tag.copy_(torch.where(fill, claim, self.tag))
-            fill_pool(self.pool, shadow, fill_page, self.num_kv_heads, cache.sub_blocks, cache.keys_channel_major)
-            looked = need.sum()
-            step = torch.stack((looked, hit.sum(), fill.sum(), looked - (slot_map >= 0).sum()))
+        shadow = ensure_device_readable(cache)
+        B = bits.shape[2]
+        valid = torch.arange(B, device=bits.device) < nfull.unsqueeze(1)
+        need = valid.unsqueeze(1) & ((bits & need_mask) != 0)
+        slot_map, claim, hit = self.resolve(tables, need, cache.num_blocks)
+        fill = (claim >= 0) & (claim < CLAIM_HIT)
+        fill_page = torch.where(fill, claim, -1)
+        fill_bid = fill_page.clamp(min=0) // self.num_kv_heads
+        self.tag_gen.copy_(torch.where(fill, self.generation.index_select(0, fill_bid), self.tag_gen))
+        self.tag.copy_(torch.where(fill, claim, self.tag))
+        fill_pool(self.pool, shadow, fill_page, self.num_kv_heads, cache.sub_blocks, cache.keys_channel_major)
+        looked = need.sum()
+        return self._count(slot_map, torch.stack((looked, hit.sum(), fill.sum(), looked - (slot_map >= 0).sum())))
+
+    def _count(self, slot_map: torch.Tensor, step: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Add a lookup's step counts to the totals; ``(slot_map, pages read over PCIe)``."""
         self.counts += step
         return slot_map, step[2] + step[3]
 
