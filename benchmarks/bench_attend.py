@@ -46,9 +46,10 @@ def parse_config(name: str) -> dict:
 def capture(batch: int, ctx: int, preset: str) -> tuple[tuple, object, float]:
     """Build the synthetic cache, run one certified call and return the arguments of its attend pass, the
     cache and max |v|."""
-    from certvllm.attention.gpu import certified_attention_gpu
+    from certvllm.attention import certified_attention
     from certvllm.config import load_config
     from certvllm.kv.cuda_pagein import CudaPageInEngine
+    from certvllm.kv.residency import Residency
     from certvllm.testing import capture_attend_args
 
     q, k, v = synthetic_kv(batch, ctx, seed=ctx + batch)
@@ -57,9 +58,11 @@ def capture(batch: int, ctx: int, preset: str) -> tuple[tuple, object, float]:
     vabs_max = float(v.abs().max())
     del k, v
     seq = torch.tensor(lens, device="cuda")
-    args = capture_attend_args(lambda: certified_attention_gpu(
-        q, cache, tables, seq, load_config(preset), 1.0 / math.sqrt(q.shape[-1]),
-        CudaPageInEngine(torch.device("cuda")), fallback="device"))  # fmt: skip
+    cfg = load_config(preset)
+    residency = Residency.for_layer(cache, cfg.promotion_cache_fraction)
+    args = capture_attend_args(lambda: certified_attention(
+        q, cache, tables, seq, cfg, 1.0 / math.sqrt(q.shape[-1]), pagein=CudaPageInEngine(torch.device("cuda")),
+        residency=residency))  # fmt: skip
     torch.cuda.synchronize()
     return args, cache, vabs_max
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import platform
 import statistics
 import time
@@ -36,6 +35,12 @@ import torch.nn.functional as F
 
 HQ, HKV, D = 32, 8, 128
 PRESETS = ("naive", "paper", "default")
+
+
+def _tuning():
+    from certvllm.triton_kernels.tuning import DEFAULT_TUNING
+
+    return DEFAULT_TUNING
 
 
 # ----------------------------------------------------------------------------------------------- data
@@ -206,9 +211,11 @@ def time_graph(fn, iters: int) -> float | None:
 def run_point(batch: int, ctx: int, args, results: list[dict]) -> None:
     from certvllm.triton_kernels.gather import gather_pages
 
-    from certvllm.attention.gpu import certified_attention_gpu, stage_times
+    from certvllm.attention import certified_attention
+    from certvllm.attention.gpu import stage_times
     from certvllm.config import load_config
     from certvllm.kv.cuda_pagein import CudaPageInEngine
+    from certvllm.kv.residency import Residency
 
     dev = torch.device("cuda")
     t0 = time.time()
@@ -237,23 +244,29 @@ def run_point(batch: int, ctx: int, args, results: list[dict]) -> None:
     print(f"  b={batch} ctx={ctx}: setup {setup_s:.1f}s, dense {rec['dense_ms']:.3f} ms "
           f"(eager {rec['dense_eager_ms']:.3f})", flush=True)  # fmt: skip
 
+    default_pool = None
     for preset in PRESETS:
         cfg = load_config(preset)
         eng = CudaPageInEngine(dev)
+        certified = cfg.mode == "certified"
+        residency = Residency.for_layer(cache, cfg.promotion_cache_fraction if certified else 0.0)
 
-        def call(fallback="device", cfg=cfg, eng=eng):
-            return certified_attention_gpu(q, cache, tables, seq_lens, cfg, scale, eng, fallback=fallback)
+        def call(cfg=cfg, eng=eng, residency=residency):  # what the vLLM backend calls
+            return certified_attention(q, cache, tables, seq_lens, cfg, scale, pagein=eng, residency=residency)
 
         timings: dict = {}
         torch.cuda.reset_peak_memory_stats()
         base_mem = torch.cuda.memory_allocated()
-        res = certified_attention_gpu(q, cache, tables, seq_lens, cfg, scale, eng, fallback="device", timings=timings)
+        res = certified_attention(q, cache, tables, seq_lens, cfg, scale, pagein=eng, residency=residency,
+                                  timings=timings)  # fmt: skip
         torch.cuda.synchronize()
         workspace = torch.cuda.max_memory_allocated() - base_mem
         stages = stage_times(timings)
         stats = eng.take_stats()
         r = {"preset": preset}
-        pool = cache.promotion_cache if cfg.promotion_cache_fraction > 0 and cfg.mode == "certified" else None
+        pool = residency.pool
+        if preset == "default":
+            default_pool = pool
         if pool is not None:
             pool.take_stats()
         r["eager_ms"] = time_eager(call, args.iters)
@@ -263,7 +276,7 @@ def run_point(batch: int, ctx: int, args, results: list[dict]) -> None:
             st = pool.take_stats()
             r["pool_repeat_hit_rate"] = st["hits"] / max(1, st["lookups"])
             off = cfg.model_copy(update={"promotion_cache_fraction": 0.0})
-            r["nocache_ms"] = time_graph(lambda off=off: call(cfg=off), args.iters)
+            r["nocache_ms"] = time_graph(lambda off=off: call(cfg=off, residency=Residency()), args.iters)
 
             def cold(cfg=cfg, pool=pool):  # every slot emptied first: each page misses (and is filled)
                 pool.tag.fill_(-1)
@@ -271,8 +284,6 @@ def run_point(batch: int, ctx: int, args, results: list[dict]) -> None:
 
             r["cold_ms"] = time_graph(cold, args.iters)
             pool.take_stats()
-        if preset == "default":
-            r["eager_sdpa_fallback_ms"] = time_eager(lambda: call("sdpa"), max(5, args.iters // 3))
         r["ratio_to_dense"] = r["ms"] / rec["dense_ms"]
         r["stages_ms"] = {k_: round(v_, 4) for k_, v_ in stages.items()}
         rungs = torch.bincount(res.report.rung.flatten().long().cpu(), minlength=5)
@@ -317,7 +328,7 @@ def run_point(batch: int, ctx: int, args, results: list[dict]) -> None:
     ms = time_eager(lambda: gather_pages(cache.shadow, ids, heads, dev, out=out), 10)
     rec["zero_copy_gather_GBps"] = out.numel() * 2 / (ms * 1e-3) / 1e9
     rec["device_bytes_per_token_ratio"] = cache.layout.page_bytes / 16 / cache.layout.fp16_bytes_per_token()
-    pool = cache.promotion_cache
+    pool = default_pool
     pool_per_token = pool.nbytes / (cache.num_blocks * 16 * HKV) if pool is not None else 0.0
     rec["pool_bytes"] = pool.nbytes if pool is not None else 0
     rec["pool_slots"] = pool.slots if pool is not None else 0
@@ -334,11 +345,12 @@ def pipeline(cache, tables, q, k, v, lens, args) -> dict:
     write generations, appended tokens and walking query (the ``walk`` regime of :func:`multistep`, drawn
     per layer), so they select different pages. Per step: one token appended to every row of every layer,
     the queries move, the step's graph replays; reported per layer (step time / layers)."""
-    from certvllm.attention.gpu import certified_attention_gpu
+    from certvllm.attention import certified_attention
     from certvllm.config import load_config
     from certvllm.kv.cache import LayerKVCache
     from certvllm.kv.cuda_pagein import CudaPageInEngine
     from certvllm.kv.prefetch import StepPrefetcher
+    from certvllm.kv.residency import Residency
 
     dev = q.device
     n = args.layers
@@ -349,24 +361,26 @@ def pipeline(cache, tables, q, k, v, lens, args) -> dict:
     for use in (False, True):
         views = [LayerKVCache(cache.pages, cache.shadow, cache.layout) for _ in range(n)]
         pf = StepPrefetcher.for_cache(views[0], cfg.prefetch_fraction) if use else None
-        for view in views if pf is not None else ():
-            pf.register(view)
+        residencies = [Residency.for_layer(view, cfg.promotion_cache_fraction) for view in views]
+        for res_, view in zip(residencies, views, strict=True) if pf is not None else ():
+            res_.prefetcher, res_.prefetch_index = pf, pf.register(view)
         seqs = [torch.tensor(start, device=dev, dtype=torch.int64) for _ in range(n)]
         gen = torch.Generator(device=dev).manual_seed(2)
         qs = [(q.float() + 0.1 * torch.randn(q.shape, generator=gen, device=dev)).to(q.dtype) for _ in range(n)]
         eng = CudaPageInEngine(dev)
 
-        def step(views=views, pf=pf, seqs=seqs, qs=qs, eng=eng):
+        def step(views=views, pf=pf, seqs=seqs, qs=qs, eng=eng, residencies=residencies):
             if pf is not None:
                 pf.begin_step()
             for i in range(n):
-                certified_attention_gpu(qs[i], views[i], tables, seqs[i], cfg, scale, eng, fallback="device")
+                certified_attention(qs[i], views[i], tables, seqs[i], cfg, scale, pagein=eng,
+                                    residency=residencies[i])  # fmt: skip
             if pf is not None:
                 pf.end_step()
 
         graph = capture_graph(step)
-        for view in views:
-            view.promotion_cache.take_stats()
+        for res_ in residencies:
+            res_.pool.take_stats()
         if pf is not None:
             pf.take_stats()
         times, hits, looks, served, cand = [], 0, 0, 0, 0
@@ -380,8 +394,8 @@ def pipeline(cache, tables, q, k, v, lens, args) -> dict:
             e1.record()
             e1.synchronize()
             times.append(e0.elapsed_time(e1) / n)
-            for view in views:
-                st = view.promotion_cache.take_stats()
+            for res_ in residencies:
+                st = res_.pool.take_stats()
                 hits, looks = hits + st["hits"], looks + st["lookups"]
             if pf is not None:
                 st = pf.take_stats()
@@ -398,7 +412,7 @@ def pipeline(cache, tables, q, k, v, lens, args) -> dict:
             msg = f", staged pages served {served / max(1, cand):.3f} of the pool's misses"
         print(f"    {n} layers/step, {key:8s} median {out[key]['median_ms_per_layer']:.3f} ms per layer "
               f"(pool hits {hits / max(1, looks):.3f}{msg})", flush=True)  # fmt: skip
-        del views, pf
+        del views, pf, residencies
         torch.cuda.empty_cache()
     return out
 
@@ -415,10 +429,11 @@ def multistep(cache, tables, q, k, v, lens, args) -> dict:
     carries the sink / recency / peak structure, persists). Each regime runs without the promotion cache
     and with it (a fresh pool; the graph's two warm-up calls and its capture run step 0's query first).
     Rows start 32 tokens shorter than the main case, so the appended tokens are the context's own."""
-    from certvllm.attention.gpu import certified_attention_gpu
+    from certvllm.attention import certified_attention
     from certvllm.config import load_config
     from certvllm.kv.cache import LayerKVCache
     from certvllm.kv.cuda_pagein import CudaPageInEngine
+    from certvllm.kv.residency import Residency
 
     dev = q.device
     batch = q.shape[0]
@@ -435,12 +450,13 @@ def multistep(cache, tables, q, k, v, lens, args) -> dict:
             gen = torch.Generator(device=dev).manual_seed(1)
             static_q = q.clone()
             eng = CudaPageInEngine(dev)
+            residency = Residency.for_layer(view, fraction)
 
-            def call(view=view, cfg=cfg, seq=seq, static_q=static_q, eng=eng):
-                return certified_attention_gpu(static_q, view, tables, seq, cfg, scale, eng, fallback="device")
+            def call(view=view, cfg=cfg, seq=seq, static_q=static_q, eng=eng, residency=residency):
+                return certified_attention(static_q, view, tables, seq, cfg, scale, pagein=eng, residency=residency)
 
             graph = capture_graph(call)
-            pool = view.promotion_cache
+            pool = residency.pool
             if pool is not None:
                 pool.take_stats()
             times, hits, looks, fills, bypass = [], 0, 0, 0, 0
@@ -503,7 +519,7 @@ def main() -> None:
         "device": torch.cuda.get_device_name(), "torch": torch.__version__, "python": platform.python_version(),
         "shapes": {"H_q": HQ, "H_kv": HKV, "D": D}, "iters": args.iters, "diffuse_mass": args.diffuse_mass,
         "wall_s": round(time.time() - t0, 1),
-        "programs_per_sm": os.environ.get("CERTVLLM_GPU_PROGRAMS_PER_SM", "8"),
+        "programs_per_sm": _tuning().programs_per_sm,
     }  # fmt: skip
     try:
         import triton

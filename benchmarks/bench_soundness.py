@@ -47,16 +47,19 @@ def _new_group() -> dict:
     return {"ratios": [], "rungs": torch.zeros(5, dtype=torch.long), "steps": 0, "violations": 0, "mismatch": 0}
 
 
-def run_shard(head_steps: int, seed: int, rows: int, max_len: int, worker: int = 0, workers: int = 1) -> dict:
-    """Check ``head_steps`` head-steps: iterations ``worker, worker + workers, ...`` of the family × preset × shape
-    cycle, drawing from a generator seeded with ``(seed, worker)``. Returns the raw per-group accumulators."""
+def run_shard(
+    head_steps: int, seed: int, rows: int, max_len: int, worker: int = 0, workers: int = 1, calls: int = 0
+) -> dict:
+    """Check ``head_steps`` head-steps (or, with ``calls`` > 0, that many batched calls): iterations
+    ``worker, worker + workers, ...`` of the family × preset × shape cycle, drawing from a generator seeded
+    with ``(seed, worker)``. Returns the raw per-group accumulators."""
     if workers > 1:
         torch.set_num_threads(1)
     gen = torch.Generator().manual_seed(seed * 1_000_003 + worker)
     groups: dict[str, dict] = defaultdict(_new_group)
-    total, it, calls = 0, worker, 0
+    total, it, done = 0, worker, 0
     start = time.perf_counter()
-    while total < head_steps:
+    while (done < calls) if calls > 0 else (total < head_steps):
         family = FAMILIES[it % len(FAMILIES)]
         preset = PRESETS[(it // len(FAMILIES)) % len(PRESETS)]
         hq, hkv, d = SHAPES[(it // (len(FAMILIES) * len(PRESETS))) % len(SHAPES)]
@@ -66,7 +69,7 @@ def run_shard(head_steps: int, seed: int, rows: int, max_len: int, worker: int =
         certified = (res.rung <= 2) & (res.error > 0)
         ratio = (res.bound[certified] / res.error[certified]).double()
         rung_hist = torch.bincount(res.rung.flatten().long(), minlength=5)
-        for key in ("all", f"family:{family}", f"preset:{preset}"):
+        for key in ("all", f"family:{family}", f"preset:{preset}", f"shape:{hq}/{hkv}/{d}"):
             g = groups[key]
             g["ratios"].append(ratio)
             g["rungs"] += rung_hist
@@ -75,8 +78,8 @@ def run_shard(head_steps: int, seed: int, rows: int, max_len: int, worker: int =
             g["mismatch"] += res.dense_mismatch
         total += res.rung.numel()
         it += workers
-        calls += 1
-        if calls % 50 == 0:
+        done += 1
+        if done % 50 == 0:
             rate = total / (time.perf_counter() - start)
             print(f"  [worker {worker}] {total:>9,} head-steps, {groups['all']['violations']} violations, "
                   f"{rate:,.0f}/s", flush=True)  # fmt: skip
@@ -91,7 +94,7 @@ def run(head_steps: int, seed: int, rows: int, max_len: int, workers: int = 1) -
     """Run the benchmark over ``workers`` processes (each single-threaded when ``workers > 1``) and merge."""
     start = time.perf_counter()
     share = -(-head_steps // workers)
-    jobs = [(share, seed, rows, max_len, w, workers) for w in range(workers)]
+    jobs = [(share, seed, rows, max_len, w, workers, 0) for w in range(workers)]
     if workers == 1:
         shards = [run_shard(*jobs[0])]
     else:

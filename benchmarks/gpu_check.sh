@@ -13,7 +13,7 @@
 # Wheels in .whl/ (pydantic and its dependencies, which the H200 image lacks) are installed first.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export PYTHONUNBUFFERED=1 CERTVLLM_CPU_KERNEL=0
+export PYTHONUNBUFFERED=1
 OUT="${OUT:-runs}"
 mkdir -p "$OUT"
 if compgen -G ".whl/*.whl" >/dev/null; then
@@ -32,7 +32,7 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 test_rc=0
 if [ -z "${SKIP_TESTS:-}" ]; then
   # shellcheck disable=SC2086
-  python3 -m pytest -m gpu ${PYTEST_FLAGS:--x -q} tests/test_gpu.py 2>&1 | tee "$OUT/pytest_gpu.log"
+  python3 -m pytest -m gpu ${PYTEST_FLAGS:--x -q} tests 2>&1 | tee "$OUT/pytest_gpu.log"
   test_rc=${PIPESTATUS[0]}
 fi
 # shellcheck disable=SC2086

@@ -36,10 +36,12 @@ def main() -> None:
     from certvllm.triton_kernels.common import split_plan
     from certvllm.triton_kernels.tuning import KernelTuning
 
-    from certvllm.attention.gpu import _lut, certified_attention_gpu
+    from certvllm.attention import certified_attention
+    from certvllm.attention.gpu import CudaOptions, _lut
     from certvllm.bounds import delta_factor, rounding_factor
     from certvllm.config import load_config
     from certvllm.kv.cuda_pagein import CudaPageInEngine
+    from certvllm.kv.residency import Residency
 
     q, k, v = synthetic_kv(batch, ctx, seed=ctx + batch)
     lens = [ctx - 7] * batch
@@ -57,8 +59,10 @@ def main() -> None:
                          kv_heads, cache.sub_blocks, delta_factor(D), rounding_factor(D), splits, bps,
                          tuning=tuning)  # fmt: skip
         else:
-            certified_attention_gpu(q, cache, tables, lens_t, load_config("default"), 1 / math.sqrt(D),
-                                    CudaPageInEngine(dev), fallback="device")  # fmt: skip
+            cfg = load_config("default")
+            certified_attention(q, cache, tables, lens_t, cfg, 1 / math.sqrt(D), pagein=CudaPageInEngine(dev),
+                                residency=Residency.for_layer(cache, cfg.promotion_cache_fraction),
+                                cuda_options=CudaOptions(tuning=tuning))  # fmt: skip
         torch.cuda.synchronize()
 
 

@@ -41,9 +41,10 @@ def _kernel_table(prof, calls: int) -> tuple[list[dict], int, float]:
 
 
 def profile_point(batch: int, ctx: int, presets: list[str], calls: int, top: int) -> dict:
-    from certvllm.attention.gpu import certified_attention_gpu
+    from certvllm.attention import certified_attention
     from certvllm.config import load_config
     from certvllm.kv.cuda_pagein import CudaPageInEngine
+    from certvllm.kv.residency import Residency
 
     dev = torch.device("cuda")
     q, k, v = synthetic_kv(batch, ctx, seed=ctx + batch)
@@ -55,9 +56,10 @@ def profile_point(batch: int, ctx: int, presets: list[str], calls: int, top: int
     for preset in presets:
         cfg = load_config(preset)
         eng = CudaPageInEngine(dev)
+        residency = Residency.for_layer(cache, cfg.promotion_cache_fraction if cfg.mode == "certified" else 0.0)
 
-        def call(cfg=cfg, eng=eng):
-            return certified_attention_gpu(q, cache, tables, seq_lens, cfg, scale, eng, fallback="device")
+        def call(cfg=cfg, eng=eng, residency=residency):  # what the vLLM backend calls
+            return certified_attention(q, cache, tables, seq_lens, cfg, scale, pagein=eng, residency=residency)
 
         graph_ms = time_graph(call, 20)
         for _ in range(3):

@@ -18,6 +18,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from certvllm.bounds.policy import FORCED_RUNGS, LadderPolicy
+
 DEFAULT_PRESET = "default"
 
 
@@ -91,6 +93,12 @@ class CertConfig(BaseModel):
         "whole model (0.25 with 32 layers: 0.008 of the FP16 cache). 0 disables it. Served only under the "
         "block's current write generation, as the promotion cache.",
     )
+    dense_backend: Literal["auto", "sdpa", "xformers"] = Field(
+        "auto",
+        description="Kernel of the exact dense recompute on the reference and CPU paths (rungs 3/4, dense mode): "
+        "sdpa (torch SDPA), xformers (CUDA, when installed), or auto (SDPA, or xformers on CUDA where it is "
+        "installed and measured faster and in agreement; certvllm.attention.dense_backend).",
+    )
     seed: int = Field(0, ge=0, description="Seed of the exploration draws.")
     force_fallback: Literal["none", "head", "layer"] = Field(
         "none",
@@ -103,6 +111,18 @@ class CertConfig(BaseModel):
         if self.k_min > self.k_max:
             raise ValueError(f"k_min={self.k_min} must be ≤ k_max={self.k_max}; raise k_max or lower k_min")
         return self
+
+    @property
+    def ladder(self) -> LadderPolicy:
+        """The decision parameters of a layer call, as the kernels take them."""
+        return LadderPolicy(
+            certified=self.mode == "certified", tau_cov=self.tau_cov, k_min=self.k_min, k_max=self.k_max,
+            k_max_widened=math.ceil(self.rung1_multiplier * self.k_max),
+            rung1_tail_threshold=self.rung1_tail_threshold, key_tol=self.key_tol, v_tol=self.v_tol,
+            bound_tol=self.bound_tol, value_k_max=-1 if self.value_k_max is None else self.value_k_max,
+            rank_check=self.rank_check, rank_depth=self.rank_depth, eps_guard=self.eps_guard, canary=self.canary,
+            forced_rung=FORCED_RUNGS[self.force_fallback], exploration_rate=self.exploration_rate,
+        )  # fmt: skip
 
 
 def _format_errors(err: ValidationError, source: str) -> str:

@@ -31,6 +31,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from certvllm import env
+
 DEFAULT_MODEL_DIR = "models/smollm2-135m-instruct"
 """Where the bundled model is prepared, relative to the current directory (the repository root)."""
 
@@ -107,19 +109,14 @@ def _hub_offline() -> Iterator[None]:
     ``huggingface_hub`` reads ``HF_HUB_OFFLINE`` once, at import, so an already imported copy is
     switched through its constant as well.
     """
-    previous_env = os.environ.get("HF_HUB_OFFLINE")
-    os.environ["HF_HUB_OFFLINE"] = "1"
     constants = sys.modules.get("huggingface_hub.constants")
     previous_const = getattr(constants, "HF_HUB_OFFLINE", None) if constants is not None else None
     if constants is not None:
         constants.HF_HUB_OFFLINE = True
     try:
-        yield
+        with env.scoped("HF_HUB_OFFLINE", "1"):
+            yield
     finally:
-        if previous_env is None:
-            os.environ.pop("HF_HUB_OFFLINE", None)
-        else:
-            os.environ["HF_HUB_OFFLINE"] = previous_env
         if constants is not None:
             constants.HF_HUB_OFFLINE = previous_const
 

@@ -142,16 +142,16 @@ def paged_batch(cases: list[Case], value_group: int = 16):
     return cache, tables, torch.tensor(lens)
 
 
-def check_soundness(cases: list[Case], config, scale: float | None = None) -> SoundnessResult:
-    """Run one batched certified call over ``cases`` (same head counts, D and dtype) and compare
-    every head with the float64 exact reference and with the dense path."""
+def check_soundness(cases: list[Case], config, scale: float | None = None, backend: str = "auto") -> SoundnessResult:
+    """Run one batched certified call over ``cases`` (same head counts, D and dtype) with the op's
+    ``backend`` and compare every head with the float64 exact reference and with the dense path."""
     from certvllm.attention import certified_attention, dense_decode
 
     d = cases[0].q.shape[-1]
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     cache, tables, lens = paged_batch(cases, config.value_group_size)
     q = torch.stack([c.q for c in cases])
-    res = certified_attention(q, cache, tables, lens, config, scale)
+    res = certified_attention(q, cache, tables, lens, config, scale, backend=backend)
     errors, mismatch = [], 0
     for i, c in enumerate(cases):
         ref = exact_attention(c.q, c.k, c.v, scale)

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from certvllm.attention import certified_decode, dense_backend, dense_decode
-from certvllm.config import make_config
+from certvllm.config import CertConfigError, make_config
 from certvllm.kv.pagein import PageInEngine
 from certvllm.testing import make_case, paged_batch
 from certvllm.vllm_plugin.exact import ExactAttention, ExactPlan
@@ -40,7 +40,6 @@ class Clock:
 
 @pytest.fixture(autouse=True)
 def clock(monkeypatch) -> Clock:
-    monkeypatch.delenv(dense_backend.ENV, raising=False)
     dense_backend.reset()
     fake = Clock()
     monkeypatch.setattr(dense_backend, "_clock", fake)
@@ -100,8 +99,7 @@ def _inputs(t: int = 100, hq: int = 8, hkv: int = 2, d: int = 64, dtype=torch.fl
 def test_default_on_cpu_is_sdpa_even_with_xformers_importable(monkeypatch, clock):
     fake = _inject(monkeypatch, StandIn(clock))
     q, k, v, scale = _inputs()
-    assert dense_backend.requested() == "auto"
-    assert dense_backend.choose(q, k, v, scale) == "sdpa"
+    assert dense_backend.choose(q, k, v, scale) == "sdpa"  # backend "auto" by default
     assert torch.equal(dense_decode(q, k, v, scale), dense_backend.sdpa_decode(q, k, v, scale))
     assert fake.calls == 0 and dense_backend.decisions() == {}
 
@@ -116,21 +114,21 @@ def test_sdpa_kernel_keeps_the_float32_semantics():
 
 
 @pytest.mark.parametrize("value", ["flash", "SDPA2", "1"])
-def test_invalid_value_names_the_allowed_values(monkeypatch, value):
-    monkeypatch.setenv(dense_backend.ENV, value)
+def test_invalid_value_names_the_allowed_values(value):
     q, k, v, scale = _inputs()
-    with pytest.raises(ValueError, match=rf"CERTVLLM_DENSE_BACKEND='{value}'.*auto, sdpa, xformers"):
-        dense_decode(q, k, v, scale)
+    with pytest.raises(ValueError, match=rf"dense backend '{value}'.*auto, sdpa, xformers.*--cert-dense-backend"):
+        dense_decode(q, k, v, scale, value)
+    with pytest.raises(CertConfigError, match="dense_backend"):
+        make_config(dense_backend=value)
 
 
 def test_forced_xformers_without_xformers_raises_with_the_fix(monkeypatch):
     monkeypatch.setitem(sys.modules, "xformers", None)  # import fails as if not installed
-    monkeypatch.setenv(dense_backend.ENV, "xformers")
     q, k, v, scale = _inputs()
     with pytest.raises(RuntimeError, match=r"xformers cannot be imported") as err:
-        dense_decode(q, k, v, scale)
+        dense_decode(q, k, v, scale, "xformers")
     assert "pip install 'certvllm[xformers]'" in str(err.value)
-    assert "CERTVLLM_DENSE_BACKEND=sdpa" in str(err.value)
+    assert "--cert-dense-backend sdpa" in str(err.value)
 
 
 def test_auto_without_xformers_is_sdpa_even_on_cuda(monkeypatch):
@@ -142,18 +140,16 @@ def test_auto_without_xformers_is_sdpa_even_on_cuda(monkeypatch):
 
 def test_forced_xformers_off_cuda_raises(monkeypatch, clock):
     _inject(monkeypatch, StandIn(clock))
-    monkeypatch.setenv(dense_backend.ENV, "xformers")
     q, k, v, scale = _inputs()
     with pytest.raises(RuntimeError, match=r"the tensors' device cpu is not CUDA: xformers runs on CUDA only"):
-        dense_decode(q, k, v, scale)
+        dense_decode(q, k, v, scale, "xformers")
 
 
 def test_forced_xformers_is_used_and_equals_sdpa(monkeypatch, clock):
     fake = _inject(monkeypatch, StandIn(clock))
     _on_cuda(monkeypatch)
-    monkeypatch.setenv(dense_backend.ENV, "xformers")
     q, k, v, scale = _inputs(hq=12, hkv=3)  # GQA, G = 4: query head h reads KV head h // 4
-    out = dense_decode(q, k, v, scale)
+    out = dense_decode(q, k, v, scale, "xformers")
     assert fake.calls == 1 and out.dtype == torch.float32 and out.shape == (12, 64)
     torch.testing.assert_close(out, dense_backend.sdpa_decode(q, k, v, scale), rtol=RTOL, atol=ATOL)
 
@@ -219,19 +215,18 @@ def test_no_timing_during_cuda_graph_capture(monkeypatch, clock):
     assert fake.calls == 0 and list(dense_backend.decisions().values()) == ["sdpa"]
     monkeypatch.setattr(dense_backend, "capturing", lambda device: False)
     assert dense_backend.choose(q, k, v, scale) == "sdpa" and fake.calls == 0  # the class keeps its kernel
-    monkeypatch.setenv(dense_backend.ENV, "xformers")
     monkeypatch.setattr(dense_backend, "capturing", lambda device: True)
-    assert dense_backend.choose(q, k, v, scale) == "xformers" and fake.calls == 0
+    assert dense_backend.choose(q, k, v, scale, "xformers") == "xformers" and fake.calls == 0
 
 
 def test_rung3_heads_equal_dense_decode_with_the_chosen_kernel(monkeypatch, gen, clock):
     fake = _inject(monkeypatch, StandIn(clock))
     _on_cuda(monkeypatch)
-    monkeypatch.setenv(dense_backend.ENV, "xformers")
     case = make_case("random", 300, 8, 2, 128, torch.bfloat16, gen)
-    res = certified_decode(case.q, case.k, case.v, make_config(bound_tol=1e-9))  # every head to rung 3
+    cfg = make_config(bound_tol=1e-9, dense_backend="xformers")  # every head to rung 3, recomputed by xformers
+    res = certified_decode(case.q, case.k, case.v, cfg)
     assert (res.report.rung == 3).all() and fake.calls == 1
-    dense = dense_decode(case.q, case.k, case.v, 1 / math.sqrt(128))
+    dense = dense_decode(case.q, case.k, case.v, 1 / math.sqrt(128), "xformers")
     assert torch.equal(res.out, dense)
     torch.testing.assert_close(dense, dense_backend.sdpa_decode(case.q, case.k, case.v, 1 / math.sqrt(128)),
                                rtol=RTOL, atol=ATOL)  # fmt: skip
@@ -242,36 +237,32 @@ def test_plugin_decode_rows_off_cpu_use_dense_decode(monkeypatch, gen, clock):
     ``dense_decode`` on the shadow originals, so they follow the same kernel choice."""
     fake = _inject(monkeypatch, StandIn(clock))
     _on_cuda(monkeypatch)
-    monkeypatch.setenv(dense_backend.ENV, "xformers")
     cases = [make_case("random", t, 8, 2, 64, torch.float16, gen) for t in (40, 75)]
     cache, tables, lens = paged_batch(cases)
-    exact = ExactAttention(8, 2, 64, torch.float16, 1 / 8, 16, on_cpu=False)
+    exact = ExactAttention(8, 2, 64, torch.float16, 1 / 8, 16, on_cpu=False, dense_backend="xformers")
     plan = ExactPlan(torch.tensor([0, 1, 2], dtype=torch.int32), lens.to(torch.int32), tables.to(torch.int32))
     query = torch.stack([c.q for c in cases])
     out = torch.empty_like(query)
     exact.run(plan, query, cache, out, PageInEngine("cpu"))
     assert fake.calls == 2
     for i, c in enumerate(cases):
-        assert torch.equal(out[i], dense_decode(c.q, c.k, c.v, 1 / 8).to(torch.float16))
+        assert torch.equal(out[i], dense_decode(c.q, c.k, c.v, 1 / 8, "xformers").to(torch.float16))
 
 
 def test_startup_check_names_the_fix(monkeypatch, clock):
     """``check_request`` (what the vLLM plugin runs at startup): a bad value and a forced xformers off CUDA or
     without xformers fail before any request; auto and sdpa pass on any platform."""
-    for value in ("", "auto", "sdpa"):
-        monkeypatch.setenv(dense_backend.ENV, value)
-        assert dense_backend.check_request(on_cuda=False) == (value or "auto")
-    monkeypatch.setenv(dense_backend.ENV, "flash")
+    for value in ("auto", "sdpa"):
+        assert dense_backend.check_request(value, on_cuda=False) == value
     with pytest.raises(ValueError, match="choose one of auto, sdpa, xformers"):
-        dense_backend.check_request(on_cuda=True)
-    monkeypatch.setenv(dense_backend.ENV, "xformers")
+        dense_backend.check_request("flash", on_cuda=True)
     monkeypatch.setitem(sys.modules, "xformers", None)  # an import of xformers fails
     monkeypatch.setitem(sys.modules, "xformers.ops", None)
     dense_backend.reset()
     with pytest.raises(RuntimeError, match=r"pip install 'certvllm\[xformers\]'"):
-        dense_backend.check_request(on_cuda=True)
+        dense_backend.check_request("xformers", on_cuda=True)
     _inject(monkeypatch, StandIn(clock))
     dense_backend.reset()  # forget the failed import
     with pytest.raises(RuntimeError, match="this platform is not CUDA"):
-        dense_backend.check_request(on_cuda=False)
-    assert dense_backend.check_request(on_cuda=True) == "xformers"
+        dense_backend.check_request("xformers", on_cuda=False)
+    assert dense_backend.check_request("xformers", on_cuda=True) == "xformers"

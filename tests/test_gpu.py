@@ -44,16 +44,35 @@ def cuda_batch(cases, value_group: int = 16):
     return gpu, tables.cuda(), lens.cuda(), cache
 
 
+def cuda_call(q, cache, tables, lens, cfg, residency=None, **kw):
+    """The op's CUDA path as the vLLM backend calls it (rungs 3/4 on the device unless ``exact_rows``)."""
+    from certvllm.attention import certified_attention
+
+    return certified_attention(q, cache, tables, lens, cfg, backend="cuda", residency=residency, **kw)
+
+
+def pooled(cache, cfg):
+    """The layer's residency as the vLLM runtime makes it: a promotion pool when the config has one."""
+    from certvllm.kv.residency import Residency
+
+    return Residency.for_layer(cache, cfg.promotion_cache_fraction)
+
+
 def check(cases, cfg, fallback="sdpa"):
-    """One batched GPU call; returns (result, violations, dense mismatches, head-steps)."""
+    """One batched GPU call; returns (result, violations, dense mismatches, head-steps). ``fallback="sdpa"``
+    recomputes rungs 3/4 on the host's row list (``exact_rows``: bit-identical to ``dense_decode``),
+    ``"device"`` inside the call."""
     from certvllm.attention import dense_decode
-    from certvllm.attention.gpu import certified_attention_gpu
+    from certvllm.attention.op import dense_rows
+    from certvllm.kv.cuda_pagein import CudaPageInEngine
     from certvllm.testing import exact_attention
 
     cache, tables, lens, _ = cuda_batch(cases, cfg.value_group_size)
     q = torch.stack([c.q for c in cases]).cuda()
     scale = 1 / math.sqrt(q.shape[-1])
-    res = certified_attention_gpu(q, cache, tables, lens, cfg, fallback=fallback)
+    eng = CudaPageInEngine("cuda")
+    rows = dense_rows(q, cache, tables, lens, scale, eng, cfg.dense_backend) if fallback == "sdpa" else None
+    res = cuda_call(q, cache, tables, lens, cfg, pooled(cache, cfg), pagein=eng, exact_rows=rows)
     violations = mismatch = 0
     for i, c in enumerate(cases):
         qc, kc, vc = c.q.cuda(), c.k.cuda(), c.v.cuda()
@@ -201,6 +220,7 @@ def test_gpu_matches_the_cpu_reference():
 @pytest.mark.parametrize("preset", ["default", "paper"])
 def test_llama_shapes_at_128k(preset):
     from certvllm.attention import certified_attention, dense_decode
+    from certvllm.attention.op import dense_rows
     from certvllm.config import load_config
     from certvllm.kv.cuda_pagein import CudaPageInEngine
     from certvllm.testing import exact_attention
@@ -210,7 +230,9 @@ def test_llama_shapes_at_128k(preset):
     lens = [131072 - 5, 8192 + 3]
     cache, tables = bench.build_cache(k, v, lens)
     eng = CudaPageInEngine("cuda")
-    res = certified_attention(q, cache, tables, torch.tensor(lens, device="cuda"), load_config(preset), pagein=eng)
+    seq, cfg = torch.tensor(lens, device="cuda"), load_config(preset)
+    rows = dense_rows(q, cache, tables, seq, 1 / math.sqrt(128), eng, cfg.dense_backend)  # rungs 3/4 = dense_decode
+    res = certified_attention(q, cache, tables, seq, cfg, pagein=eng, residency=pooled(cache, cfg), exact_rows=rows)
     for b, n in enumerate(lens):
         err = torch.linalg.vector_norm(res.out[b].double() - exact_attention(q[b], k[b, :n], v[b, :n]), dim=-1)
         cert = res.report.rung[b] <= 2
@@ -226,7 +248,6 @@ def test_llama_shapes_at_128k(preset):
 
 
 def test_device_fallback_is_sync_free_and_graph_capturable():
-    from certvllm.attention.gpu import certified_attention_gpu
     from certvllm.config import make_config
     from certvllm.kv.cuda_pagein import CudaPageInEngine
     from certvllm.testing import make_case
@@ -237,9 +258,10 @@ def test_device_fallback_is_sync_free_and_graph_capturable():
     q = torch.stack([c.q for c in cases]).cuda()
     cfg = make_config(bound_tol=0.02)  # some heads escalate, so the exact re-run is exercised
     eng = CudaPageInEngine("cuda")
+    residency = pooled(cache, cfg)
 
     def call():
-        return certified_attention_gpu(q, cache, tables, lens, cfg, pagein=eng, fallback="device")
+        return cuda_call(q, cache, tables, lens, cfg, residency, pagein=eng)
 
     eager = call()
     torch.cuda.synchronize()
@@ -255,14 +277,16 @@ def test_device_fallback_is_sync_free_and_graph_capturable():
     torch.cuda.synchronize()
     assert torch.equal(captured.out, eager.out) and torch.equal(captured.report.rung, eager.report.rung)
     assert bool((eager.report.rung == 3).any())
-    # the default config runs the promotion cache: created by the first (eager) call, used by the others
-    assert cfg.promotion_cache_fraction > 0 and cache.promotion_cache.take_stats()["hits"] > 0
+    # the default config runs the promotion cache: filled by the first (eager) call, used by the others
+    assert cfg.promotion_cache_fraction > 0 and residency.pool.take_stats()["hits"] > 0
 
 
 def test_gpu_canary_catches_corrupted_pages():
     from certvllm.attention import certified_attention, dense_decode
+    from certvllm.attention.op import dense_rows
     from certvllm.config import load_config
     from certvllm.formats.layout import BLOCK_SIZE
+    from certvllm.kv.cuda_pagein import CudaPageInEngine
     from certvllm.testing import make_case
 
     gen = torch.Generator().manual_seed(3)
@@ -273,11 +297,19 @@ def test_gpu_canary_catches_corrupted_pages():
     pages[..., lay.k_codes : lay.k_codes + BLOCK_SIZE * lay.head_dim] = 255
     cache.write_pages(tables[0, :40], pages)
     q = torch.stack([c.q for c in cases]).cuda()
-    res = certified_attention(q, cache, tables, lens, load_config("default"))
-    assert (res.report.rung[0] == 4).all() and res.report.canary_fail[0].all()
-    assert (res.report.rung[1] <= 3).all() and not res.report.canary_fail[1].any()  # rung 3 may fire on its own
+    cfg = load_config("default")
     c = cases[0]
-    assert torch.equal(res.out[0], dense_decode(c.q.cuda(), c.k.cuda(), c.v.cuda(), 1 / math.sqrt(128)))
+    dense = dense_decode(c.q.cuda(), c.k.cuda(), c.v.cuda(), 1 / math.sqrt(128))
+    eng = CudaPageInEngine("cuda")
+    host_rows = dense_rows(q, cache, tables, lens, 1 / math.sqrt(128), eng, cfg.dense_backend)
+    for exact_rows in (host_rows, None):  # rung 4 recomputed on the host's row list, then on the device
+        res = certified_attention(q, cache, tables, lens, cfg, pagein=eng, exact_rows=exact_rows)
+        assert (res.report.rung[0] == 4).all() and res.report.canary_fail[0].all()
+        assert (res.report.rung[1] <= 3).all() and not res.report.canary_fail[1].any()  # rung 3 may fire alone
+        if exact_rows is not None:
+            assert torch.equal(res.out[0], dense)
+        else:
+            torch.testing.assert_close(res.out[0], dense, rtol=1e-5, atol=1e-5 * float(c.v.float().abs().max()))
 
 
 @pytest.mark.parametrize("hq,hkv,d", [(32, 8, 128), (24, 3, 64), (8, 8, 64)])
@@ -319,15 +351,12 @@ def test_gluon_phase1_matches_the_triton_kernel(hq, hkv, d):
     assert bool(((got.l8 - ref.l8).abs()[fin] <= r_sum[fin] + 1e-5 * (1 + ref.l8.abs()[fin])).all())
 
 
-def test_gluon_kernels_match_the_triton_kernels_end_to_end(monkeypatch):
+def test_gluon_kernels_match_the_triton_kernels_end_to_end():
     """The whole CUDA path with the Gluon phase-1 and attend kernels against the same path with the Triton
     kernels: equal selections, outputs to float32 rounding, bounds to float32 rounding."""
-    import functools
-
     from certvllm.triton_kernels.tuning import KernelTuning
 
-    import certvllm.attention.gpu as gpu
-    from certvllm.attention.gpu import certified_attention_gpu
+    from certvllm.attention.gpu import CudaOptions
     from certvllm.config import load_config
     from certvllm.testing import make_case
 
@@ -336,12 +365,9 @@ def test_gluon_kernels_match_the_triton_kernels_end_to_end(monkeypatch):
     cache, tables, lens, _ = cuda_batch(cases)
     q = torch.stack([c.q for c in cases]).cuda()
     cfg = load_config("default")
-    got = certified_attention_gpu(q, cache, tables, lens, cfg, fallback="device")
-    # the op takes no kernel tuning: its phase-1 launch and phase-2 geometry get the Triton dialect here
-    triton_only = KernelTuning(dialect="triton")
-    monkeypatch.setattr(gpu, "phase1", functools.partial(gpu.phase1, tuning=triton_only))
-    monkeypatch.setattr(gpu, "Phase2Geometry", functools.partial(gpu.Phase2Geometry, tuning=triton_only))
-    ref = certified_attention_gpu(q, cache, tables, lens, cfg, fallback="device")
+    got = cuda_call(q, cache, tables, lens, cfg, pooled(cache, cfg))
+    triton_only = CudaOptions(tuning=KernelTuning(dialect="triton"))
+    ref = cuda_call(q, cache, tables, lens, cfg, pooled(cache, cfg), cuda_options=triton_only)
     both = (got.report.rung <= 2) & (ref.report.rung <= 2)
     assert float(both.float().mean()) >= 0.95
     assert float((got.report.k_star == ref.report.k_star).float().mean()) >= 0.98
@@ -361,7 +387,6 @@ def test_gluon_attend_configurations_match_the_triton_kernel(hq, hkv, d):
 
     from certvllm.triton_kernels import phase2
 
-    from certvllm.attention.gpu import certified_attention_gpu
     from certvllm.config import load_config
     from certvllm.testing import attend_deviation, capture_attend_args, make_case
 
@@ -369,8 +394,8 @@ def test_gluon_attend_configurations_match_the_triton_kernel(hq, hkv, d):
     cases = [make_case(f, t, hq, hkv, d, torch.float16, gen) for f, t in (("retrieval_peaks", 900), ("random", 333))]
     cache, tables, lens, _ = cuda_batch(cases)
     q = torch.stack([c.q for c in cases]).cuda()
-    args = list(capture_attend_args(lambda: certified_attention_gpu(q, cache, tables, lens, load_config("default"),
-                                                                    fallback="device")))  # fmt: skip
+    cfg = load_config("default")
+    args = list(capture_attend_args(lambda: cuda_call(q, cache, tables, lens, cfg, pooled(cache, cfg))))
     geo = args[0]
     bits = args[7]
     g = torch.randint(0, geo.group, bits.shape, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
@@ -403,12 +428,12 @@ def test_gluon_attend_configurations_match_the_triton_kernel(hq, hkv, d):
 
 
 @pytest.mark.parametrize("preset", ["default", "strict"])
-def test_glue_kernels_equal_the_torch_glue_at_128k(preset, monkeypatch):
+def test_glue_kernels_equal_the_torch_glue_at_128k(preset):
     """Prepare, selection (its windowed path: 8,192 block columns) and epilogue kernels against their torch
     references at LLaMA-3.1-8B shapes and 128K: the same selections, rungs and flags on every head; outputs
     and bounds to float32 rounding (the partial block's scores and the split-K sums are summed in another
     order)."""
-    from certvllm.attention.gpu import certified_attention_gpu
+    from certvllm.attention.gpu import CudaOptions
     from certvllm.config import load_config
     from certvllm.kv.cuda_pagein import CudaPageInEngine
 
@@ -420,10 +445,10 @@ def test_glue_kernels_equal_the_torch_glue_at_128k(preset, monkeypatch):
     cfg = load_config(preset, promotion_cache_fraction=0.0)
     runs = []
     try:
-        for torch_glue in ("1", "0"):
-            monkeypatch.setenv("CERTVLLM_TORCH_GLUE", torch_glue)
-            runs.append(certified_attention_gpu(q, cache, tables, seq_lens, cfg, 1 / math.sqrt(128),
-                                                CudaPageInEngine(torch.device("cuda")), fallback="device"))  # fmt: skip
+        for glue in ("torch", "auto"):
+            runs.append(cuda_call(q, cache, tables, seq_lens, cfg, scale=1 / math.sqrt(128),
+                                  pagein=CudaPageInEngine(torch.device("cuda")),
+                                  cuda_options=CudaOptions(glue=glue)))  # fmt: skip
         torch.cuda.synchronize()
     finally:
         bench.release_cache(cache)
@@ -447,7 +472,6 @@ def test_promotion_cache_at_llama_shapes_hits_rewrites_and_graph_replays():
     """Hits are bit-identical to the path without the cache, eagerly and in CUDA-graph replays whose queries
     drift and whose cache is written between replays (tokens appended through the CUDA write path, a
     promoted block rewritten with other originals): the pool never serves the old content."""
-    from certvllm.attention.gpu import certified_attention_gpu
     from certvllm.config import load_config
     from certvllm.kv.cache import LayerKVCache
     from certvllm.kv.cuda_pagein import CudaPageInEngine, encode_blocks_from_shadow
@@ -461,8 +485,11 @@ def test_promotion_cache_at_llama_shapes_hits_rewrites_and_graph_replays():
     eng = CudaPageInEngine("cuda")
     gen = torch.Generator(device="cuda").manual_seed(0)
 
-    def call(c, cfg, qq):
-        return certified_attention_gpu(qq, c, tables, seq, cfg, pagein=eng, fallback="device")
+    residencies: dict[int, object] = {}
+
+    def call(c, cfg, qq):  # each cache view keeps its residency (its pool) across calls
+        res = residencies.setdefault(id(c), pooled(c, cfg))
+        return cuda_call(qq, c, tables, seq, cfg, res, pagein=eng)
 
     def drift(qq):
         return (qq.float() + 0.1 * torch.randn(qq.shape, generator=gen, device="cuda")).to(qq.dtype)
@@ -472,7 +499,8 @@ def test_promotion_cache_at_llama_shapes_hits_rewrites_and_graph_replays():
     for _ in range(3):  # eager: cold, then drifted steps
         _assert_identical(call(cache, on, qs), call(plain, off, qs))
         qs = drift(qs)
-    pc = cache.promotion_cache
+    pc = residencies[id(cache)].pool
+    assert residencies[id(plain)].pool is None
     st = pc.take_stats()
     print(f"eager: {st}, pool {pc.slots} slots, {pc.nbytes / 2**20:.1f} MiB")
     assert st["hits"] > 0 and st["fills"] > 0
@@ -486,7 +514,7 @@ def test_promotion_cache_at_llama_shapes_hits_rewrites_and_graph_replays():
     static_q = qs.clone()
     for _ in range(2):
         call(cache, on_nc, static_q)
-    pc = cache.promotion_cache
+    pc = residencies[id(cache)].pool
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -528,7 +556,6 @@ def test_step_prefetch_at_llama_shapes_in_graph_replays():
     """Four layers per step (views of the same tokens, each its own pool and query), one CUDA graph per step
     with the step prefetch: every layer's output is bit-identical to the path without pool and prefetch
     while tokens are appended and a staged block is rewritten between replays, and staged pages are served."""
-    from certvllm.attention.gpu import certified_attention_gpu
     from certvllm.config import load_config
     from certvllm.kv.cache import LayerKVCache
     from certvllm.kv.cuda_pagein import CudaPageInEngine, encode_blocks_from_shadow
@@ -544,8 +571,9 @@ def test_step_prefetch_at_llama_shapes_in_graph_replays():
     cfg = load_config("default", canary=False)  # a stale key page must not be rescued by rung 4
     off = cfg.model_copy(update={"promotion_cache_fraction": 0.0})
     pf = StepPrefetcher.for_cache(layers[0], cfg.prefetch_fraction)
-    for lay in layers:
-        pf.register(lay)
+    residencies = [pooled(lay, cfg) for lay in layers]
+    for lay, res in zip(layers, residencies, strict=True):
+        res.prefetcher, res.prefetch_index = pf, pf.register(lay)
     seq = torch.tensor(lens, device="cuda")
     eng = CudaPageInEngine("cuda")
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -554,8 +582,7 @@ def test_step_prefetch_at_llama_shapes_in_graph_replays():
 
     def step():
         pf.begin_step()
-        outs[:] = [certified_attention_gpu(qs[i], layers[i], tables, seq, cfg, pagein=eng, fallback="device")
-                   for i in range(n)]  # fmt: skip
+        outs[:] = [cuda_call(qs[i], layers[i], tables, seq, cfg, residencies[i], pagein=eng) for i in range(n)]
         pf.end_step()
 
     graph = bench.capture_graph(step)
@@ -585,7 +612,7 @@ def test_step_prefetch_at_llama_shapes_in_graph_replays():
             qs[i].copy_((qs[i].float() + 0.1 * torch.randn(q.shape, generator=gen, device="cuda")).half())
         graph.replay()
         for i in range(n):
-            ref = certified_attention_gpu(qs[i], plain, tables, seq, off, pagein=eng, fallback="device")
+            ref = cuda_call(qs[i], plain, tables, seq, off, pagein=eng)
             _assert_identical(outs[i], ref)
     st = pf.take_stats()
     print(f"step prefetch over graph replays: {st}")
@@ -597,7 +624,6 @@ def test_step_prefetch_at_llama_shapes_in_graph_replays():
 def test_soundness_with_a_warm_promotion_cache():
     """The soundness property over the families with the pool warm: several steps per cache, the queries
     drifting between them."""
-    from certvllm.attention.gpu import certified_attention_gpu
     from certvllm.config import load_config
     from certvllm.testing import FAMILIES, exact_attention, make_case
 
@@ -610,8 +636,9 @@ def test_soundness_with_a_warm_promotion_cache():
         cache, tables, lens, _ = cuda_batch(cases)
         cfg = load_config(("default", "paper", "strict")[i % 3], promotion_cache_fraction=0.25)
         q = torch.stack([c.q for c in cases])
+        residency = pooled(cache, cfg)
         for _ in range(3):
-            res = certified_attention_gpu(q.cuda(), cache, tables, lens, cfg, fallback="device")
+            res = cuda_call(q.cuda(), cache, tables, lens, cfg, residency)
             for j, c in enumerate(cases):
                 ref = exact_attention(q[j].cuda(), c.k.cuda(), c.v.cuda(), 1 / math.sqrt(d))
                 err = torch.linalg.vector_norm(res.out[j].double() - ref, dim=-1)
@@ -619,7 +646,7 @@ def test_soundness_with_a_warm_promotion_cache():
                 violations += int((cert & ~(err <= res.report.bound[j].double())).sum())
                 total += int(cert.sum())
             q = (q.float() + 0.1 * torch.randn(q.shape, generator=gen)).to(q.dtype)
-        hits += cache.promotion_cache.take_stats()["hits"]
+        hits += residency.pool.take_stats()["hits"]
     print(f"certified head-steps {total}, violations {violations}, pool hits {hits}")
     assert violations == 0 and hits > 0
 

@@ -29,7 +29,8 @@ from certvllm.triton_kernels.common import key_scale_sigma  # noqa: E402
 from certvllm.triton_kernels.encode import encode_pages_triton  # noqa: E402
 
 from certvllm.attention import certified_attention, dense_decode  # noqa: E402
-from certvllm.attention.gpu import certified_attention_gpu  # noqa: E402
+from certvllm.attention.gpu import CudaOptions  # noqa: E402
+from certvllm.attention.op import dense_rows  # noqa: E402
 from certvllm.attention.selection import Phase1  # noqa: E402
 from certvllm.config import load_config, make_config  # noqa: E402
 from certvllm.formats.keys import P2_RELATIVE_SLACK  # noqa: E402
@@ -37,9 +38,22 @@ from certvllm.formats.layout import BLOCK_SIZE, FLAG_PRECONDITION, PageLayout, k
 from certvllm.formats.pages import PageReader, encode_pages  # noqa: E402
 from certvllm.kv.cache import LayerKVCache  # noqa: E402
 from certvllm.kv.cuda_pagein import CudaPageInEngine, encode_blocks_from_shadow, ensure_device_readable  # noqa: E402
+from certvllm.kv.residency import Residency  # noqa: E402
 from certvllm.testing import exact_attention, make_case, paged_batch  # noqa: E402
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+CUDA_ONLY = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="a CUDA-only feature: runs compiled in pytest -m gpu"),
+]
+"""The promotion pool, the step prefetch and the attend pass's tilings exist only on the CUDA path: their tests
+run compiled on the GPU (``pytest -m gpu``), not in the interpreter."""
+
+
+def _cuda_only(fn):
+    for mark in CUDA_ONLY:
+        fn = mark(fn)
+    return fn
 
 
 def assert_same_pages(got: torch.Tensor, ref: torch.Tensor, lay: PageLayout) -> None:
@@ -58,12 +72,23 @@ def _to_device(cache: LayerKVCache) -> LayerKVCache:
     return LayerKVCache(cache.pages.to(DEV), cache.shadow, cache.layout, cache.keys_channel_major)
 
 
+def _call(cache, q, tables, lens, cfg, residency=None, **kw):
+    """The op on its CUDA path (compiled on a GPU, interpreted here), rungs 3/4 on the device, as the vLLM
+    backend calls it."""
+    return certified_attention(q, cache, tables, lens, cfg, backend="cuda", residency=residency, **kw)
+
+
 def _check(cases, cfg, fallback="sdpa", blocks_per_split=None):
+    """One certified CUDA call over ``cases``, checked for soundness; ``fallback="sdpa"`` recomputes rungs 3/4
+    on the host's row list (``exact_rows``), ``"device"`` on the device."""
     cache, tables, lens = paged_batch(cases, cfg.value_group_size)
     q = torch.stack([c.q for c in cases])
     scale = 1 / math.sqrt(q.shape[-1])
-    res = certified_attention_gpu(q.to(DEV), _to_device(cache), tables.to(DEV), lens.to(DEV), cfg,
-                                  fallback=fallback, blocks_per_split=blocks_per_split)  # fmt: skip
+    dcache, dq, dtables, dlens = _to_device(cache), q.to(DEV), tables.to(DEV), lens.to(DEV)
+    eng = CudaPageInEngine(DEV)
+    rows = dense_rows(dq, dcache, dtables, dlens, scale, eng, cfg.dense_backend) if fallback == "sdpa" else None
+    res = _call(dcache, dq, dtables, dlens, cfg, pagein=eng, exact_rows=rows,
+                cuda_options=CudaOptions(blocks_per_split=blocks_per_split))  # fmt: skip
     out, rung, bound = res.out.cpu(), res.report.rung.cpu(), res.report.bound.cpu().double()
     for i, c in enumerate(cases):
         err = torch.linalg.vector_norm(out[i].double() - exact_attention(c.q, c.k, c.v, scale), dim=-1)
@@ -167,7 +192,7 @@ def test_gpu_canary_catches_pages_that_disagree_with_their_shadow(gen):
     pages[..., lay.k_codes : lay.k_codes + BLOCK_SIZE * lay.head_dim] = 255
     cache.write_pages(tables[0, :10], pages)
     q = torch.stack([c.q for c in cases])
-    res = certified_attention_gpu(q.to(DEV), _to_device(cache), tables.to(DEV), lens.to(DEV), load_config("default"))
+    res = _call(_to_device(cache), q.to(DEV), tables.to(DEV), lens.to(DEV), load_config("default"))
     assert (res.report.rung[0] == 4).all() and res.report.canary_fail[0].all()
     assert (res.report.rung[1] <= 2).all()
     assert torch.equal(res.out[0].cpu(), dense_decode(cases[0].q, cases[0].k, cases[0].v, 1 / 8))
@@ -182,6 +207,7 @@ def test_split_plans_agree(gen):
     torch.testing.assert_close(one.out, many.out, rtol=1e-6, atol=1e-7)
 
 
+@_cuda_only
 @pytest.mark.parametrize("blk", [1, 2])
 def test_attend_pass_replayed_with_other_tiles_agrees(blk, gen):
     """The attend pass of a real call, replayed alone (``capture_attend_args``) with another number of
@@ -198,8 +224,7 @@ def test_attend_pass_replayed_with_other_tiles_agrees(blk, gen):
     cache, tables, lens = paged_batch(cases)
     q = torch.stack([c.q for c in cases]).to(DEV)
     dcache, dtables, dlens = _to_device(cache), tables.to(DEV), lens.to(DEV)
-    args = list(capture_attend_args(lambda: certified_attention_gpu(q, dcache, dtables, dlens, load_config("default"),
-                                                                    fallback="device")))  # fmt: skip
+    args = list(capture_attend_args(lambda: _call(dcache, q, dtables, dlens, load_config("default"))))
     geo, bits = args[0], args[7]
     extra = torch.rand(bits.shape, generator=gen) < 0.3
     g = torch.randint(0, geo.group, bits.shape, generator=gen)
@@ -292,9 +317,9 @@ def test_selection_kernel_equals_the_torch_reference(kind, B, preset, window, ge
         ("one_hot", "fast", {"bound_tol": 1e-6}),
     ],
 )
-def test_glue_kernels_equal_the_torch_path(family, preset, overrides, gen, monkeypatch):
+def test_glue_kernels_equal_the_torch_path(family, preset, overrides, gen):
     """The whole layer call with the glue kernels (prepare, selection, epilogue) against the same call with
-    their torch references (``CERTVLLM_TORCH_GLUE=1``): identical selections, rungs,
+    their torch references (``CudaOptions(glue="torch")``): identical selections, rungs,
     flags and counts; outputs and bound terms equal to the rounding of the float64/float32 sums whose order
     differs (1e-6 relative), except the terms that go through ᾱ_T = exp(2(Δ+R) + log α): an ulp of an
     exponent of magnitude ~30 moves the result by ~30·2^-23 relative, so 1e-5 there."""
@@ -304,11 +329,10 @@ def test_glue_kernels_equal_the_torch_path(family, preset, overrides, gen, monke
     q = torch.stack([c.q for c in cases]).to(DEV)
     dcache = _to_device(cache)
     runs = []
-    for torch_glue in ("1", "0"):
-        monkeypatch.setenv("CERTVLLM_TORCH_GLUE", torch_glue)
+    for glue in ("torch", "auto"):
         g = torch.Generator(device=DEV.type).manual_seed(7)
-        runs.append(certified_attention_gpu(q, dcache, tables.to(DEV), lens.to(DEV), cfg, generator=g,
-                                            fallback="device", blocks_per_split=3))  # fmt: skip
+        runs.append(_call(dcache, q, tables.to(DEV), lens.to(DEV), cfg, generator=g,
+                          cuda_options=CudaOptions(glue=glue, blocks_per_split=3)))  # fmt: skip
     ref, got = runs
     for name in ("rung", "k_star", "v_promoted", "rank_fail", "boundary_fail", "bound_fail", "canary_fail",
                  "precondition"):  # fmt: skip
@@ -324,6 +348,7 @@ def test_glue_kernels_equal_the_torch_path(family, preset, overrides, gen, monke
 
 
 # -- the device-resident promotion cache (certvllm.kv.promotion_cache) -------------------------------------
+@_cuda_only
 @pytest.mark.parametrize("sub,channel_major", [(1, False), (4, False), (4, True)])
 def test_pool_fill_copies_key_pages_from_the_shadow(sub, channel_major, gen):
     from certvllm.triton_kernels.gather import fill_pool
@@ -341,6 +366,7 @@ def test_pool_fill_copies_key_pages_from_the_shadow(sub, channel_major, gen):
     assert torch.equal(pool[[0, 2, 3]].cpu(), keys) and (pool[1] == 7.0).all()  # slot 1 left alone
 
 
+@_cuda_only
 @pytest.mark.parametrize("sub,channel_major", [(1, False), (2, True)])
 def test_pool_lookup_kernels_equal_the_torch_reference(sub, channel_major, gen):
     from certvllm.kv.promotion_cache import PromotionCache
@@ -372,16 +398,13 @@ def test_pool_lookup_kernels_equal_the_torch_reference(sub, channel_major, gen):
     assert st["hits"] > 0 and st["fills"] > 0 and st["bypass"] > 0
 
 
-def _certified_call(cache, q, tables, lens, cfg):
-    return certified_attention_gpu(q, cache, tables, lens, cfg, fallback="device")
-
-
 def _assert_identical(a, b) -> None:
     assert torch.equal(a.out, b.out)
     for field in ("rung", "k_star", "v_promoted", "e_key", "e_val", "e_round"):
         assert torch.equal(getattr(a.report, field), getattr(b.report, field)), field
 
 
+@_cuda_only
 @pytest.mark.parametrize("fraction", [1.0, 0.05])
 def test_promotion_cache_hits_are_bit_identical_to_no_cache(fraction, gen):
     cases = [make_case("sink_and_recency", t, 8, 2, 64, torch.float16, gen) for t in (130, 261)]
@@ -391,16 +414,16 @@ def test_promotion_cache_hits_are_bit_identical_to_no_cache(fraction, gen):
     off = load_config("default", promotion_cache_fraction=0.0)
     on = load_config("default", promotion_cache_fraction=fraction)
     plain, pooled = _to_device(cache), _to_device(cache)
-    cold = _certified_call(pooled, q, tables, lens, on)
-    pc = pooled.promotion_cache
-    assert plain.promotion_cache is None and pc is not None
+    assert Residency.for_layer(plain, off.promotion_cache_fraction).pool is None  # disabled: nothing allocated
+    res = Residency.for_layer(pooled, on.promotion_cache_fraction)
+    cold = _call(pooled, q, tables, lens, on, res)
+    pc = res.pool
     st = pc.take_stats()
     assert st["hits"] == 0 and st["fills"] > 0 and st["lookups"] == st["fills"] + st["bypass"]
-    _assert_identical(cold, _certified_call(plain, q, tables, lens, off))
-    assert plain.promotion_cache is None  # the disabled config allocates nothing
+    _assert_identical(cold, _call(plain, q, tables, lens, off))
     for step in range(2):  # the same step again, then drifted queries
         qs = q if step == 0 else (q.float() + 0.2 * torch.randn(q.shape, generator=gen).to(DEV)).half()
-        _assert_identical(_certified_call(pooled, qs, tables, lens, on), _certified_call(plain, qs, tables, lens, off))
+        _assert_identical(_call(pooled, qs, tables, lens, on, res), _call(plain, qs, tables, lens, off))
         st = pc.take_stats()
         assert st["hits"] > 0
         if fraction == 1.0:  # one slot per page: no conflicts, a repeated step is all hits
@@ -409,6 +432,7 @@ def test_promotion_cache_hits_are_bit_identical_to_no_cache(fraction, gen):
             assert st["bypass"] > 0  # 3 slots for 54 pages: conflicts, served from the shadow
 
 
+@_cuda_only
 def test_promotion_cache_never_serves_a_rewritten_block(gen, monkeypatch):
     # the canary is off so that a stale key page could not be caught (and recomputed exactly) by rung 4
     cfg = load_config("default", promotion_cache_fraction=1.0, canary=False)
@@ -418,8 +442,9 @@ def test_promotion_cache_never_serves_a_rewritten_block(gen, monkeypatch):
     tables, lens = tables.to(DEV), lens.to(DEV)
     q = torch.stack([c.q for c in cases]).to(DEV)
     pooled = _to_device(cache)
-    first = _certified_call(pooled, q, tables, lens, cfg)
-    pc = pooled.promotion_cache
+    res = Residency.for_layer(pooled, cfg.promotion_cache_fraction)
+    first = _call(pooled, q, tables, lens, cfg, res)
+    pc = res.pool
     assert pc.take_stats()["fills"] > 0
     pos = torch.arange(12 * BLOCK_SIZE)  # every full block of row 0
     slots = tables[0, pos // BLOCK_SIZE].cpu() * BLOCK_SIZE + pos % BLOCK_SIZE
@@ -429,9 +454,9 @@ def test_promotion_cache_never_serves_a_rewritten_block(gen, monkeypatch):
         pooled.write((k.float() + 0.5 * torch.randn(k.shape, generator=gen)).half(), v, slots)
 
     rewrite()
-    again = _certified_call(pooled, q, tables, lens, cfg)
+    again = _call(pooled, q, tables, lens, cfg, res)
     fresh = LayerKVCache(pooled.pages, pooled.shadow, pooled.layout)  # no pool: the reference
-    _assert_identical(again, _certified_call(fresh, q, tables, lens, off))
+    _assert_identical(again, _call(fresh, q, tables, lens, off))
     assert not torch.equal(again.out[0], first.out[0])  # the rewrite changed row 0's output
     assert torch.equal(again.out[1], first.out[1])
     st = pc.take_stats()
@@ -440,11 +465,12 @@ def test_promotion_cache_never_serves_a_rewritten_block(gen, monkeypatch):
     # test would catch
     monkeypatch.setattr(LayerKVCache, "bump_generation", lambda self, ids: None)
     rewrite()
-    stale = _certified_call(pooled, q, tables, lens, cfg)
-    assert not torch.equal(stale.out[0], _certified_call(fresh, q, tables, lens, off).out[0])
+    stale = _call(pooled, q, tables, lens, cfg, res)
+    assert not torch.equal(stale.out[0], _call(fresh, q, tables, lens, off).out[0])
 
 
 # -- the step prefetch (certvllm.kv.prefetch) ------------------------------------------------------------
+@_cuda_only
 @pytest.mark.parametrize("sub,channel_major,sparse", [(1, False, 0), (4, True, 0), (1, False, 100)])
 def test_stage_pages_copies_the_listed_pages(sub, channel_major, sparse, gen):
     from certvllm.triton_kernels.prefetch import stage_pages
@@ -468,31 +494,34 @@ def test_stage_pages_copies_the_listed_pages(sub, channel_major, sparse, gen):
 
 def _prefetch_layers(cases, n_layers, cfg):
     """``n_layers`` layer caches over the same tokens (each its own pages, pool and generations) registered
-    with one step prefetcher, and the same layers without it (the reference)."""
+    with one step prefetcher, their residencies, and the same layers without either (the reference)."""
     from certvllm.kv.prefetch import StepPrefetcher
 
     cache, tables, lens = paged_batch(cases)
     layers = [_to_device(cache) for _ in range(n_layers)]
     plain = [_to_device(cache) for _ in range(n_layers)]
     pf = StepPrefetcher.for_cache(layers[0], cfg.prefetch_fraction)
-    for lay in layers:
-        pf.register(lay)
-    return pf, layers, plain, tables.to(DEV), lens.to(DEV)
+    residencies = [Residency.for_layer(lay, cfg.promotion_cache_fraction) for lay in layers]
+    for lay, res in zip(layers, residencies, strict=True):
+        res.prefetcher, res.prefetch_index = pf, pf.register(lay)
+    return pf, layers, residencies, plain, tables.to(DEV), lens.to(DEV)
 
 
+@_cuda_only
 @pytest.mark.parametrize("n_layers", [2, 3])  # 2: the last layers stage the next step's first ones
 def test_step_prefetch_serves_staged_pages_and_changes_nothing(n_layers, gen):
     # a pool far too small for the promoted pages: most of them are left to the shadow, i.e. staged
     cfg = load_config("default", promotion_cache_fraction=0.05, prefetch_fraction=0.5)
     cases = [make_case("sink_and_recency", t, 8, 2, 64, torch.float16, gen) for t in (100, 181)]
-    pf, layers, plain, tables, lens = _prefetch_layers(cases, n_layers, cfg)
+    pf, layers, res, plain, tables, lens = _prefetch_layers(cases, n_layers, cfg)
+    plain_res = [Residency.for_layer(p, cfg.promotion_cache_fraction) for p in plain]  # pools, no prefetch
     q0 = torch.stack([c.q for c in cases]).to(DEV)
     for step in range(2):
         pf.begin_step()
         for i in range(n_layers):
             q = (q0.float() + 0.1 * (step + i) * torch.randn(q0.shape, generator=gen).to(DEV)).half()
-            ref = _certified_call(plain[i], q, tables, lens, cfg)
-            _assert_identical(_certified_call(layers[i], q, tables, lens, cfg), ref)
+            ref = _call(plain[i], q, tables, lens, cfg, plain_res[i])
+            _assert_identical(_call(layers[i], q, tables, lens, cfg, res[i]), ref)
         pf.end_step()
         st = pf.take_stats()
         assert st["candidates"] > 0 and st["staged"] > 0
@@ -503,12 +532,14 @@ def test_step_prefetch_serves_staged_pages_and_changes_nothing(n_layers, gen):
     assert pf.nbytes == pf.ring.numel() * 2 + 16 * pf.ring.shape[0] * pf.capacity
 
 
+@_cuda_only
 def test_step_prefetch_follows_rows_when_the_batch_changes(gen):
     # step 0 serves rows A, B, C; then B finishes and the engine compacts the batch to C, A with a narrower
     # block table: each row keeps its staged pages (matched by its first block), the output is unchanged
     cfg = load_config("default", promotion_cache_fraction=0.05, prefetch_fraction=0.5)
     cases = [make_case("sink_and_recency", t, 8, 2, 64, torch.float16, gen) for t in (100, 181, 70)]
-    pf, layers, plain, tables, lens = _prefetch_layers(cases, 2, cfg)
+    pf, layers, res, plain, tables, lens = _prefetch_layers(cases, 2, cfg)
+    plain_res = [Residency.for_layer(p, cfg.promotion_cache_fraction) for p in plain]
     q = torch.stack([c.q for c in cases]).to(DEV)
     for rows in ([0, 1, 2], [2, 0]):
         idx = torch.tensor(rows, device=DEV)
@@ -516,18 +547,20 @@ def test_step_prefetch_follows_rows_when_the_batch_changes(gen):
         t, n, qq = tables[idx, :width].contiguous(), lens[idx], q[idx]
         pf.begin_step()
         for i in range(2):
-            _assert_identical(_certified_call(layers[i], qq, t, n, cfg), _certified_call(plain[i], qq, t, n, cfg))
+            _assert_identical(_call(layers[i], qq, t, n, cfg, res[i]), _call(plain[i], qq, t, n, cfg, plain_res[i]))
         pf.end_step()
         st = pf.take_stats()
         assert st["candidates"] > 0 and (st["served"] > 0) == (rows == [2, 0])
 
 
+@_cuda_only
 def test_step_prefetch_never_serves_a_rewritten_block(gen, monkeypatch):
     cfg = load_config("default", promotion_cache_fraction=0.05, prefetch_fraction=1.0, canary=False)
     cases = [make_case("sink_and_recency", 200, 8, 2, 64, torch.float16, gen) for _ in range(2)]
-    pf, layers, plain, tables, lens = _prefetch_layers(cases, 1, cfg)
+    pf, layers, res, plain, tables, lens = _prefetch_layers(cases, 1, cfg)
+    plain_res = Residency.for_layer(plain[0], cfg.promotion_cache_fraction)
     q = torch.stack([c.q for c in cases]).to(DEV)
-    _certified_call(layers[0], q, tables, lens, cfg)
+    _call(layers[0], q, tables, lens, cfg, res[0])
     pf.take_stats()
     pos = torch.arange(12 * BLOCK_SIZE)  # every full block of row 0
     slots = tables[0, pos // BLOCK_SIZE].cpu() * BLOCK_SIZE + pos % BLOCK_SIZE
@@ -540,15 +573,15 @@ def test_step_prefetch_never_serves_a_rewritten_block(gen, monkeypatch):
 
     pf.begin_step()  # stages row 0's and row 1's pages
     rewrite()
-    _assert_identical(_certified_call(layers[0], q, tables, lens, cfg), _certified_call(plain[0], q, tables, lens, cfg))
+    _assert_identical(_call(layers[0], q, tables, lens, cfg, res[0]), _call(plain[0], q, tables, lens, cfg, plain_res))
     st = pf.take_stats()
     assert 0 < st["served"] < st["candidates"]  # row 1's staged pages served, row 0's refused
     # control: without the generation bump the staging's stale copies of row 0 are served and change the output
     monkeypatch.setattr(LayerKVCache, "bump_generation", lambda self, ids: None)
     pf.begin_step()
     rewrite()
-    stale = _certified_call(layers[0], q, tables, lens, cfg)
-    assert not torch.equal(stale.out[0], _certified_call(plain[0], q, tables, lens, cfg).out[0])
+    stale = _call(layers[0], q, tables, lens, cfg, res[0])
+    assert not torch.equal(stale.out[0], _call(plain[0], q, tables, lens, cfg, plain_res).out[0])
 
 
 @triton.jit

@@ -23,16 +23,10 @@ import torch
 import triton
 import triton.language as tl
 
-from certvllm.attention.report import (
-    RUNG_HEAD_DENSE,
-    RUNG_LAYER_DENSE,
-    RUNG_VALUES,
-    RUNG_WIDEN,
-    CertReport,
-)
+from certvllm.bounds.policy import LadderPolicy
+from certvllm.bounds.report import RUNG_HEAD_DENSE, RUNG_LAYER_DENSE, RUNG_VALUES, RUNG_WIDEN, CertReport
 from certvllm.bounds.rounding import GAMMA_SLACK
 from certvllm.bounds.terms import alpha_inflation, exp_factors, round_factor, value_inflation
-from certvllm.config import CertConfig
 
 from .common import (
     GLUE_MAX_BLOCKS,
@@ -49,7 +43,6 @@ from .common import (
 
 MAX_BLOCKS = GLUE_MAX_BLOCKS
 
-FORCE = {"none": 0, "head": RUNG_HEAD_DENSE, "layer": RUNG_LAYER_DENSE}
 _WIDEN = tl.constexpr(RUNG_WIDEN)
 _VALUES = tl.constexpr(RUNG_VALUES)
 _HEAD = tl.constexpr(RUNG_HEAD_DENSE)
@@ -312,7 +305,7 @@ def finalize(
     widened: torch.Tensor,
     canary: torch.Tensor,
     bad_page: torch.Tensor,
-    cfg: CertConfig,
+    policy: LadderPolicy,
 ) -> tuple[torch.Tensor, CertReport]:
     """Output ``[R, H_q, D]`` float32 and the report of a layer call (shapes in ``_finalize_kernel``'s
     argument comments; ``v_max``/``eta_max`` may carry a trailing 1, ``widened`` is bool)."""
@@ -328,15 +321,14 @@ def finalize(
     i_out = torch.empty(2, rhg, dtype=torch.int32, device=dev)
     b_out = torch.empty(6, rhg, dtype=torch.int8, device=dev)
     c1, c0 = exp_factors()
-    certified = cfg.mode == "certified"
     _finalize_kernel[(rhg,)](
         parts.acc, parts.den, parts.aval, parts.atail, s_tail.contiguous(), tail_v.contiguous(),
         l_tail.contiguous(), m.contiguous(), sabs.contiguous(), score_abs1.contiguous(), base_round.contiguous(),
         v_max.contiguous(), eta_max.contiguous(), bits, l8.contiguous(), exact_lm, delta.contiguous(), nfull,
         lens, widened.contiguous().view(torch.int8), canary, bad_page.contiguous().view(torch.int8), out, f_out,
-        i_out, b_out, _f64_constants(dev), B, parts.den.shape[2], sabs.shape[-1], GAMMA_SLACK, 1 + 2.0**-20, c1, c0, round_factor(16), cfg.bound_tol, cfg.eps_guard, FORCE[cfg.force_fallback],
-        H=K, G=G, D=D, DP=next_pow2(D), BP=next_pow2(B), DEPTH=cfg.rank_depth, CERTIFIED=certified,
-        RANK=certified and cfg.rank_check, PRECISE=precise(), num_warps=4, enable_fp_fusion=False,
+        i_out, b_out, _f64_constants(dev), B, parts.den.shape[2], sabs.shape[-1], GAMMA_SLACK, 1 + 2.0**-20, c1, c0, round_factor(16), policy.bound_tol, policy.eps_guard, policy.forced_rung,
+        H=K, G=G, D=D, DP=next_pow2(D), BP=next_pow2(B), DEPTH=policy.rank_depth, CERTIFIED=policy.certified,
+        RANK=policy.checks_rank, PRECISE=precise(), num_warps=4, enable_fp_fusion=False,
     )  # fmt: skip
     shape = (R, K * G)
     f = [t.view(shape) for t in f_out]

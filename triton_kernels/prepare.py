@@ -2,8 +2,8 @@
 phase-1 per-block terms to what selection, phase 2 and the certificate need, for every (row, KV head,
 query head).
 
-The same values as the torch code it replaces in ``certvllm.attention.gpu._certified_rows`` (kept as the
-reference behind ``CERTVLLM_TORCH_GLUE=1``):
+The same values as its torch reference, ``certvllm.attention.epilogue.summarize``
+(:class:`~certvllm.bounds.summary.Phase1Summary`):
 
 * s_tail = ⟨q·λ, k_t⟩ over the partial block's live tokens (−inf elsewhere), float32 D-term sums;
 * the partial block's score rounding (``bounds.score_rounding`` with the per-channel max |k|) and its
@@ -19,12 +19,11 @@ reference's (any order is covered by γ_n, docs/certification.md §5); compiled 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 
+from certvllm.bounds.summary import Phase1Summary
 from certvllm.bounds.terms import exp_factors, rounding_factor
 
 from .common import GLUE_MAX_BLOCKS, exp_f32, head_program, launch_device_ok, log_f32, max_nan, next_pow2, precise
@@ -34,28 +33,6 @@ MAX_BLOCKS = GLUE_MAX_BLOCKS
 
 def supported(num_blocks: int) -> bool:
     return 1 <= num_blocks <= MAX_BLOCKS
-
-
-@dataclass
-class Prepared:
-    """What :func:`prepare` returns (float32 unless stated).
-
-    Attributes:
-        s_tail: ``[R, K, G, 16]`` exact scores of the partial block (−inf past its tokens).
-        tail_v: ``[R, K, 16, D]`` its values (0 past its tokens).
-        l_tail, lse, score_abs1, base_round, round1: ``[R, K, G]``.
-        v_max, eta_max: ``[R, K, 1]``.
-    """
-
-    s_tail: torch.Tensor
-    tail_v: torch.Tensor
-    l_tail: torch.Tensor
-    lse: torch.Tensor
-    score_abs1: torch.Tensor
-    base_round: torch.Tensor
-    round1: torch.Tensor
-    v_max: torch.Tensor
-    eta_max: torch.Tensor
 
 
 @triton.jit
@@ -133,7 +110,7 @@ def _prepare_kernel(
         tl.store(eta_max + rk, tl.reduce(tl.load(eta + rk * B + pos, mask=pos < B, other=0.0), 0, max_nan))
 
 
-def prepare(qs: torch.Tensor, tail_raw: torch.Tensor, lens: torch.Tensor, p1) -> Prepared:
+def prepare(qs: torch.Tensor, tail_raw: torch.Tensor, lens: torch.Tensor, p1) -> Phase1Summary:
     """Launch the kernel.
 
     Args:
@@ -148,7 +125,7 @@ def prepare(qs: torch.Tensor, tail_raw: torch.Tensor, lens: torch.Tensor, p1) ->
     if not supported(B):
         raise ValueError(f"prepare: {B} block-table columns, the kernel holds at most {MAX_BLOCKS}")
     f32 = dict(dtype=torch.float32, device=qs.device)
-    out = Prepared(
+    out = Phase1Summary(
         s_tail=torch.empty(R, K, G, 16, **f32), tail_v=torch.empty(R, K, 16, D, **f32),
         l_tail=torch.empty(R, K, G, **f32), lse=torch.empty(R, K, G, **f32), score_abs1=torch.empty(R, K, G, **f32),
         base_round=torch.empty(R, K, G, **f32), round1=torch.empty(R, K, G, **f32),

@@ -22,14 +22,12 @@ certificate depends on them (the bounds are computed from whatever was selected)
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
 
+from certvllm.bounds.policy import LadderPolicy
 from certvllm.bounds.rounding import GAMMA_SLACK
-from certvllm.config import CertConfig
 
 from .common import (
     GLUE_MAX_BLOCKS,
@@ -194,7 +192,7 @@ def _select_kernel(
         smass, order = _sorted_desc(mass, pos, B, BP)
         alpha = _suffix_sum(smass)
         dsuf = tl.associative_scan(tl.load(delta + row + order, mask=q < B, other=0.0), 0, _max, reverse=True)
-    else:  # only the first W positions can matter: K* ≤ ceil(rung1_multiplier·K_max) < W
+    else:  # only the first W positions can matter: K* ≤ ``policy.k_max_widened`` < W
         q = tl.arange(0, W)
         smass, order, sel, _ = _top_window(mass, pos, B, scratch + pid * 2 * W, W, BP, LOG2BP)
         rest = tl.sum(tl.where(sel, 0.0, mass).to(tl.float64), 0)
@@ -240,7 +238,7 @@ def select_blocks(
     nfull: torch.Tensor,
     eta: torch.Tensor,
     value_budget: torch.Tensor,
-    cfg: CertConfig,
+    policy: LadderPolicy,
     window: int = WINDOW,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rungs 0–2 selection for a layer call.
@@ -252,9 +250,9 @@ def select_blocks(
         nfull: ``[R]`` int64 full blocks per row.
         eta: ``[R, K, B]`` float32 η_b.
         value_budget: ``[R, K]`` float32 v_tol·V_max / ``selection.VALUE_BUDGET_MARGIN``.
-        cfg: the certified config (its exploration draws are the caller's).
+        policy: the ladder's parameters (exploration draws are the caller's).
         window: how much of each sorted order is materialised when the table is wider (raised to the next
-            power of two above ceil(rung1_multiplier·K_max)); the greedy value promotion falls back to the
+            power of two above ``policy.k_max_widened``); the greedy value promotion falls back to the
             full order inside the kernel if it needs more.
 
     Returns:
@@ -268,15 +266,15 @@ def select_blocks(
     if 2 * G > 31:
         raise ValueError(f"select_blocks: {G} query heads per KV head, at most 15 fit the int32 bitmask")
     bp = next_pow2(B)
-    kmax1 = math.ceil(cfg.rung1_multiplier * cfg.k_max)
+    kmax1 = policy.k_max_widened
     w = max(next_pow2(window), next_pow2(kmax1 + 1))
     bits = torch.zeros(R, K, B, dtype=torch.int32, device=l8.device)
     widened = torch.empty(R, K, G, dtype=torch.int8, device=l8.device)
     scratch = torch.empty(R * K * G * 2 * w if bp > w else 1, dtype=torch.int64, device=l8.device)
     _select_kernel[(R * K * G,)](
         l8.contiguous(), lse.contiguous(), delta.contiguous(), rounding.contiguous(), nfull, eta.contiguous(),
-        value_budget.contiguous(), bits, widened, scratch, B, GAMMA_SLACK, 1.0 - cfg.tau_cov, cfg.k_min, cfg.k_max,
-        kmax1, cfg.rung1_tail_threshold, cfg.key_tol, -1 if cfg.value_k_max is None else cfg.value_k_max,
+        value_budget.contiguous(), bits, widened, scratch, B, GAMMA_SLACK, 1.0 - policy.tau_cov, policy.k_min,
+        policy.k_max, kmax1, policy.rung1_tail_threshold, policy.key_tol, policy.value_k_max,
         H=K, G=G, BP=bp, W=w, LOG2BP=bp.bit_length() - 1, PRECISE=precise(), num_warps=min(16, max(4, bp // 512)),
     )  # fmt: skip
     return bits, widened.bool()

@@ -6,8 +6,8 @@ from functools import lru_cache
 
 import torch
 
-from certvllm.attention.paged import certified_attention
-from certvllm.attention.report import CertifiedOutput
+from certvllm.attention.op import certified_attention
+from certvllm.bounds.report import CertifiedOutput
 from certvllm.config import CertConfig, load_config
 from certvllm.formats.layout import BLOCK_SIZE
 from certvllm.kv.cache import LayerKVCache

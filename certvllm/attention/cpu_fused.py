@@ -1,17 +1,16 @@
 """Certified rows through the compiled CPU kernel (``csrc/cpu/certified_decode.cpp``).
 
-Same algorithm, same certificate and same report as :func:`certvllm.attention.paged._certified_rows`,
-fused into one pass per (row, KV head) in C++. Used on the CPU whenever the kernel is built (exploration
-draws are made here and passed in); the PyTorch path is the reference it is tested against.
+Same algorithm, same certificate and same report as the torch reference (``reference.py``), fused into one
+pass per (row, KV head) in C++ up to the head-level rungs; the row-wide end of the ladder is
+``epilogue.finish_rungs``. Used on the CPU whenever the kernel is built (exploration draws are made here
+and passed in).
 """
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-from certvllm.attention.report import RUNG_HEAD_DENSE, RUNG_LAYER_DENSE, CertReport
+from certvllm.attention.epilogue import NORM_ROUND_UP, finish_rungs
 from certvllm.attention.selection import VALUE_BUDGET_MARGIN
 from certvllm.bounds import (
     GAMMA_SLACK,
@@ -22,6 +21,7 @@ from certvllm.bounds import (
     rounding_factor,
     value_inflation,
 )
+from certvllm.bounds.report import CertReport
 from certvllm.config import CertConfig
 from certvllm.formats.layout import key_scale_lut
 from certvllm.kernels import cpu as cpu_kernel
@@ -55,22 +55,21 @@ def certified_rows(
     layout = [lay.page_bytes, lay.v_codes, lay.v_scale, lay.v_zero, lay.k_offset, lay.k_scale_code, lay.header,
               lay.groups]  # fmt: skip
     c1, c0 = exp_factors()
+    lad = cfg.ladder
     consts = [
         delta_factor(D), rounding_factor(D), c0, c1, GAMMA_SLACK, round_factor(n),
-        value_inflation(n) * (1 + 2.0**-20), alpha_inflation(n), 1 + 2.0**-20, VALUE_BUDGET_MARGIN,
-        cfg.tau_cov, cfg.rung1_tail_threshold, cfg.key_tol, cfg.v_tol, cfg.bound_tol, cfg.eps_guard,
+        value_inflation(n) * NORM_ROUND_UP, alpha_inflation(n), NORM_ROUND_UP, VALUE_BUDGET_MARGIN,
+        lad.tau_cov, lad.rung1_tail_threshold, lad.key_tol, lad.v_tol, lad.bound_tol, lad.eps_guard,
     ]  # fmt: skip
-    certified = cfg.mode == "certified"
     policy = [
-        int(certified), int(cfg.rank_check), int(cfg.canary), cfg.k_min, cfg.k_max,
-        math.ceil(cfg.rung1_multiplier * cfg.k_max), -1 if cfg.value_k_max is None else cfg.value_k_max,
-        cfg.rank_depth, 0,
+        int(lad.certified), int(lad.rank_check), int(lad.canary), lad.k_min, lad.k_max, lad.k_max_widened,
+        lad.value_k_max, lad.rank_depth, 0,
     ]  # fmt: skip
     explore = torch.zeros(0, dtype=torch.uint8)
-    if certified and cfg.exploration_rate > 0:  # Bernoulli draws as in selection.select_keys
+    if lad.certified and lad.exploration_rate > 0:  # Bernoulli draws as in selection.select_keys
         blocks = max(1, int(lens.max()) // n)
         draw = torch.rand((R, K, Hq // K, blocks), generator=generator)
-        explore = (draw < cfg.exploration_rate).to(torch.uint8)
+        explore = (draw < lad.exploration_rate).to(torch.uint8)
     res = cpu_kernel.load().certified_decode_cpu(
         qs, cache.pages, cache.shadow, cache.keys_channel_major, tables.contiguous(), lens.contiguous(), _LUT,
         layout, consts, policy, explore,
@@ -82,17 +81,12 @@ def certified_rows(
     pages_in, key_pages, value_pages = counters.tolist()
     pagein.stats.bytes += pages_in * 2 * n * D * cache.shadow.element_size()
     pagein.count_promotions(key_pages, value_pages)
-    if certified:
-        rung[canary | precondition] = RUNG_LAYER_DENSE
-        if cfg.force_fallback != "none":
-            rung.fill_(RUNG_HEAD_DENSE if cfg.force_fallback == "head" else RUNG_LAYER_DENSE)
-    else:
+    if not lad.certified:
         canary = torch.zeros_like(canary)
-        unbounded = precondition | ~torch.isfinite(e_key + e_val)
-        e_key = torch.where(unbounded, torch.full_like(e_key, float("inf")), e_key)
     report = CertReport(
         rung=rung, e_key=e_key, e_val=e_val, e_round=e_round, k_star=k_star, v_promoted=v_prom, v_max=v_max,
         delta_tail=d_tail, alpha_tail=a_tail, rank_fail=rank, boundary_fail=boundary, bound_fail=bound,
         canary_fail=canary, precondition=precondition,
     )  # fmt: skip
+    report.rung, report.e_key = finish_rungs(rung, report, lad)
     return out, report

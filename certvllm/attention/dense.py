@@ -3,8 +3,8 @@
 One function computes it for unpaged K/V; the paged variant gathers a row's shadow pages and calls
 that same function on the same values, so a head recomputed by rung 3/4 is bit-identical to
 ``dense_decode`` on the originals. The kernel (torch SDPA, or xformers where installed and measured
-faster on CUDA) is chosen per shape class by :mod:`certvllm.attention.dense_backend`
-(``CERTVLLM_DENSE_BACKEND``), and the choice is cached, so every call of a class uses the same one.
+faster on CUDA) is chosen per shape class by :mod:`certvllm.attention.dense_backend` from
+``CertConfig.dense_backend``, and the choice is cached, so every call of a class uses the same one.
 """
 
 from __future__ import annotations
@@ -16,17 +16,19 @@ from certvllm.kv.cache import LayerKVCache
 from certvllm.kv.pagein import PageInEngine
 
 
-def dense_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+def dense_decode(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, backend: str = "auto"
+) -> torch.Tensor:
     """Exact attention of one query per head over ``T`` tokens, in float32.
 
     Args:
         q: ``[H_q, D]``; k, v: ``[T, H_kv, D]`` (float16/bfloat16 originals).
+        backend: ``auto``, ``sdpa`` or ``xformers`` (``CertConfig.dense_backend``).
 
     Returns:
-        ``[H_q, D]`` float32, computed in float32 by the backend :func:`dense_backend.choose` picks
-        (``"sdpa"`` unless xformers is installed, on CUDA, and measured faster and in agreement).
+        ``[H_q, D]`` float32, computed in float32 by the kernel :func:`dense_backend.choose` picks.
     """
-    return dense_backend.decode(q, k, v, scale)
+    return dense_backend.decode(q, k, v, scale, backend)
 
 
 def gather_row_kv(
@@ -48,10 +50,11 @@ def dense_paged(
     rows: list[int],
     scale: float,
     pagein: PageInEngine,
+    backend: str = "auto",
 ) -> torch.Tensor:
     """Exact attention for the listed rows: ``[len(rows), H_q, D]`` float32."""
     outs = []
     for r in rows:
         k, v = gather_row_kv(cache, block_tables[r], seq_lens[r], pagein)
-        outs.append(dense_decode(q[r], k, v, scale))
+        outs.append(dense_decode(q[r], k, v, scale, backend))
     return torch.stack(outs) if outs else q.new_zeros((0, *q.shape[1:]), dtype=torch.float32)

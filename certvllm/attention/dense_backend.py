@@ -10,12 +10,13 @@ Query head ``h`` reads KV head ``h // (H_q // H_kv)`` (grouped-query attention, 
 Backends:
 
 * ``"sdpa"``: ``torch.nn.functional.scaled_dot_product_attention`` in its ``[B, H, M, K]`` layout with
-  ``enable_gqa`` (what ``dense_decode`` always ran before this module existed);
+  ``enable_gqa``;
 * ``"xformers"``: ``xformers.ops.memory_efficient_attention`` in its grouped ``[B, M, G, H, K]`` layout
   (the KV heads as groups, broadcast with stride 0 over their query heads: no expanded copy). Only on CUDA,
   and only where xformers is installed (``pip install 'certvllm[xformers]'``); never required.
 
-Selection, from ``CERTVLLM_DENSE_BACKEND`` (``auto`` when unset or empty):
+Selection, from ``CertConfig.dense_backend`` (``--cert-dense-backend``; every function here takes it as
+``backend``):
 
 * ``sdpa``: always SDPA;
 * ``xformers``: always xformers; a ``RuntimeError`` with the fix when it cannot be imported or the
@@ -28,16 +29,15 @@ Selection, from ``CERTVLLM_DENSE_BACKEND`` (``auto`` when unset or empty):
   of the process and logged once at INFO. Inside CUDA graph capture nothing is timed: the cached
   decision is used, else SDPA (which is then cached for that class, so the class never changes kernel).
 
-Because the decision is per shape class and cached, every exact rerun of a class (``dense_decode``,
-``dense_paged``, the CUDA path's default ``dense_fn``, the vLLM plugin's decode rows on CUDA) uses the
-same kernel as ``dense_decode`` on the same originals: a rung-3 head stays bit-identical to it.
+Because the decision is per shape class and cached, every call of a class (``dense_decode``, and the
+reference and CPU paths' rung-3/4 recompute ``dense_paged``) uses the same kernel on the same originals:
+a head recomputed there stays bit-identical to ``dense_decode``.
 """
 
 from __future__ import annotations
 
 import importlib
 import logging
-import os
 import statistics
 import time
 from collections.abc import Callable
@@ -47,8 +47,8 @@ import torch.nn.functional as F
 
 logger = logging.getLogger("certvllm")
 
-ENV = "CERTVLLM_DENSE_BACKEND"
 BACKENDS = ("auto", "sdpa", "xformers")
+FLAG = "--cert-dense-backend"
 WARM_RUNS = 3
 TIMED_RUNS = 5
 AGREE_RTOL = 1e-4
@@ -64,35 +64,25 @@ _forced_logged: set[str] = set()
 _xformers: tuple[Callable[..., torch.Tensor] | None, str] | None = None  # (memory_efficient_attention, why not)
 
 
-def requested() -> str:
-    """The value of ``CERTVLLM_DENSE_BACKEND`` (``"auto"`` when unset or empty), validated."""
-    value = os.environ.get(ENV, "").strip().lower() or "auto"
-    if value not in BACKENDS:
-        raise ValueError(
-            f"{ENV}={os.environ.get(ENV)!r} is not a dense attention backend: choose one of "
-            f"{', '.join(BACKENDS)} (unset means auto)"
-        )
-    return value
-
-
-def check_request(on_cuda: bool, where: str = "this platform") -> str:
-    """Validate ``CERTVLLM_DENSE_BACKEND`` before serving (the vLLM plugin calls this at startup, so a bad
-    value fails there and not at the first rung-3/4 event): the value, and for a forced ``xformers`` that
-    it imports and that the platform is CUDA. Returns the requested value; raises with the fix."""
-    want = requested()
-    if want == "xformers":
+def check_request(backend: str, on_cuda: bool, where: str = "this platform") -> str:
+    """Validate a requested backend before serving (the vLLM plugin calls this at startup, so that a forced
+    ``xformers`` that cannot run fails there and not at the first rung-3/4 event). Returns ``backend``;
+    raises with the fix."""
+    if backend not in BACKENDS:
+        raise ValueError(f"dense backend {backend!r}: choose one of {', '.join(BACKENDS)} ({FLAG})")
+    if backend == "xformers":
         attention, why = xformers_attention()
         if attention is None:
             raise RuntimeError(
-                f"{ENV}=xformers but xformers cannot be imported ({why}): install it with "
-                f"pip install 'certvllm[xformers]' (CUDA machines only) or set {ENV}=sdpa (or auto)"
+                f"{FLAG} xformers, but xformers cannot be imported ({why}): install it with "
+                f"pip install 'certvllm[xformers]' (CUDA machines only) or use {FLAG} sdpa (or auto)"
             )
         if not on_cuda:
             raise RuntimeError(
-                f"{ENV}=xformers but {where} is not CUDA: xformers runs on CUDA only; set {ENV}=auto "
+                f"{FLAG} xformers, but {where} is not CUDA: xformers runs on CUDA only; use {FLAG} auto "
                 "(SDPA off CUDA) or sdpa"
             )
-    return want
+    return backend
 
 
 def xformers_attention() -> tuple[Callable[..., torch.Tensor] | None, str]:
@@ -188,15 +178,16 @@ def _measure(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) ->
     return "sdpa", f"xformers not faster ({timing})"
 
 
-def choose(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> str:
-    """The backend (``"sdpa"`` or ``"xformers"``) for these inputs, by the rule of the module docstring."""
-    want = check_request(xformers_device_ok(k.device), f"the tensors' device {k.device}")
+def choose(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, backend: str = "auto") -> str:
+    """The kernel (``"sdpa"`` or ``"xformers"``) for these inputs and the requested ``backend``, by the rule
+    of the module docstring."""
+    want = check_request(backend, xformers_device_ok(k.device), f"the tensors' device {k.device}")
     if want == "sdpa":
         return "sdpa"
     if want == "xformers":
         if "xformers" not in _forced_logged:
             _forced_logged.add("xformers")
-            logger.info("certvllm: exact dense attention uses xformers (%s=xformers)", ENV)
+            logger.info("certvllm: exact dense attention uses xformers (%s xformers)", FLAG)
         return "xformers"
 
     if not xformers_device_ok(k.device) or xformers_attention()[0] is None:
@@ -214,9 +205,9 @@ def choose(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> s
     return choice
 
 
-def decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """Exact dense decode attention with the chosen backend: ``[H_q, D]`` float32."""
-    return KERNELS[choose(q, k, v, scale)](q, k, v, scale)
+def decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, backend: str = "auto") -> torch.Tensor:
+    """Exact dense decode attention with the kernel :func:`choose` picks: ``[H_q, D]`` float32."""
+    return KERNELS[choose(q, k, v, scale, backend)](q, k, v, scale)
 
 
 def decisions() -> dict[ShapeClass, str]:

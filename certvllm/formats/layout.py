@@ -57,11 +57,14 @@ class PageLayout:
         head_dim: D, a multiple of ``value_group`` (and even), at most 256.
         value_group: g, elements per INT4 value group.
         block_size: N, tokens per block (16).
+        token_bytes: C when a larger page than the smallest is wanted (an engine's fixed page size); 0 for
+            the smallest multiple of 16 that holds the fields.
     """
 
     head_dim: int
     value_group: int = 16
     block_size: int = BLOCK_SIZE
+    token_bytes: int = 0
 
     def __post_init__(self) -> None:
         d, g = self.head_dim, self.value_group
@@ -70,6 +73,11 @@ class PageLayout:
                 f"head_dim={d} is not supported: it must be even, a multiple of the value group "
                 f"size {g}, and at most 256 (FP32 accumulators, precondition P3). Use a model whose "
                 "head size fits, or serve it with --kv-cache-dtype auto."
+            )
+        if self.token_bytes and (self.token_bytes % 16 or self.token_bytes * self.block_size < self.used_bytes):
+            raise ValueError(
+                f"token_bytes={self.token_bytes}: a page of D={d}, g={g} needs a multiple of 16 of at least "
+                f"{self.smallest_token_bytes} bytes per token; use a smaller value group or a larger page"
             )
 
     @property
@@ -109,10 +117,15 @@ class PageLayout:
         return self.header + HEADER_BYTES
 
     @cached_property
-    def bytes_per_token(self) -> int:
-        """C: page bytes per token, rounded up to a multiple of 16."""
+    def smallest_token_bytes(self) -> int:
+        """The fields' bytes per token, rounded up to a multiple of 16."""
         per_token = -(-self.used_bytes // self.block_size)
         return -(-per_token // 16) * 16
+
+    @cached_property
+    def bytes_per_token(self) -> int:
+        """C: page bytes per token (``token_bytes``, or the smallest)."""
+        return self.token_bytes or self.smallest_token_bytes
 
     @cached_property
     def page_bytes(self) -> int:

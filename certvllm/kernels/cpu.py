@@ -7,10 +7,10 @@ reference, which computes the same certificate.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from types import ModuleType
 
+from certvllm.env import environment
 from certvllm.kernels.jit import JitExtension, csrc_file
 
 _NAME = "certvllm_cpu_v5"
@@ -18,9 +18,9 @@ _NAME = "certvllm_cpu_v5"
 
 def arch_flags() -> list[str]:
     """Vector ISA flags for this machine (``CERTVLLM_CPU_ARCH_FLAGS`` overrides, e.g. for images)."""
-    override = os.environ.get("CERTVLLM_CPU_ARCH_FLAGS")
+    override = environment().cpu_arch_flags
     if override is not None:
-        return override.split()
+        return list(override)
     try:
         flags = set(Path("/proc/cpuinfo").read_text().split())
     except OSError:
@@ -47,8 +47,6 @@ def load() -> ModuleType:
 
 
 def available() -> bool:
-    if os.environ.get("CERTVLLM_CPU_KERNEL", "1") == "0":
-        return False
     try:
         load()
         return True

@@ -1,4 +1,4 @@
-"""Build-once loading of certvllm's C++/CUDA extensions (torch's C++ extension tools).
+"""Build-once loading of certvllm's C++ extensions (torch's C++ extension tools).
 
 Each extension compiles into ``$CERTVLLM_EXT_DIR/<name>`` (default ``~/.cache/certvllm/extensions``)
 on first use; a failure is remembered and reported once, and callers fall back to a slower path.
@@ -7,17 +7,18 @@ on first use; a failure is remembered and reported once, and callers fall back t
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from importlib import resources
 from pathlib import Path
 from types import ModuleType
 
+from certvllm.env import environment
+
 logger = logging.getLogger("certvllm")
 
 
 def extensions_root() -> Path:
-    return Path(os.environ.get("CERTVLLM_EXT_DIR") or Path.home() / ".cache" / "certvllm" / "extensions")
+    return environment().ext_dir
 
 
 def csrc_file(*parts: str) -> Path:

@@ -69,8 +69,6 @@ class LayerKVCache:
         self.layout = layout
         self.keys_channel_major = keys_channel_major
         self.generation: torch.Tensor | None = None  # [num_blocks] int64 write counters (enable_generations)
-        self.promotion_cache = None  # certvllm.kv.promotion_cache.PromotionCache, attached on the CUDA path
-        self.prefetch = None  # (certvllm.kv.prefetch.StepPrefetcher, layer index), set by its register()
 
     @classmethod
     def allocate(

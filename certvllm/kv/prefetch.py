@@ -120,7 +120,7 @@ class StepPrefetcher:
     # -- registration ----------------------------------------------------------------------------------
     def register(self, cache: LayerKVCache, at: int | None = None) -> int:
         """Add a layer (in forward order), or replace layer ``at`` (its cache was reallocated), and return
-        its index; the cache's calls then use the prefetch."""
+        its index (the layer's ``kv.residency.Residency`` holds it)."""
         if cache.pages.device != self.device:
             raise ValueError(f"layer cache on {cache.pages.device}, prefetcher on {self.device}: one per device")
         if cache.layout.head_dim != self.ring.shape[-1] or cache.shadow.dtype != self.ring.dtype:
@@ -134,7 +134,6 @@ class StepPrefetcher:
         else:
             self._wait(self.layers[at])
             self.layers[at] = lay
-        cache.prefetch = (self, at)
         return at
 
     # -- the engine's side -------------------------------------------------------------------------------

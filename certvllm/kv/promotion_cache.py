@@ -7,8 +7,8 @@ keeps copies of key pages (one 16-token block of one KV head: ``[16, D]`` in the
 token-major) in device memory:
 
 * ``slots`` entries per layer, sized by ``CertConfig.promotion_cache_fraction`` of the layer's
-  (block, KV head) pages, allocated once (``PromotionCache.attach``) and counted in the VRAM accounting
-  (:attr:`PromotionCache.nbytes`);
+  (block, KV head) pages, allocated once with the layer's state (``kv.residency.Residency.for_layer``) and
+  counted in the VRAM accounting (:attr:`PromotionCache.nbytes`);
 * **two choices**: the page ``e = block·H_kv + head`` may live only in slot ``e mod slots`` or in a second
   slot given by a multiplicative hash of ``e`` (:meth:`PromotionCache.slots_of`);
 * every slot holds a tag ``(e, generation)``; the block's write generation is
@@ -52,7 +52,6 @@ import torch
 from certvllm.formats.pool_slots import CLAIM_HIT, HASH_MUL
 
 if TYPE_CHECKING:
-    from certvllm.config import CertConfig
     from certvllm.kv.cache import LayerKVCache
 
 
@@ -90,29 +89,6 @@ class PromotionCache:
         # cumulative, on the device: pages looked up, hits, slots filled, pages read from the shadow (bypass)
         self.counts = torch.zeros(4, dtype=torch.int64, device=dev)
         self.nbytes = self.slots * bytes_per_slot(cache)
-
-    # -- construction --------------------------------------------------------------------------------
-    @classmethod
-    def attach(cls, cache: LayerKVCache, fraction: float) -> PromotionCache | None:
-        """The cache's pool, created on first use with :func:`pool_slots` slots (None when ``fraction``
-        is 0). An existing pool is kept whatever its size (it is sized once)."""
-        if cache.promotion_cache is None and fraction > 0:
-            cache.promotion_cache = cls(cache, pool_slots(cache, fraction))
-        return cache.promotion_cache
-
-    @classmethod
-    def for_call(cls, cache: LayerKVCache, config: CertConfig) -> PromotionCache | None:
-        """The pool a layer call uses: none when the config disables it; created on first use, except
-        during CUDA-graph capture (allocations there would live in the graph's pool), where a layer
-        without a pool runs without one."""
-        if config.promotion_cache_fraction <= 0:
-            return None
-        if cache.promotion_cache is None:
-            capturing = cache.pages.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-            if capturing:
-                return None
-            cls.attach(cache, config.promotion_cache_fraction)
-        return cache.promotion_cache
 
     # -- the per-call lookup -------------------------------------------------------------------------
     def slots_of(self, page: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

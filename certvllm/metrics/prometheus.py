@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from certvllm.attention.report import CertReport
+from certvllm.bounds.report import CertReport
 
 BOUND_BUCKETS = (1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0)
 RELATIVE_BUCKETS = (1e-4, 1e-3, 0.003, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)

@@ -10,8 +10,9 @@ An unsupported vLLM version is logged and leaves vLLM untouched.
 from __future__ import annotations
 
 import logging
-import os
 import sys
+
+from certvllm import env
 
 logger = logging.getLogger("vllm.certvllm")  # under "vllm": shares vLLM's log handlers
 
@@ -54,7 +55,7 @@ def _maybe_enable_multiprocess_metrics() -> None:
     """
     import multiprocessing
 
-    if "PROMETHEUS_MULTIPROC_DIR" in os.environ or sys.argv[1:2] != ["serve"]:
+    if env.prometheus_dir() is not None or sys.argv[1:2] != ["serve"]:
         return
     if multiprocessing.parent_process() is not None:  # only the API server process decides
         return
@@ -69,5 +70,5 @@ def _maybe_enable_multiprocess_metrics() -> None:
     import tempfile
 
     path = tempfile.mkdtemp(prefix="certvllm-metrics-")
-    os.environ["PROMETHEUS_MULTIPROC_DIR"] = path
+    env.set_prometheus_dir(path)
     atexit.register(shutil.rmtree, path, ignore_errors=True)

@@ -20,7 +20,6 @@ metrics) or exact.
 from __future__ import annotations
 
 import logging
-import re
 from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
@@ -38,18 +37,14 @@ from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
 from certvllm.attention import certified_attention
 from certvllm.config import CertConfig
-from certvllm.formats.layout import BLOCK_SIZE, PageLayout
-from certvllm.kv.pagein import PageInEngine
-from certvllm.metrics import CertMetrics
+from certvllm.formats.layout import BLOCK_SIZE
 from certvllm.vllm_plugin import settings
 from certvllm.vllm_plugin._compat import KV_CACHE_DTYPE
 from certvllm.vllm_plugin.exact import ExactAttention, ExactPlan
-from certvllm.vllm_plugin.host_tier import worker_host_tier
+from certvllm.vllm_plugin.runtime import LayerState, WorkerRuntime
 
 logger = logging.getLogger("vllm.certvllm")  # under "vllm": shares vLLM's log handlers
 SUPPORTED_HEAD_SIZES = [32, 64, 80, 96, 112, 128, 160, 192, 224, 256]
-_LAYER_INDEX = re.compile(r"\.(\d+)\.")
-_RUN_VALUE_GROUP = [16]
 
 
 class CertifiedAttentionBackend(AttentionBackend):
@@ -90,12 +85,10 @@ class CertifiedAttentionBackend(AttentionBackend):
 
     @classmethod
     def customize_spec(cls, spec: AttentionSpec) -> AttentionSpec:
-        """Size vLLM's page to ours: ``C`` bytes per token per KV head."""
+        """Size vLLM's page to ours: ``2·D`` bytes per token per KV head (``host_tier.vllm_page_layout``)."""
         if spec.state_content_bytes is not None:
             return spec
-        # NOTE: vLLM 0.32 calls this outside set_current_vllm_config; the impls (built with the model,
-        # before KV specs are collected) record the run's value group size for it.
-        return replace(spec, state_content_bytes=PageLayout(spec.head_size, _RUN_VALUE_GROUP[0]).bytes_per_token)
+        return replace(spec, state_content_bytes=2 * spec.head_size)
 
 
 @dataclass
@@ -133,18 +126,18 @@ class CertifiedMetadataBuilder(AttentionMetadataBuilder[CertifiedMetadata]):
                  device: torch.device) -> None:  # fmt: skip
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.config: CertConfig = settings.cert_config(vllm_config)
+        self.runtime = WorkerRuntime.of(vllm_config)
         model = vllm_config.model_config
         num_heads = model.get_num_attention_heads(vllm_config.parallel_config)
         # plans only: the softmax scale is applied by each layer's impl
         self.exact = ExactAttention(num_heads, kv_cache_spec.num_kv_heads, kv_cache_spec.head_size, model.dtype,
-                                    1.0, kv_cache_spec.block_size, device.type == "cpu")  # fmt: skip
+                                    1.0, kv_cache_spec.block_size, device.type == "cpu",
+                                    self.config.dense_backend)  # fmt: skip
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> CertifiedMetadata:  # fmt: skip
         cm = common_attn_metadata
-        prefetcher = worker_host_tier().prefetcher
-        if prefetcher is not None:  # the batch is scheduled: start staging the first layers' pages
-            prefetcher.begin_step()
+        self.runtime.begin_step()  # the batch is scheduled: start staging the first layers' pages
         qsl = cm.query_start_loc_cpu.to(torch.int64)
         n_req = cm.num_reqs
         qsl = qsl[: n_req + 1]
@@ -236,19 +229,17 @@ class CertifiedAttentionImpl(AttentionImpl[CertifiedMetadata]):
         self.kv_sharing_target_layer_name = None
         vllm_config = get_current_vllm_config()
         self.config = settings.cert_config(vllm_config)
-        _RUN_VALUE_GROUP[0] = self.config.value_group_size
+        self.runtime = WorkerRuntime.of(vllm_config)
         self.dtype = vllm_config.model_config.dtype
         self.generator = torch.Generator().manual_seed(self.config.seed)
-        self.metrics = _metrics(vllm_config)
         self._exact: ExactAttention | None = None
-        self._pagein: PageInEngine | None = None
-        self._layer_index: int | None = None
 
     # -- write path --------------------------------------------------------------------------------
     def do_kv_cache_update(self, layer: torch.nn.Module, key: torch.Tensor, value: torch.Tensor,
                            kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:  # fmt: skip
-        """Store new tokens: originals into the shadow, full blocks quantized into their pages."""
-        cache = self._cache(layer, kv_cache)
+        """Store new tokens: originals into the shadow, full blocks quantized into their pages. The first write
+        to a KV tensor binds the layer's certified state to it (``WorkerRuntime.bind``)."""
+        cache = self.runtime.bind(layer.layer_name, kv_cache, self.head_size, self.dtype).cache
         n = slot_mapping.shape[0]
         if cache.keys_channel_major:
             # the CPU shadow is vLLM's own CPU cache layout: write it with vLLM's kernel, exactly as
@@ -269,23 +260,6 @@ class CertifiedAttentionImpl(AttentionImpl[CertifiedMetadata]):
         else:
             cache.write(key[:n], value[:n], slot_mapping)
 
-    def _cache(self, layer: torch.nn.Module, kv_cache: torch.Tensor):
-        tier = worker_host_tier()
-        allocations = tier.allocations
-        cache = tier.layer(layer.layer_name, kv_cache, self.head_size, self.dtype, self.config.value_group_size)
-        if tier.allocations != allocations:
-            self.metrics.set_host_tier_bytes(tier.nbytes)
-            if cache.pages.device.type == "cuda" and self.config.promotion_cache_fraction > 0:
-                # CUDA: the layer's device-resident promotion cache, allocated with its cache (outside any
-                # graph capture); the CPU path has none
-                from certvllm.kv.promotion_cache import PromotionCache
-
-                pool = PromotionCache.attach(cache, self.config.promotion_cache_fraction)
-                logger.debug("certvllm: %s promotion cache %d slots, %.1f MiB", layer.layer_name, pool.slots,
-                             pool.nbytes / 2**20)  # fmt: skip
-                tier.attach_prefetch(layer.layer_name, cache, self.config.prefetch_fraction)
-        return cache
-
     # -- forward ------------------------------------------------------------------------------------
     def forward(self, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: CertifiedMetadata | None, output: torch.Tensor,
@@ -296,30 +270,29 @@ class CertifiedAttentionImpl(AttentionImpl[CertifiedMetadata]):
         if attn_metadata is None:  # profiling / warm-up
             return output
         meta = attn_metadata
-        cache = self._cache(layer, kv_cache)
+        state = self.runtime.layer(layer.layer_name)
+        cache = state.cache
+        if cache.pages.data_ptr() != kv_cache.data_ptr():
+            raise RuntimeError(f"certvllm: layer {state.name} runs on a KV tensor its write path never bound")
         q = query.view(-1, self.num_heads, self.head_size)
         out = output.view(-1, self.num_heads, self.head_size)
         exact = self._exact_runtime(kv_cache)
-        pagein = self._pagein_engine(kv_cache.device)
+        pagein = self.runtime.pagein(kv_cache.device)
+        metrics = self.runtime.metrics
 
         if meta.row_tokens.numel():
             rows_q = q[meta.row_tokens.to(q.device)]
-
-            def dense_rows(rows: list[int]) -> torch.Tensor:
-                idx = torch.tensor(rows, dtype=torch.int64)
-                lens = meta.row_seq_lens[idx]
-                plan = exact.plan(torch.arange(len(rows) + 1), lens, meta.row_engine_table[idx.to(q.device)])
-                dense = torch.empty(len(rows), self.num_heads, self.head_size, dtype=out.dtype, device=out.device)
-                exact.run(plan, rows_q[idx.to(q.device)].contiguous(), cache, dense, pagein)
-                return dense.float()
-
+            # CPU: rungs 3/4 run vLLM's own CPU kernel on the shadow (token-identical to `auto`); CUDA: the op
+            # recomputes them on the device, inside the layer call, without a host synchronisation
+            exact_rows = self._exact_rows(exact, meta, rows_q, cache, pagein) if exact.on_cpu else None
             res = certified_attention(rows_q, cache, meta.row_block_table, meta.row_seq_lens, self.config,
-                                      self.scale, pagein, self.generator, dense_fn=dense_rows)  # fmt: skip
+                                      self.scale, pagein=pagein, generator=self.generator,
+                                      residency=state.residency, exact_rows=exact_rows)  # fmt: skip
             out[meta.row_tokens.to(out.device)] = res.out.to(out.dtype)
-            stats = pagein.take_stats()  # synchronises (the CUDA path has already, for its fallback rows)
-            self.metrics.record(res.report, self._layer(layer), stats.bytes, stats.seconds)
-            if cache.promotion_cache is not None:
-                self._count_key_pages(cache)
+            stats = pagein.take_stats()  # synchronises once per layer call, after the layer's work is queued
+            metrics.record(res.report, state.index, stats.bytes, stats.seconds)
+            if state.residency.pool is not None:
+                self._count_key_pages(state)
 
         if meta.exact_plan is not None:
             if meta.exact_all:
@@ -330,49 +303,36 @@ class CertifiedAttentionImpl(AttentionImpl[CertifiedMetadata]):
                 part = torch.empty(idx.numel(), self.num_heads, self.head_size, dtype=out.dtype, device=out.device)
                 exact.run(meta.exact_plan, q[idx].contiguous(), cache, part, pagein)
                 out[idx] = part
-            if self._layer(layer) == 0:
+            if state.index == 0:
                 for reason, count in meta.exact_counts.items():
-                    self.metrics.count_exact_tokens(reason, count)
+                    metrics.count_exact_tokens(reason, count)
             pagein.take_stats()
         return output
 
-    def _count_key_pages(self, cache) -> None:
+    def _exact_rows(self, exact: ExactAttention, meta: CertifiedMetadata, rows_q: torch.Tensor, cache: Any,
+                    pagein: Any) -> Any:  # fmt: skip
+        """Rungs 3/4 for listed certified rows with vLLM's exact kernel on the shadow."""
+
+        def dense_rows(rows: list[int]) -> torch.Tensor:
+            idx = torch.tensor(rows, dtype=torch.int64)
+            plan = exact.plan(torch.arange(len(rows) + 1), meta.row_seq_lens[idx],
+                              meta.row_engine_table[idx.to(rows_q.device)])  # fmt: skip
+            dense = torch.empty(len(rows), self.num_heads, self.head_size, dtype=self.dtype, device=rows_q.device)
+            exact.run(plan, rows_q[idx.to(rows_q.device)].contiguous(), cache, dense, pagein)
+            return dense.float()
+
+        return dense_rows
+
+    def _count_key_pages(self, state: LayerState) -> None:
         """Where this call's promoted key pages came from: the pool, the step prefetch, or PCIe."""
-        pool = cache.promotion_cache.take_stats()
-        served = cache.prefetch[0].take_stats()["served"] if cache.prefetch is not None else 0
-        self.metrics.count_key_pages(pool["hits"], served, pool["lookups"] - pool["hits"] - served)
+        pool = state.residency.pool.take_stats()
+        slot = state.residency.prefetch_slot()
+        served = slot[0].take_stats()["served"] if slot is not None else 0
+        self.runtime.metrics.count_key_pages(pool["hits"], served, pool["lookups"] - pool["hits"] - served)
 
     def _exact_runtime(self, kv_cache: torch.Tensor) -> ExactAttention:
         if self._exact is None:
             self._exact = ExactAttention(self.num_heads, self.num_kv_heads, self.head_size, self.dtype, self.scale,
-                                         kv_cache.shape[2], kv_cache.device.type == "cpu")  # fmt: skip
+                                         kv_cache.shape[2], kv_cache.device.type == "cpu",
+                                         self.config.dense_backend)  # fmt: skip
         return self._exact
-
-    def _pagein_engine(self, device: torch.device) -> PageInEngine:
-        if self._pagein is None:
-            if device.type == "cuda":  # zero-copy gathers from the pinned host tier on a side stream
-                from certvllm.kv.cuda_pagein import CudaPageInEngine
-
-                self._pagein = CudaPageInEngine(device)
-            else:
-                self._pagein = PageInEngine(device)
-        return self._pagein
-
-    def _layer(self, layer: Any) -> int:
-        if self._layer_index is None:
-            match = _LAYER_INDEX.search(getattr(layer, "layer_name", ""))
-            self._layer_index = int(match.group(1)) if match else -1
-        return self._layer_index
-
-
-_METRICS: CertMetrics | None = None
-
-
-def _metrics(vllm_config: VllmConfig) -> CertMetrics:
-    global _METRICS
-    if _METRICS is None:
-        name = vllm_config.model_config.served_model_name
-        name = name[0] if isinstance(name, list | tuple) else name
-        engine = str(vllm_config.parallel_config.data_parallel_rank)
-        _METRICS = CertMetrics(str(name), engine)
-    return _METRICS

@@ -24,8 +24,9 @@ from typing import Any
 import torch
 
 from certvllm.config import CertConfig
-from certvllm.formats.layout import BLOCK_SIZE, PageLayout
+from certvllm.formats.layout import BLOCK_SIZE
 from certvllm.kv.prefetch import DEPTH
+from certvllm.vllm_plugin.host_tier import vllm_page_layout
 
 logger = logging.getLogger("vllm.certvllm")
 
@@ -52,7 +53,7 @@ def blocks_with_pool(
         return num_blocks
     subs = block_size // BLOCK_SIZE
     slot = BLOCK_SIZE * head_size * itemsize + TAG_BYTES
-    page = layers * kv_heads * block_size * PageLayout(head_size, cfg.value_group_size).bytes_per_token
+    page = layers * kv_heads * block_size * vllm_page_layout(head_size, cfg.value_group_size).bytes_per_token
     pool = layers * (fraction * kv_heads * subs * slot + GENERATION_BYTES * subs)
     prefetch = cfg.prefetch_fraction
     if prefetch > 0:  # the ring (all layers) and, per layer, the page list and the grid map

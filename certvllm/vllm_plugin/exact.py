@@ -3,9 +3,9 @@
 On the CPU the shadow tier is laid out exactly like vLLM's own CPU KV cache (keys stored
 transposed per block), so this runs vLLM's CPU attention kernel on it: an exactly recomputed head is
 bit-for-bit what ``--kv-cache-dtype auto`` (with the same block size) computes. Elsewhere it gathers
-the originals per request: a single query token (a decode row: rungs 3/4, the dense mode) goes through
-``dense_decode`` (the kernel ``certvllm.attention.dense_backend`` chose for its shape class), several
-(prefill) through float32 SDPA with the causal mask.
+the originals per request: a single query token goes through ``dense_decode`` (the kernel
+``certvllm.attention.dense_backend`` chose for its shape class), several (prefill) through float32 SDPA
+with the causal mask.
 """
 
 from __future__ import annotations
@@ -42,9 +42,10 @@ class ExactAttention:
     """Exact dense attention for query tokens over a layer's shadow pages."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, scale: float,
-                 block_size: int, on_cpu: bool) -> None:  # fmt: skip
+                 block_size: int, on_cpu: bool, dense_backend: str = "auto") -> None:  # fmt: skip
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.dtype, self.scale, self.block_size, self.on_cpu = dtype, scale, block_size, on_cpu
+        self.dense_backend = dense_backend
         self.isa = None
         if on_cpu:
             from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
@@ -95,7 +96,8 @@ class ExactAttention:
             table = (plan.block_table[i].cpu().long().unsqueeze(-1) * sub + torch.arange(sub)).flatten()
             k, v = gather_row_kv(cache, table, seq_len, pagein)
             if end - start == 1:  # one query token sees the whole row: exactly dense_decode
-                o1 = dense_decode(query[start], k.to(query.device), v.to(query.device), self.scale)
+                o1 = dense_decode(query[start], k.to(query.device), v.to(query.device), self.scale,
+                                  self.dense_backend)  # fmt: skip
                 out[start] = o1.to(out.dtype)
                 continue
             q = query[start:end].float().transpose(0, 1).unsqueeze(0)  # (1, H_q, q_len, D)

@@ -1,9 +1,10 @@
 """The host tier of a vLLM run: its memory budget (engine side) and its shadow pages (worker side).
 
 Every device block has a shadow page per layer in host memory, ``[H_kv, 2, N, D]`` in the model's
-dtype (pinned with ``cudaHostRegister`` on CUDA, ordinary memory on CPU). The shadow is indexed by
-block id, so it lives exactly as long as the device block: a freed, preempted or aborted request's
-blocks are simply rewritten by their next owner, and nothing is held per request.
+dtype (pinned on CUDA, ordinary memory on CPU; :func:`layer_cache`). The shadow is indexed by block
+id, so it lives exactly as long as the device block: a freed, preempted or aborted request's blocks are
+simply rewritten by their next owner, and nothing is held per request. The worker's layers are held by
+``runtime.WorkerRuntime``.
 
 Budget: ``host_memory_gb`` (``--cert-host-memory-gb``), or half of the available host memory when
 unset. The KV planner's block count is capped to what the budget can shadow (logged); a budget that
@@ -111,76 +112,34 @@ def cap_blocks(vllm_config: Any, num_blocks: int) -> int:
     return num_blocks
 
 
-class HostTier:
-    """This worker's shadow pages, one :class:`LayerKVCache` per attention layer."""
-
-    def __init__(self) -> None:
-        self._layers: dict[str, LayerKVCache] = {}
-        self.allocations = 0
-        self.prefetcher = None  # certvllm.kv.prefetch.StepPrefetcher of the CUDA layers (attach_prefetch)
-        self._prefetch_index: dict[str, int] = {}
-        self._prefetch_blocks = 0  # the 16-token blocks per layer the prefetcher was sized for
-
-    def attach_prefetch(self, name: str, cache: LayerKVCache, fraction: float) -> None:
-        """Register layer ``name``'s (new) cache with this worker's step prefetcher (layers register in
-        forward order: the order they are first seen). The prefetcher is sized by the first cache; a cache
-        of another size (the real cache after profiling) starts a new one, which the layers join again as
-        their caches are reallocated; a same-size reallocation replaces the layer's entry. ``fraction`` 0:
-        none."""
-        from certvllm.kv.prefetch import StepPrefetcher
-
-        if fraction <= 0:
-            return
-        if self.prefetcher is None or self._prefetch_blocks != cache.num_blocks:
-            self.prefetcher = StepPrefetcher.for_cache(cache, fraction)
-            self._prefetch_blocks = cache.num_blocks
-            self._prefetch_index = {}
-        self._prefetch_index[name] = self.prefetcher.register(cache, self._prefetch_index.get(name))
-
-    @property
-    def nbytes(self) -> int:
-        return sum(c.shadow.numel() * c.shadow.element_size() for c in self._layers.values())
-
-    def layer(
-        self,
-        name: str,
-        kv_cache: torch.Tensor,
-        head_dim: int,
-        dtype: torch.dtype,
-        value_group: int,
-    ) -> LayerKVCache:
-        """The tiered cache of layer ``name`` over vLLM's ``[num_blocks, H_kv, N, C]`` uint8 tensor.
-
-        The shadow is (re)allocated when the device tensor changes (profiling → real cache).
-        """
-        cache = self._layers.get(name)
-        same = cache is not None and cache.pages.data_ptr() == kv_cache.data_ptr()
-        if same and cache.pages.shape[0] == kv_cache.shape[0]:
-            return cache
-        num_blocks, heads, n, c = kv_cache.shape
-        layout = PageLayout(head_dim, value_group)
-        if n % layout.block_size != 0 or c != layout.bytes_per_token:
-            raise ValueError(
-                f"layer {name}: KV tensor {list(kv_cache.shape)} does not match the certified page "
-                f"[*, *, m·{layout.block_size}, {layout.bytes_per_token}]"
-            )
-        pages = kv_cache.view(num_blocks, heads, n * c)
-        on_cpu = kv_cache.device.type == "cpu"
-        shadow = allocate_host((num_blocks, heads, 2, n, head_dim), dtype, pin=not on_cpu)
-        self._layers.pop(name, None)
-        # on the CPU the shadow doubles as a cache for vLLM's own CPU kernel, which stores keys transposed
-        cache = LayerKVCache(pages, shadow, layout, keys_channel_major=on_cpu)
-        self._layers[name] = cache
-        self.allocations += 1
-        return cache
+def vllm_page_layout(head_dim: int, value_group: int) -> PageLayout:
+    """The page of a 16-token block under vLLM: ``2·D`` bytes per token per KV head, whatever the value group
+    (vLLM sizes its KV tensor before any certvllm setting is known; g = 16 fills it exactly, g = 32 leaves
+    padding, g = 8 does not fit and is refused at startup)."""
+    return PageLayout(head_dim, value_group, token_bytes=2 * head_dim)
 
 
-_TIER: HostTier | None = None
+def check_page_fits(head_dim: int, value_group: int) -> None:
+    """Startup check that the value group fits vLLM's page (raises naming the fix)."""
+    smallest = PageLayout(head_dim, value_group).smallest_token_bytes
+    if smallest > 2 * head_dim:
+        raise ValueError(
+            f"certvllm: value_group_size {value_group} needs {smallest} bytes per token at head size {head_dim}, "
+            f"more than vLLM's {2 * head_dim}-byte certified page; use --cert-value-group-size 16 or 32"
+        )
 
 
-def worker_host_tier() -> HostTier:
-    """The per-process host tier (created on first use in the worker)."""
-    global _TIER
-    if _TIER is None:
-        _TIER = HostTier()
-    return _TIER
+def layer_cache(name: str, kv_cache: torch.Tensor, head_dim: int, dtype: torch.dtype, value_group: int) -> LayerKVCache:
+    """The tiered cache of layer ``name`` over vLLM's ``[num_blocks, H_kv, N, C]`` uint8 KV tensor, with a new
+    shadow in host memory (pinned with CUDA when the tensor is on a GPU; on the CPU the shadow doubles as
+    a cache for vLLM's own CPU kernel, which stores keys transposed)."""
+    num_blocks, heads, n, c = kv_cache.shape
+    layout = vllm_page_layout(head_dim, value_group)
+    if n % layout.block_size != 0 or c != layout.bytes_per_token:
+        raise ValueError(
+            f"layer {name}: KV tensor {list(kv_cache.shape)} does not match the certified page "
+            f"[*, *, m·{layout.block_size}, {layout.bytes_per_token}]"
+        )
+    on_cpu = kv_cache.device.type == "cpu"
+    shadow = allocate_host((num_blocks, heads, 2, n, head_dim), dtype, pin=not on_cpu)
+    return LayerKVCache(kv_cache.view(num_blocks, heads, n * c), shadow, layout, keys_channel_major=on_cpu)

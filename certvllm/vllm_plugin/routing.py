@@ -141,7 +141,8 @@ def _prepare_certified(vllm_config: Any) -> None:
     from certvllm.vllm_plugin import host_tier
 
     host_tier.check_minimum(vllm_config, cfg)
-    dense_backend.check_request(current_platform.is_cuda())  # CERTVLLM_DENSE_BACKEND, before any request
+    host_tier.check_page_fits(vllm_config.model_config.get_head_size(), cfg.value_group_size)
+    dense_backend.check_request(cfg.dense_backend, current_platform.is_cuda())  # before any request
     logger.info("certvllm: certified KV cache, preset settings %s", cfg.model_dump(exclude_defaults=True))
 
 

@@ -1,5 +1,5 @@
-"""Encodings shared by the promotion cache's torch code (``certvllm.kv.promotion_cache``) and its Triton
-kernels (``triton_kernels/pool.py``); no Triton import, so the torch side can use them anywhere.
+"""Slot encodings of the promotion pool, shared by its torch code (``certvllm.kv.promotion_cache``) and
+its Triton kernels (``triton_kernels/pool.py``).
 
 * A page (16-token block id · KV heads + KV head, int64) may sit in two slots of a pool of ``P`` slots:
   ``page mod P`` and ``((page · HASH_MUL) >> 7) mod P`` (exact in int64 for page < 2^32).

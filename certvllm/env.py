@@ -1,0 +1,88 @@
+"""Every environment variable certvllm reads, in one place: parsed once, typed, logged once.
+
+certvllm's own behaviour is configured by :class:`certvllm.config.CertConfig` (``--cert-*`` flags and
+presets), never by the environment. The variables here are the operational ones: where to build and
+cache things, which compiler flags an image wants, and the few variables of vLLM and Prometheus that the
+plugin must see or set for its subprocesses.
+
+| variable | meaning | default |
+| --- | --- | --- |
+| ``CERTVLLM_EXT_DIR`` | build folder of the compiled CPU kernel | ``~/.cache/certvllm/extensions`` |
+| ``CERTVLLM_CPU_ARCH_FLAGS`` | compiler ISA flags for the CPU kernel (images built for other CPUs) | detected |
+| ``CERTVLLM_EVAL_CACHE`` | download and unpack folder of the evaluation data | ``~/.cache/certvllm/eval`` |
+| ``PROMETHEUS_MULTIPROC_DIR`` | where workers' metrics meet the API server's ``/metrics`` (set if unset) | unset |
+| ``VLLM_PLUGINS`` | vLLM's plugin allow-list (``certvllm`` is added to it when it is set) | unset |
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+logger = logging.getLogger("certvllm")
+
+PROMETHEUS_DIR = "PROMETHEUS_MULTIPROC_DIR"
+VLLM_PLUGINS = "VLLM_PLUGINS"
+
+
+@dataclass(frozen=True)
+class Environment:
+    """The certvllm variables of this process's environment, as read at first use."""
+
+    ext_dir: Path
+    cpu_arch_flags: tuple[str, ...] | None
+    eval_cache: Path
+
+    @classmethod
+    def read(cls) -> Environment:
+        home = Path.home() / ".cache" / "certvllm"
+        flags = os.environ.get("CERTVLLM_CPU_ARCH_FLAGS")
+        return cls(
+            ext_dir=Path(os.environ.get("CERTVLLM_EXT_DIR") or home / "extensions"),
+            cpu_arch_flags=None if flags is None else tuple(flags.split()),
+            eval_cache=Path(os.environ.get("CERTVLLM_EVAL_CACHE") or home / "eval"),
+        )
+
+
+@cache
+def environment() -> Environment:
+    """This process's :class:`Environment` (read once; logged once at debug level)."""
+    env = Environment.read()
+    logger.debug("certvllm environment: %s", env)
+    return env
+
+
+def prometheus_dir() -> str | None:
+    """``PROMETHEUS_MULTIPROC_DIR`` as it is now (vLLM and our launcher set it at startup)."""
+    return os.environ.get(PROMETHEUS_DIR)
+
+
+def set_prometheus_dir(path: str) -> None:
+    """Set ``PROMETHEUS_MULTIPROC_DIR`` for this process and the ones it starts."""
+    os.environ[PROMETHEUS_DIR] = path
+
+
+def add_vllm_plugin(name: str) -> None:
+    """Add ``name`` to ``VLLM_PLUGINS`` when that allow-list is set (unset means every plugin loads)."""
+    plugins = os.environ.get(VLLM_PLUGINS)
+    if plugins is not None and name not in plugins.split(","):
+        os.environ[VLLM_PLUGINS] = ",".join(p for p in (plugins, name) if p)
+
+
+@contextlib.contextmanager
+def scoped(name: str, value: str) -> Iterator[None]:
+    """Set the variable ``name`` for the duration of the block, then restore its previous state."""
+    previous = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = previous

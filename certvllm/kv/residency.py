@@ -1,0 +1,46 @@
+"""The device-resident state of one layer's certified calls, held by whoever owns the layer (the vLLM
+worker's runtime, a benchmark, a test) and passed to ``certified_attention``; nothing is hung on the cache.
+
+* ``pool``: the layer's promotion pool (``promotion_cache.PromotionCache``): unquantized key pages kept in
+  VRAM across decode steps;
+* ``prefetcher`` / ``prefetch_index``: the worker's step prefetcher (``prefetch.StepPrefetcher``) and this
+  layer's place in it.
+
+Both serve the CUDA path only and are sized once, outside any CUDA-graph capture
+(:meth:`Residency.for_layer`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from certvllm.kv.cache import LayerKVCache
+    from certvllm.kv.prefetch import StepPrefetcher
+    from certvllm.kv.promotion_cache import PromotionCache
+
+
+@dataclass
+class Residency:
+    """One layer's promotion pool and step-prefetch slot (either may be absent)."""
+
+    pool: PromotionCache | None = None
+    prefetcher: StepPrefetcher | None = None
+    prefetch_index: int = -1
+
+    @classmethod
+    def for_layer(cls, cache: LayerKVCache, pool_fraction: float) -> Residency:
+        """A residency with a new promotion pool of ``pool_fraction`` of the cache's (block, KV head) pages
+        (none when the fraction is 0). The pool lives on the pages' device; only the CUDA path reads it."""
+        from certvllm.kv.promotion_cache import PromotionCache, pool_slots
+
+        if pool_fraction <= 0:
+            return cls()
+        return cls(pool=PromotionCache(cache, pool_slots(cache, pool_fraction)))
+
+    def prefetch_slot(self) -> tuple[Any, int] | None:
+        """``(prefetcher, layer index)`` when the layer takes part in a step prefetch, else None."""
+        if self.pool is None or self.prefetcher is None or self.prefetch_index < 0:
+            return None
+        return self.prefetcher, self.prefetch_index

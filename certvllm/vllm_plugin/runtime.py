@@ -1,0 +1,146 @@
+"""The certified state of one vLLM worker process: its layers' tiered caches, their device-resident
+promotion state, the page-in engine, the step prefetcher and the metrics.
+
+One :class:`WorkerRuntime` per worker and run, shared by the backend's layer implementations and its
+metadata builder (``WorkerRuntime.of``); one :class:`LayerState` per attention layer, created when the
+layer's write path first meets its KV tensor (:meth:`WorkerRuntime.bind`), and again when vLLM replaces
+that tensor (profiling → the real cache). A layer's forward only looks its state up.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from certvllm.config import CertConfig
+from certvllm.kv.cache import LayerKVCache
+from certvllm.kv.pagein import PageInEngine
+from certvllm.kv.residency import Residency
+from certvllm.metrics import CertMetrics
+from certvllm.vllm_plugin import settings
+from certvllm.vllm_plugin.host_tier import layer_cache
+
+logger = logging.getLogger("vllm.certvllm")  # under "vllm": shares vLLM's log handlers
+_LAYER_INDEX = re.compile(r"\.(\d+)\.")
+
+
+def layer_index(name: str) -> int:
+    """The layer number in a vLLM layer name (``model.layers.7.self_attn.attn`` → 7), −1 if none."""
+    match = _LAYER_INDEX.search(name)
+    return int(match.group(1)) if match else -1
+
+
+@dataclass
+class LayerState:
+    """One attention layer's certified state in this worker."""
+
+    name: str
+    index: int
+    cache: LayerKVCache
+    residency: Residency = field(default_factory=Residency)
+
+
+class WorkerRuntime:
+    """Everything this worker holds for ``--kv-cache-dtype certified`` (see the module docstring).
+
+    Args:
+        config: the run's settings.
+        model_name, engine: the metrics' labels.
+    """
+
+    def __init__(self, config: CertConfig, model_name: str, engine: str) -> None:
+        self.config = config
+        self.metrics = CertMetrics(model_name, engine)
+        self.layers: dict[str, LayerState] = {}
+        self.prefetcher: Any = None  # certvllm.kv.prefetch.StepPrefetcher of the CUDA layers
+        self._prefetch_blocks = 0  # the 16-token blocks per layer the prefetcher was sized for
+        self._prefetch_index: dict[str, int] = {}  # layer name → its entry in the current prefetcher
+        self._pageins: dict[torch.device, PageInEngine] = {}
+
+    # -- one per worker and run ---------------------------------------------------------------------
+    _current: WorkerRuntime | None = None
+
+    @classmethod
+    def of(cls, vllm_config: Any) -> WorkerRuntime:
+        """This process's runtime for the run ``vllm_config`` describes (created on first use; a run with
+        other settings in the same process gets a new one)."""
+        config = settings.cert_config(vllm_config)
+        current = cls._current
+        if current is None or current.config != config:
+            name = vllm_config.model_config.served_model_name
+            name = name[0] if isinstance(name, list | tuple) else name
+            current = cls(config, str(name), str(vllm_config.parallel_config.data_parallel_rank))
+            cls._current = current
+        return current
+
+    # -- layers -------------------------------------------------------------------------------------
+    def bind(self, name: str, kv_cache: torch.Tensor, head_dim: int, dtype: torch.dtype) -> LayerState:
+        """The state of layer ``name`` over vLLM's KV tensor: the existing one while the tensor is the same,
+        else a new tiered cache (shadow allocated here), promotion pool and step-prefetch entry."""
+        state = self.layers.get(name)
+        if (
+            state is not None
+            and state.cache.pages.data_ptr() == kv_cache.data_ptr()
+            and (state.cache.pages.shape[0] == kv_cache.shape[0])
+        ):
+            return state
+        self.layers.pop(name, None)
+        cache = layer_cache(name, kv_cache, head_dim, dtype, self.config.value_group_size)
+        state = LayerState(name, layer_index(name), cache, self._residency(name, cache))
+        self.layers[name] = state
+        self.metrics.set_host_tier_bytes(self.host_bytes)
+        return state
+
+    def layer(self, name: str) -> LayerState:
+        """The bound state of layer ``name`` (its write path binds it before any forward reads it)."""
+        state = self.layers.get(name)
+        if state is None:
+            raise RuntimeError(f"certvllm: layer {name} has no certified cache yet (its KV write path binds it)")
+        return state
+
+    def _residency(self, name: str, cache: LayerKVCache) -> Residency:
+        """CUDA: the layer's promotion pool and step-prefetch entry (none while a CUDA graph is captured:
+        allocations there would live in the graph's pool)."""
+        fraction = self.config.promotion_cache_fraction
+        if cache.pages.device.type != "cuda" or fraction <= 0 or torch.cuda.is_current_stream_capturing():
+            return Residency()
+        residency = Residency.for_layer(cache, fraction)
+        logger.debug("certvllm: %s promotion cache %d slots, %.1f MiB", name, residency.pool.slots,
+                     residency.pool.nbytes / 2**20)  # fmt: skip
+        if self.config.prefetch_fraction > 0:
+            from certvllm.kv.prefetch import StepPrefetcher
+
+            if self.prefetcher is None or self._prefetch_blocks != cache.num_blocks:  # the real cache: a new one
+                self.prefetcher = StepPrefetcher.for_cache(cache, self.config.prefetch_fraction)
+                self._prefetch_blocks = cache.num_blocks
+                self._prefetch_index = {}
+            index = self.prefetcher.register(cache, self._prefetch_index.get(name))  # forward order
+            self._prefetch_index[name] = index
+            residency.prefetcher, residency.prefetch_index = self.prefetcher, index
+        return residency
+
+    @property
+    def host_bytes(self) -> int:
+        """Bytes of shadow pages this worker holds."""
+        return sum(s.cache.shadow.numel() * s.cache.shadow.element_size() for s in self.layers.values())
+
+    # -- per step -----------------------------------------------------------------------------------
+    def pagein(self, device: torch.device) -> PageInEngine:
+        """The page-in engine of ``device`` (zero-copy gathers on a side stream on CUDA)."""
+        if device not in self._pageins:
+            if device.type == "cuda":
+                from certvllm.kv.cuda_pagein import CudaPageInEngine
+
+                self._pageins[device] = CudaPageInEngine(device)
+            else:
+                self._pageins[device] = PageInEngine(device)
+        return self._pageins[device]
+
+    def begin_step(self) -> None:
+        """The batch of a step is built: start staging the first layers' pages (CUDA step prefetch)."""
+        if self.prefetcher is not None:
+            self.prefetcher.begin_step()
