@@ -112,14 +112,15 @@ def _pool(slots: int, blocks: int = 8, heads: int = 2):
 
 def test_promotion_cache_slots_and_bytes():
     from certvllm.kv.promotion_cache import PromotionCache, bytes_per_slot, pool_slots
+    from certvllm.kv.residency import Residency
 
     cache = _engine_cache(100, 1, 8, 128, torch.float16, False)
-    assert pool_slots(cache, 0.0) == 0 and PromotionCache.attach(cache, 0.0) is None
+    assert pool_slots(cache, 0.0) == 0 and Residency.for_layer(cache, 0.0).pool is None
     assert pool_slots(cache, 1 / 16) == 50 and pool_slots(cache, 1e-9) == 1 and pool_slots(cache, 1.0) == 800
     assert bytes_per_slot(cache) == 16 * 128 * 2 + 16
-    pc = PromotionCache.attach(cache, 1 / 16)
-    assert pc is cache.promotion_cache and pc.nbytes == 50 * (4096 + 16) and pc.pool.shape == (50, 16, 128)
-    assert PromotionCache.attach(cache, 0.5) is pc  # sized once
+    pc = Residency.for_layer(cache, 1 / 16).pool
+    assert pc.nbytes == 50 * (4096 + 16) and pc.pool.shape == (50, 16, 128)
+    assert pc.generation is cache.generation  # the pool switched the cache's write generations on
     with pytest.raises(ValueError, match="at least one slot"):
         PromotionCache(cache, 0)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from certvllm.attention.call import LayerCall
 from certvllm.attention.epilogue import NORM_ROUND_UP, finish_rungs
 from certvllm.attention.selection import VALUE_BUDGET_MARGIN
 from certvllm.bounds import (
@@ -26,7 +27,6 @@ from certvllm.config import CertConfig
 from certvllm.formats.layout import key_scale_lut
 from certvllm.kernels import cpu as cpu_kernel
 from certvllm.kv.cache import LayerKVCache
-from certvllm.kv.pagein import PageInEngine
 
 _LUT = key_scale_lut()
 
@@ -36,22 +36,14 @@ def supported(cache: LayerKVCache, cfg: CertConfig) -> bool:
     return cache.pages.device.type == "cpu" and cfg.mode in ("certified", "naive") and cpu_kernel.available()
 
 
-def certified_rows(
-    q: torch.Tensor,
-    cache: LayerKVCache,
-    tables: torch.Tensor,
-    lens: torch.Tensor,
-    cfg: CertConfig,
-    scale: float,
-    pagein: PageInEngine,
-    generator: torch.Generator | None = None,
-) -> tuple[torch.Tensor, CertReport]:
-    """Rows ``q`` ``[R, H_q, D]`` → ``(out [R, H_q, D] float32, report [R, H_q])`` (fallbacks not applied)."""
+def certified_rows(call: LayerCall) -> tuple[torch.Tensor, CertReport]:
+    """The call's rows → ``(out [R, H_q, D] float32, report [R, H_q])`` (rungs 3/4 not applied)."""
+    q, cache, tables, lens, cfg, pagein = call.q, call.cache, call.tables, call.lens, call.cfg, call.pagein
     R, Hq, D = q.shape
     K = cache.num_kv_heads
     lay = cache.layout
     n = lay.block_size
-    qs = (q.float() * scale).view(R, K, Hq // K, D).contiguous()
+    qs = (q.float() * call.scale).view(R, K, Hq // K, D).contiguous()
     layout = [lay.page_bytes, lay.v_codes, lay.v_scale, lay.v_zero, lay.k_offset, lay.k_scale_code, lay.header,
               lay.groups]  # fmt: skip
     c1, c0 = exp_factors()
@@ -68,7 +60,7 @@ def certified_rows(
     explore = torch.zeros(0, dtype=torch.uint8)
     if lad.certified and lad.exploration_rate > 0:  # Bernoulli draws as in selection.select_keys
         blocks = max(1, int(lens.max()) // n)
-        draw = torch.rand((R, K, Hq // K, blocks), generator=generator)
+        draw = torch.rand((R, K, Hq // K, blocks), generator=call.generator)
         explore = (draw < lad.exploration_rate).to(torch.uint8)
     res = cpu_kernel.load().certified_decode_cpu(
         qs, cache.pages, cache.shadow, cache.keys_channel_major, tables.contiguous(), lens.contiguous(), _LUT,

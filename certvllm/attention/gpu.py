@@ -29,6 +29,7 @@ from typing import Literal
 
 import torch
 
+from certvllm.attention.call import LayerCall
 from certvllm.attention.epilogue import Measured, certify, combine, finite_abs_max, summarize
 from certvllm.attention.selection import VALUE_BUDGET_MARGIN, Phase1, select_keys, select_values
 from certvllm.bounds import delta_factor, rounding_factor
@@ -165,23 +166,22 @@ class DeviceRerun:
 
 
 def certified_rows(
-    q: torch.Tensor,
-    cache: LayerKVCache,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    cfg: CertConfig,
-    scale: float,
-    pagein: PageInEngine,
-    generator: torch.Generator | None,
+    layer_call: LayerCall,
     pool: PromotionCache | None,
     prefetch: tuple | None,
     options: CudaOptions = DEFAULT_OPTIONS,
     timings: dict | None = None,
 ) -> tuple[torch.Tensor, CertReport, DeviceRerun]:
-    """Rows ``q`` ``[R, H_q, D]`` over the cache on its device → ``(out [R, H_q, D] float32, report,
-    rerun)``; rungs 3/4 are left to ``rerun.apply``. ``pool`` is the layer's promotion pool and
-    ``prefetch`` its ``(StepPrefetcher, layer index)`` (either may be None). Runs on CPU tensors under
-    ``TRITON_INTERPRET=1``."""
+    """The call's rows over the cache on its device → ``(out [R, H_q, D] float32, report, rerun)``; rungs 3/4
+    are left to ``rerun.apply``. ``pool`` is the layer's promotion pool and ``prefetch`` its
+    ``(StepPrefetcher, layer index)`` (either may be None). Runs on CPU tensors under ``TRITON_INTERPRET=1``."""
+    q, cache, cfg, pagein = layer_call.q, layer_call.cache, layer_call.cfg, layer_call.pagein
+    block_tables, seq_lens, scale, generator = (
+        layer_call.tables,
+        layer_call.lens,
+        layer_call.scale,
+        layer_call.generator,
+    )
     check_group(q.shape[1], cache.num_kv_heads)
     dev = cache.pages.device
     ensure_device_readable(cache)

@@ -25,6 +25,7 @@ from typing import Literal
 import torch
 
 from certvllm.attention import cpu_fused, reference
+from certvllm.attention.call import LayerCall
 from certvllm.attention.dense import dense_paged
 from certvllm.bounds.report import RUNG_HEAD_DENSE, RUNG_LAYER_DENSE, CertifiedOutput, CertReport
 from certvllm.config import CertConfig
@@ -141,19 +142,18 @@ def certified_attention(
             report = CertReport.zeros(R, Hq, dev)
             report.rung.fill_(RUNG_LAYER_DENSE)
             return CertifiedOutput(host_rows(list(range(R))).float().to(dev), report)
+        call = LayerCall(q, cache, block_tables, seq_lens, config, scale, pagein, generator)
         rerun = None
         if chosen == "cuda":
             from certvllm.attention import gpu
 
             res = residency or Residency()
-            out, report, rerun = gpu.certified_rows(q, cache, block_tables, seq_lens, config, scale, pagein,
-                                                    generator, res.pool, res.prefetch_slot(),
+            out, report, rerun = gpu.certified_rows(call, res.pool, res.prefetch_slot(),
                                                     cuda_options or gpu.DEFAULT_OPTIONS, timings)  # fmt: skip
         elif chosen == "cpu":
-            out, report = cpu_fused.certified_rows(q, cache, block_tables, seq_lens, config, scale, pagein, generator)
+            out, report = cpu_fused.certified_rows(call)
         else:
-            out, report = reference.certified_rows(q, cache, block_tables, seq_lens, config, scale, pagein,
-                                                   generator)  # fmt: skip
+            out, report = reference.certified_rows(call)
         exact = report.rung >= RUNG_HEAD_DENSE
         if rerun is not None and exact_rows is None:
             rerun.apply(exact, report.rung, out)  # on the device, no synchronisation

@@ -19,15 +19,14 @@ from __future__ import annotations
 
 import torch
 
+from certvllm.attention.call import LayerCall
 from certvllm.attention.checks import canary_violations
 from certvllm.attention.epilogue import Measured, certify, combine, finite_abs_max, summarize
 from certvllm.attention.selection import Phase1, select_keys, select_values
 from certvllm.bounds import block_delta, score_rounding
 from certvllm.bounds.report import CertReport
-from certvllm.config import CertConfig
 from certvllm.formats.pages import PageReader
 from certvllm.kv.cache import LayerKVCache
-from certvllm.kv.pagein import PageInEngine
 
 ROW_CHUNK_ELEMENTS = 1 << 24
 """Rows are processed in chunks so that the largest intermediate stays near 64 MiB."""
@@ -42,39 +41,18 @@ def _reader(cache: LayerKVCache) -> PageReader:
     return _READERS[key]
 
 
-def certified_rows(
-    q: torch.Tensor,
-    cache: LayerKVCache,
-    tables: torch.Tensor,
-    lens: torch.Tensor,
-    cfg: CertConfig,
-    scale: float,
-    pagein: PageInEngine,
-    generator: torch.Generator | None,
-) -> tuple[torch.Tensor, CertReport]:
-    """Rows ``q`` ``[R, H_q, D]`` (host ``tables`` ``[R, W]`` and ``lens`` ``[R]`` int64) →
-    ``(out [R, H_q, D] float32, report [R, H_q])``, in chunks of rows; rungs 3/4 not applied."""
-    per_row = max(1, int(lens.max()) // cache.layout.block_size) * cache.layout.head_dim * q.shape[1] * 16
+def certified_rows(call: LayerCall) -> tuple[torch.Tensor, CertReport]:
+    """The call's rows (host ``tables``/``lens``) → ``(out [R, H_q, D] float32, report [R, H_q])``, in chunks
+    of rows; rungs 3/4 not applied."""
+    cache, q = call.cache, call.q
+    per_row = max(1, int(call.lens.max()) // cache.layout.block_size) * cache.layout.head_dim * q.shape[1] * 16
     step = max(1, ROW_CHUNK_ELEMENTS // per_row)
-    outs, reports = [], []
-    for start in range(0, q.shape[0], step):
-        sl = slice(start, start + step)
-        out, report = _chunk(q[sl], cache, tables[sl], lens[sl], cfg, scale, pagein, generator)
-        outs.append(out)
-        reports.append(report)
-    return torch.cat(outs), CertReport.cat(reports)
+    parts = [_chunk(call.rows(slice(start, start + step))) for start in range(0, q.shape[0], step)]
+    return torch.cat([out for out, _ in parts]), CertReport.cat([report for _, report in parts])
 
 
-def _chunk(
-    q: torch.Tensor,
-    cache: LayerKVCache,
-    tables: torch.Tensor,
-    lens: torch.Tensor,
-    cfg: CertConfig,
-    scale: float,
-    pagein: PageInEngine,
-    generator: torch.Generator | None,
-) -> tuple[torch.Tensor, CertReport]:
+def _chunk(call: LayerCall) -> tuple[torch.Tensor, CertReport]:
+    q, cache, tables, lens, cfg, pagein = call.q, call.cache, call.tables, call.lens, call.cfg, call.pagein
     R, Hq, D = q.shape
     K = cache.num_kv_heads
     G = Hq // K
@@ -85,7 +63,7 @@ def _chunk(
     nfull = lens // N
     ntail = lens % N
     B = max(1, int(nfull.max()))
-    qs = (q.to(dev).float() * scale).view(R, K, G, D)
+    qs = (q.to(dev).float() * call.scale).view(R, K, G, D)
     q_abs = qs.abs()
 
     # ---- trailing partial block: its originals from the shadow (zeros for rows without one)
@@ -117,7 +95,7 @@ def _chunk(
             log_mass=l8, mass=torch.exp(l8 - summary.lse.unsqueeze(-1)), delta=delta, rounding=summary.round1,
             valid=valid4, num_full=nfull.to(dev).view(R, 1, 1), v_max=summary.v_max, eta=eta.unsqueeze(2),
         )  # fmt: skip
-        key_mask, widened = select_keys(ph1, cfg, generator)
+        key_mask, widened = select_keys(ph1, cfg, call.generator)
         value_mask = select_values(ph1, key_mask, cfg)
     else:
         key_mask = torch.zeros_like(s8[..., 0], dtype=torch.bool)
