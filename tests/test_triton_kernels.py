@@ -41,6 +41,7 @@ from certvllm.kv.cuda_pagein import CudaPageInEngine, encode_blocks_from_shadow,
 from certvllm.kv.residency import Residency  # noqa: E402
 from certvllm.testing import exact_attention, make_case, paged_batch  # noqa: E402
 
+pytestmark = pytest.mark.slow  # minutes in the interpreter: make test runs it, make test-quick does not
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 CUDA_ONLY = [
     pytest.mark.gpu,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from certvllm import env
 from certvllm.formats.layout import BLOCK_SIZE
 from certvllm.vllm_plugin import settings
 from certvllm.vllm_plugin._compat import KV_CACHE_DTYPE
@@ -144,6 +145,7 @@ def _prepare_certified(vllm_config: Any) -> None:
     host_tier.check_page_fits(vllm_config.model_config.get_head_size(), cfg.value_group_size)
     dense_backend.check_request(cfg.dense_backend, current_platform.is_cuda())  # before any request
     logger.info("certvllm: certified KV cache, preset settings %s", cfg.model_dump(exclude_defaults=True))
+    logger.info("certvllm: %s", env.environment())
 
 
 def _cap_block_count() -> None:
