@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -102,10 +106,44 @@ def _engine_error(extra: dict, env: dict | None = None) -> str:
     return proc.stdout + proc.stderr
 
 
-@pytest.mark.vllm
-@pytest.mark.slow
+@contextlib.contextmanager
+def _environ_kept() -> Iterator[None]:
+    """vLLM's CPU platform exports settings into ``os.environ`` while it builds a config (LD_PRELOAD,
+    LOCAL_WORLD_SIZE, ...); put the test process's environment back afterwards."""
+    saved = dict(os.environ)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def _engine_config(model: str = MODEL, max_model_len: int = 2048, **engine: Any) -> Any:
+    """The ``VllmConfig`` that ``LLM(model, kv_cache_dtype="certified", ...)`` builds first, in this process.
+
+    Building it runs the platform's config check, where the plugin makes its startup checks
+    (``routing._prepare_certified``: preset, block size, host-tier budget, dense backend), exactly as in the
+    engine's own process, before any engine process would be started."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from certvllm.vllm_plugin import register
+
+    register()
+    args = EngineArgs(model=model, kv_cache_dtype="certified", enforce_eager=True, max_model_len=max_model_len,
+                      **engine)  # fmt: skip
+    with _environ_kept():
+        return args.create_engine_config()
+
+
+def _startup_refusal(**engine: Any) -> str:
+    """The error with which building the engine config refuses ``engine`` (``_engine_config``)."""
+    with pytest.raises(ValueError) as info:  # pydantic's ValidationError is a ValueError
+        _engine_config(**engine)
+    return str(info.value)
+
+
 def test_host_budget_too_small_refuses_to_start_naming_the_flag():
-    out = _engine_error({"additional_config": {"certvllm": {"host_memory_gb": 0.0001}}})
+    out = _startup_refusal(additional_config={"certvllm": {"host_memory_gb": 0.0001}})
     assert "Raise --cert-host-memory-gb" in out
 
 
@@ -116,25 +154,25 @@ def test_bad_dense_backend_fails_at_startup():
     assert "CERTVLLM_DENSE_BACKEND='flash' is not a dense attention backend" in out
 
 
-@pytest.mark.vllm
-@pytest.mark.slow
 def test_block_size_not_a_multiple_of_16_is_refused():
-    out = _engine_error({"block_size": 24})
+    out = _startup_refusal(block_size=24)
     assert "--block-size 24 cannot be used with --kv-cache-dtype certified" in out
 
 
-@pytest.mark.vllm
-@pytest.mark.slow
 def test_unknown_preset_in_additional_config_fails_at_startup():
-    out = _engine_error({"additional_config": {"certvllm": {"preset": "nope"}}})
+    out = _startup_refusal(additional_config={"certvllm": {"preset": "nope"}})
     assert "unknown certvllm preset 'nope'" in out
 
 
-@pytest.mark.vllm
-@pytest.mark.slow
 def test_model_with_unsupported_head_size_fails_at_startup(tmp_path):
-    """A real (tiny, random) LLaMA with head_dim 48: the engine refuses it with the fix."""
+    """A real (tiny, random) LLaMA with head_dim 48: the engine refuses it with the fix.
+
+    The refusal comes when the model's first attention layer is built: vLLM's ``Attention`` asks the
+    backend selector, which the plugin routes through its layer check. Here the same layer is built from
+    the engine config of the saved model, in this process (no model weights or engine process needed)."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.layers.attention import Attention
 
     from certvllm.models import prepare_default_model
 
@@ -145,14 +183,21 @@ def test_model_with_unsupported_head_size_fails_at_startup(tmp_path):
                       max_position_embeddings=512)  # fmt: skip
     LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(tmp_path)
     tok.save_pretrained(tmp_path)
-    code = (
-        "from vllm import LLM\n"
-        f"LLM({str(tmp_path)!r}, kv_cache_dtype='certified', enforce_eager=True, max_model_len=512)\n"
-    )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=ENV)
-    assert proc.returncode != 0
-    assert "head size 48 is not supported" in proc.stdout + proc.stderr
-    assert "Serve it with --kv-cache-dtype auto" in proc.stdout + proc.stderr
+    vllm_config = _engine_config(str(tmp_path), max_model_len=512)
+    model = vllm_config.model_config
+    parallel = vllm_config.parallel_config
+    heads, kv_heads = model.get_num_attention_heads(parallel), model.get_num_kv_heads(parallel)
+    assert (model.get_head_size(), model.dtype) == (48, torch.bfloat16)
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(model.dtype)  # as vLLM's model loader does while it builds the layers
+    try:
+        with set_current_vllm_config(vllm_config), pytest.raises(ValueError) as info:
+            Attention(heads, model.get_head_size(), model.get_head_size() ** -0.5, num_kv_heads=kv_heads,
+                      cache_config=vllm_config.cache_config, prefix="model.layers.0.self_attn.attn")  # fmt: skip
+    finally:
+        torch.set_default_dtype(default_dtype)
+    assert "head size 48 is not supported" in str(info.value)
+    assert "Serve it with --kv-cache-dtype auto" in str(info.value)
     json.dumps(cfg.to_dict())  # the config was well formed
 
 
