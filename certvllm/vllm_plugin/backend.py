@@ -1,8 +1,8 @@
 """vLLM attention backend for ``--kv-cache-dtype certified``.
 
 KV tensor (per layer, vLLM layout LBHNC): ``[num_blocks, H_kv, B, C]`` uint8 with the vLLM block size
-``B = m·16`` (16 on GPUs; 128, vLLM's default, on the CPU) and ``C = PageLayout(D).bytes_per_token``
-(256 at D = 128, half of FP16). ``kv_cache[b, h]`` holds ``m`` tier-1 pages of 16-token blocks in the byte
+``B = m·16`` (16 on GPUs; 128, vLLM's default, on the CPU) and ``C = 2·D`` bytes per token and KV head
+(``host_tier.vllm_page_layout``: 256 at D = 128, half of FP16). ``kv_cache[b, h]`` holds ``m`` tier-1 pages of 16-token blocks in the byte
 layout of ``certvllm.formats.layout``; the core addresses them as blocks ``b·m + i``. Each block also
 has a shadow page per layer in the worker's host tier (``host_tier.py``), written by
 :meth:`CertifiedAttentionImpl.do_kv_cache_update` at the same slots.
@@ -33,13 +33,13 @@ from vllm.v1.attention.backend import (
     CommonAttentionMetadata,
     MultipleOf,
 )
-from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
+from vllm.v1.kv_cache_interface import AttentionSpec
 
 from certvllm.attention import certified_attention
 from certvllm.config import CertConfig
 from certvllm.formats.layout import BLOCK_SIZE
 from certvllm.vllm_plugin import settings
-from certvllm.vllm_plugin._compat import KV_CACHE_DTYPE
+from certvllm.vllm_plugin._compat import KV_CACHE_DTYPE, lbhnc_layouts
 from certvllm.vllm_plugin.exact import ExactAttention, ExactPlan
 from certvllm.vllm_plugin.runtime import LayerState, WorkerRuntime
 
@@ -76,8 +76,15 @@ class CertifiedAttentionBackend(AttentionBackend):
         return SUPPORTED_HEAD_SIZES
 
     @classmethod
-    def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
-        return (KVCacheLayout.LBHNC,)
+    def supported_kv_cache_layouts(cls) -> tuple[Any, ...]:
+        return lbhnc_layouts()
+
+    @staticmethod
+    def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int,
+                           cache_dtype_str: str = KV_CACHE_DTYPE) -> tuple[int, ...]:  # fmt: skip
+        """``[num_blocks, H_kv, B, 2·D]`` uint8: one ``B``-token run of certified pages per (block, KV head)
+        (what vLLM 0.26 allocates from; 0.32/0.33 use the LBHNC layout and ``customize_spec``, same bytes)."""
+        return (num_blocks, num_kv_heads, block_size, 2 * head_size)
 
     @classmethod
     def supports_attn_type(cls, attn_type: str) -> bool:
