@@ -25,7 +25,10 @@ if ! python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/pip.lo
   ln -sfn ../triton_kernels certvllm/triton_kernels
   ln -sfn ../configs certvllm/configs
   ln -sfn ../csrc certvllm/csrc
-  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+  # only the package on the path: the repository root would put our top-level triton_kernels/ where vLLM
+  # looks for its own triton_kernels module
+  mkdir -p /tmp/certvllm-src && ln -sfn "$PWD/certvllm" /tmp/certvllm-src/certvllm
+  export PYTHONPATH="/tmp/certvllm-src${PYTHONPATH:+:$PYTHONPATH}"
 fi
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"

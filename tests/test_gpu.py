@@ -684,3 +684,19 @@ def test_pool_lookup_kernels_equal_the_torch_reference_at_full_shape():
     assert st["hits"] > 0 and st["bypass"] > 0
     torch.cuda.synchronize()
     torch.cuda.cudart().cudaHostUnregister(shadow.data_ptr())
+
+
+def test_metrics_record_reports_that_live_on_the_gpu(tmp_path, monkeypatch):
+    """The vLLM worker records CUDA reports; the metrics' flusher thread folds them on the host (found in the
+    first vLLM run on the H200: ``torch.bucketize`` with CUDA values and host bucket edges)."""
+    from certvllm.bounds.report import CertReport
+    from certvllm.metrics import CertMetrics
+
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
+    report = CertReport.zeros(3, 8, "cuda")
+    report.e_key.fill_(1e-3)
+    report.v_max.fill_(1.0)
+    metrics = CertMetrics("m", "0", flush_seconds=3600)
+    metrics.record(report, 0, 0, 0.0)
+    metrics.flush()
+    assert metrics._child("vllm:cert_head_steps_total", rung="0")._value.get() == 24

@@ -62,6 +62,10 @@ class CertReport:
         """The report of some rows."""
         return CertReport(**{f.name: getattr(self, f.name)[index] for f in fields(self)})
 
+    def to(self, device: torch.device | str) -> CertReport:
+        """The report with every tensor on ``device``."""
+        return CertReport(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
+
     @staticmethod
     def cat(reports: list[CertReport]) -> CertReport:
         return CertReport(**{f.name: torch.cat([getattr(r, f.name) for r in reports]) for f in fields(CertReport)})

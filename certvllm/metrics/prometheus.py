@@ -147,7 +147,9 @@ class CertMetrics:
             self._child("vllm:cert_exact_tokens_total", reason=reason).inc(n)
 
     def record(self, report: CertReport, layer: int, page_in_bytes: int, page_in_seconds: float) -> None:
-        """Queue one attention call's report (``[R, H_q]`` tensors) for the next flush."""
+        """Queue one attention call's report (``[R, H_q]`` tensors, any device) for the next flush; the flusher
+        thread works on a host copy (it must not launch work on the caller's device streams)."""
+        report = report.to("cpu")
         with self._pending_lock:
             self._pending.append((report, layer, page_in_bytes, page_in_seconds))
         if self._flusher is None:
