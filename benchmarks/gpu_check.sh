@@ -35,7 +35,7 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 test_rc=0
 if [ -z "${SKIP_TESTS:-}" ]; then
   # shellcheck disable=SC2086
-  python3 -m pytest -m gpu ${PYTEST_FLAGS:--x -q} tests 2>&1 | tee "$OUT/pytest_gpu.log"
+  python3 -m pytest -m gpu ${PYTEST_FLAGS:--x -q} tests/triton_kernels 2>&1 | tee "$OUT/pytest_gpu.log"
   test_rc=${PIPESTATUS[0]}
 fi
 # shellcheck disable=SC2086

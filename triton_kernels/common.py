@@ -101,7 +101,7 @@ class GluonGate:
     if it raises before this kernel ever launched in this process (a compile failure — the only thing that
     happens at a first launch and not later), it warns once, disables the Gluon kernel for the process and
     runs the Triton kernel, which computes the same certified quantities. An error after a successful
-    launch is re-raised: only compilation is forgiven. ``tests/test_gluon_compile.py`` compiles the Gluon
+    launch is re-raised: only compilation is forgiven. ``tests/triton_kernels/test_gluon_compile.py`` compiles the Gluon
     kernels for sm_90 in ``make test``, so a failure here means a Triton other than the tested ones.
     ``KernelTuning(dialect="triton")`` skips the Gluon kernels altogether."""
 
@@ -289,7 +289,7 @@ def key_scale_sigma(code, ex):
     """σ = LUT[code]·2^E as float32 (``formats.layout.key_scale_lut``), bit for bit, without a table gather.
 
     LUT[c] = fl32(2^((c − 255)/32)) = 2^(−(c′ >> 5))·T[c′ & 31] with c′ = 255 − c and T[j] = LUT[255 − j]
-    (scaling by a power of two commutes with rounding; ``tests/test_triton_kernels.py`` checks all 256
+    (scaling by a power of two commutes with rounding; ``tests/triton_kernels/test_triton_kernels.py`` checks all 256
     codes). T is selected by the five bits of j (a tree of 31 selects of constants), so the kernels need no
     gather, whose layout Triton would impose on the surrounding arithmetic. ``code`` int32 in [0, 255],
     ``ex`` int32 (clamped to [-126, 127] here, as the readers do); the two products are those of

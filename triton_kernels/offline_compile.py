@@ -7,7 +7,7 @@ scalar types and the constexpr values (the launchers' ``launch_constants``). Fro
 loop (the longest backward branch, minus its largest conditional forward skip: the rarely taken path)
 gives the instructions issued per iteration.
 
-Used by ``tests/test_gluon_compile.py`` (the kernels compile, within register and spill bounds) and
+Used by ``tests/triton_kernels/test_gluon_compile.py`` (the kernels compile, within register and spill bounds) and
 ``benchmarks/kernel_sass.py`` (instruction mix per iteration, to compare kernel variants before a GPU run).
 
 **One process cannot do both.** On a machine without CUDA, importing ``certvllm.triton_kernels`` sets

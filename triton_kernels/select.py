@@ -15,7 +15,7 @@ head) holds the head's ``B`` blocks in registers (``BP`` = next power of two):
 4. ``bits[r, h, b] |= 1 << g`` for promoted keys and ``1 << (G + g)`` for promoted values (atomic OR:
    the G programs of a (row, KV head) share the words).
 
-Tested against the torch reference under the interpreter (``tests/test_triton_kernels.py``); the
+Tested against the torch reference under the interpreter (``tests/triton_kernels/test_triton_kernels.py``); the
 decisions may only differ where a comparison sits within float rounding of its threshold, and no
 certificate depends on them (the bounds are computed from whatever was selected).
 """

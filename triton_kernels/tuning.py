@@ -3,7 +3,7 @@
 Every launch-time choice that is not part of the certificate (tile sizes, warps, split plan, staging grid,
 and whether the Gluon kernels may run) is a field of :class:`KernelTuning`; the launchers take one as the
 keyword argument ``tuning`` (default :data:`DEFAULT_TUNING`). None of them changes what is certified: each
-configuration computes the same certified quantities (``tests/test_gpu.py`` compares them).
+configuration computes the same certified quantities (``tests/triton_kernels/test_gpu.py`` compares them).
 
 * ``programs_per_sm``: the split-K plan's programs per multiprocessor (``common.split_plan``).
 * ``phase1_blk``, ``phase1_warps``: blocks per loop iteration and warps per program of phase 1 (the Gluon

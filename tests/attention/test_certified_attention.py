@@ -22,7 +22,7 @@ from certvllm.config import load_config, make_config
 from certvllm.formats.layout import BLOCK_SIZE
 from certvllm.testing import FAMILIES, check_soundness, exact_attention, make_case, paged_batch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PRESETS = ("default", "paper", "strict", "fast", "naive")
 DTYPES = (torch.float16, torch.bfloat16)
 

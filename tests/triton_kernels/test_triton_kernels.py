@@ -2,7 +2,7 @@
 
 Without a GPU they run in Triton's interpreter (``TRITON_INTERPRET=1``, set here before any kernel is
 defined); on a CUDA machine the same tests run the compiled kernels on the device. Full shapes, the
-soundness sweep on the GPU and the timing live in ``tests/test_gpu.py`` (``pytest -m gpu``).
+soundness sweep on the GPU and the timing live in ``tests/triton_kernels/test_gpu.py`` (``pytest -m gpu``).
 
 Tolerances: the write kernel must reproduce ``encode_pages`` bit for bit on finite inputs except η/ν (both
 round up norms summed in another order: 2^-12 relative, and each must bound the errors); the certified

@@ -78,7 +78,7 @@ def test_copy_blocks_copies_pages_and_shadows(gen):
 
 
 # -- write generations and the promotion cache's lookup (pure torch; the kernels are tested in
-#    tests/test_triton_kernels.py and tests/test_gpu.py) ----------------------------------------------------
+#    tests/triton_kernels/test_triton_kernels.py and tests/triton_kernels/test_gpu.py) ----------------------
 def test_every_writer_bumps_the_write_generation(gen):
     cache = _engine_cache(4, 2, 2, 64, torch.float16, False)  # 8 16-token blocks
     k = torch.randn(BLOCK_SIZE + 3, 2, 64, generator=gen).half()

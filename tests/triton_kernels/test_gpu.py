@@ -27,7 +27,7 @@ SHAPES = ((32, 8, 128), (8, 8, 64), (24, 3, 64), (16, 2, 128), (12, 4, 64))
 
 
 def _bench():
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_decode.py"
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_decode.py"
     spec = importlib.util.spec_from_file_location("bench_decode", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
