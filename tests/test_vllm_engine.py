@@ -1,16 +1,32 @@
 """End-to-end: vLLM (CPU) with ``kv_cache_dtype="certified"`` on the bundled SmolLM2-135M-Instruct.
 
-Each engine runs in its own process (``certvllm.vllm_plugin.harness``); results are cached per module.
+Each engine runs in its own process (``certvllm.vllm_plugin.harness``) and serves several request
+phases in sequence; one engine per configuration, shared by the module's tests. Metric assertions read
+what each phase added to the counters (``harness.phase_deltas``) and the gauges as they stood after the
+phase. The engines start together at the first test that needs one, two at a time on disjoint cores
+(vLLM's CPU worker computes on one core and leaves the other to its scheduler, mostly idle).
+
+Six engines cover every test: ``auto``, ``forced`` and ``default`` at the default engine settings (the
+capacity comparison needs vLLM's own block count, so these three cannot share the small engines), and
+``auto_small``, ``forced_small`` and ``default_small`` with a 6-block cache (preemption) plus prefix caching
+and 64-token chunked prefill (the SHARED prompts run one at a time, taking 3 of the 6 blocks, so they are
+never preempted). Merged configurations differ only where the assertions do not look:
+
+* ``default`` runs with prefix caching off, serving both PROMPTS and the prefix-caching-off SHARED run: no
+  PROMPTS request (prompt + 32 tokens) fills a 128-token block, so prefix caching never serves them;
+* ``default_small`` has ``prefill: certified`` (the prefix-caching test needs it); its preemption run only
+  checks lengths and freed blocks, and its recomputed prefills then take the certified path.
 """
 
 from __future__ import annotations
 
-from functools import cache
+import threading
+from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
 
-from certvllm.vllm_plugin.harness import run_engine
+from certvllm.vllm_plugin.harness import cpu_binds, phase_deltas, run_engine
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -56,29 +72,79 @@ def _requests(prompts: list[str], max_tokens: int = 32) -> list[dict]:
     return [{"prompt": p, "max_tokens": max_tokens} for p in prompts]
 
 
-@cache
-def run(name: str) -> dict:
-    """Named engine runs shared by the tests of this module."""
+# every engine of the module, in the order the tests first need them (see _start_engines)
+ENGINE_ORDER = ("default", "forced", "auto", "auto_small", "forced_small", "default_small")
+_results: dict[str, Future] = {}
+_slots: list[threading.Thread] = []
+_stop = threading.Event()
+
+
+def _spec(name: str) -> dict:
     forced = {"force_fallback": "layer"}
-    features = {"enable_prefix_caching": True, "enable_chunked_prefill": True, "max_num_batched_tokens": 64}
-    tight = {"num_gpu_blocks_override": 6, "max_model_len": 640}
-    long_requests = [{"prompt": p, "max_tokens": 200, "ignore_eos": True} for p in PROMPTS[:4]]
+    small = {"num_gpu_blocks_override": 6, "max_model_len": 640,  # preemption, and
+             "enable_prefix_caching": True, "enable_chunked_prefill": True, "max_num_batched_tokens": 64}  # fmt: skip
+    prompts = {"requests": _requests(PROMPTS)}
+    shared = {"requests": _requests(SHARED), "batch": False}
+    long_requests = {"requests": [{"prompt": p, "max_tokens": 200, "ignore_eos": True} for p in PROMPTS[:4]]}
     specs = {
-        "auto": dict(kv_cache_dtype="auto", requests=_requests(PROMPTS)),
-        "forced": dict(kv_cache_dtype="certified", cert=forced, requests=_requests(PROMPTS)),
-        "default": dict(kv_cache_dtype="certified", cert={}, requests=_requests(PROMPTS)),
-        "auto_features": dict(kv_cache_dtype="auto", engine=features, requests=_requests(SHARED), batch=False),
-        "forced_features": dict(kv_cache_dtype="certified", cert=forced, engine=features,
-                                requests=_requests(SHARED), batch=False),
-        "default_features": dict(kv_cache_dtype="certified", cert={"prefill": "certified"}, engine=features,
-                                 requests=_requests(SHARED), batch=False),
-        "default_no_prefix": dict(kv_cache_dtype="certified", cert={},
-                                  engine={"enable_prefix_caching": False}, requests=_requests(SHARED), batch=False),
-        "auto_preempt": dict(kv_cache_dtype="auto", engine=tight, requests=long_requests),
-        "forced_preempt": dict(kv_cache_dtype="certified", cert=forced, engine=tight, requests=long_requests),
-        "default_preempt": dict(kv_cache_dtype="certified", cert={}, engine=tight, requests=long_requests),
+        "auto": dict(kv_cache_dtype="auto", phases={"prompts": prompts}),
+        "forced": dict(kv_cache_dtype="certified", cert=forced, phases={"prompts": prompts}),
+        "default": dict(kv_cache_dtype="certified", cert={}, engine={"enable_prefix_caching": False},
+                        phases={"prompts": prompts, "shared": shared}),
+        "auto_small": dict(kv_cache_dtype="auto", engine=small, phases={"shared": shared, "preempt": long_requests}),
+        "forced_small": dict(kv_cache_dtype="certified", cert=forced, engine=small,
+                             phases={"shared": shared, "preempt": long_requests}),
+        "default_small": dict(kv_cache_dtype="certified", cert={"prefill": "certified"}, engine=small,
+                              phases={"shared": shared, "preempt": long_requests}),
     }  # fmt: skip
-    return run_engine({"model": MODEL, **specs[name]})
+    return specs[name]
+
+
+def _run(name: str, bind: str | None) -> dict[str, dict]:
+    """One engine process: each phase's outputs, counter deltas and gauges."""
+    spec = _spec(name)
+    names = list(spec["phases"])
+    result = run_engine({"model": MODEL, **spec, "phases": list(spec["phases"].values())},
+                        env={"VLLM_CPU_OMP_THREADS_BIND": bind} if bind else None)  # fmt: skip
+    phases = {}
+    for phase_name, phase, delta in zip(names, result["phases"], phase_deltas(result), strict=True):
+        phases[phase_name] = {"outputs": phase["outputs"], "metrics": delta, "gauges": phase["metrics"],
+                              "kv_cache_tokens": result["kv_cache_tokens"]}  # fmt: skip
+    return phases
+
+
+def _start_engines() -> None:
+    """Start every engine of the module, as many at once as the CPUs allow (``harness.cpu_binds``: on two
+    cores, two engines, one core each): slot ``i`` runs ``ENGINE_ORDER[i::slots]`` one after the other."""
+    binds = cpu_binds(2)
+    for name in ENGINE_ORDER:
+        _results[name] = Future()
+
+    def slot(names: tuple[str, ...], bind: str | None) -> None:
+        for name in names:
+            if _stop.is_set():
+                _results[name].set_exception(RuntimeError("the module finished before this engine started"))
+                continue
+            try:
+                _results[name].set_result(_run(name, bind))
+            except BaseException as exc:  # handed to the test that reads this engine
+                _results[name].set_exception(exc)
+
+    for i, bind in enumerate(binds):
+        _slots.append(threading.Thread(target=slot, args=(ENGINE_ORDER[i :: len(binds)], bind), name=f"engines-{i}"))
+        _slots[-1].start()
+
+
+def engine(name: str) -> dict[str, dict]:
+    """The phases of one shared engine (all of the module's engines start at the first call)."""
+    if not _results:
+        _start_engines()
+    return _results[name].result()
+
+
+def run(name: str, phase: str) -> dict:
+    """One phase of a shared engine: ``outputs``, ``metrics`` (what the phase added), ``gauges`` (after it)."""
+    return engine(name)[phase]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -86,15 +152,28 @@ def bundled_model():
     from certvllm.models import prepare_default_model
 
     prepare_default_model(MODEL)
+    yield
+    _stop.set()  # engines not started yet are not started; running ones finish (run_engine cleans up)
+    for thread in _slots:
+        thread.join()
 
 
 def _tokens(result: dict) -> list[list[int]]:
     return [o["token_ids"] for o in result["outputs"]]
 
 
+def _key(name: str, labels: dict[str, str]) -> str:
+    return name + "{" + ",".join(f"{k}={v}" for k, v in sorted(labels.items())) + "}"
+
+
 def _metric(result: dict, name: str, **labels: str) -> float:
-    key = name + "{" + ",".join(f"{k}={v}" for k, v in sorted(labels.items())) + "}"
-    return result["metrics"].get(key, 0.0)
+    """How much a counter (or histogram series) grew during the phase."""
+    return result["metrics"].get(_key(name, labels), 0.0)
+
+
+def _gauge(result: dict, name: str, **labels: str) -> float:
+    """A gauge as it stood after the phase (the series must exist)."""
+    return result["gauges"][_key(name, labels)]
 
 
 def _decode_head_steps(result: dict) -> int:
@@ -103,7 +182,7 @@ def _decode_head_steps(result: dict) -> int:
 
 
 def test_offline_generation_with_certified_kv_cache():
-    out = run("default")
+    out = run("default", "prompts")
     assert len(out["outputs"]) == len(PROMPTS)
     assert all(o["token_ids"] for o in out["outputs"])
     assert "Paris" in out["outputs"][0]["text"]
@@ -111,12 +190,13 @@ def test_offline_generation_with_certified_kv_cache():
 
 def test_forced_rung4_is_token_identical_to_auto():
     """Rung 4 runs vLLM's own CPU kernel on the shadow tier: exactly what `auto` computes."""
-    assert _tokens(run("forced")) == _tokens(run("auto"))
-    assert _metric(run("forced"), "vllm:cert_head_steps_total", rung="4") == _decode_head_steps(run("forced"))
+    forced = run("forced", "prompts")
+    assert _tokens(forced) == _tokens(run("auto", "prompts"))
+    assert _metric(forced, "vllm:cert_head_steps_total", rung="4") == _decode_head_steps(forced)
 
 
 def test_default_preset_matches_auto_and_every_head_step_is_accounted_for():
-    auto, cert = run("auto"), run("default")
+    auto, cert = run("auto", "prompts"), run("default", "prompts")
     pairs = list(zip(_tokens(auto), _tokens(cert), strict=True))
     exact = sum(a == c for a, c in pairs)
     same_tokens = sum(sum(x == y for x, y in zip(a, c, strict=False)) for a, c in pairs)
@@ -138,33 +218,40 @@ def test_default_preset_matches_auto_and_every_head_step_is_accounted_for():
     assert _metric(cert, "vllm:cert_exact_tokens_total", reason="prefill") == sum(
         o["prompt_tokens"] for o in cert["outputs"]
     )
+    # the same engine's next phase (SHARED, one whole prefill each) is accounted for on its own
+    shared = run("default", "shared")
+    shared_steps = sum(_metric(shared, "vllm:cert_head_steps_total", rung=str(r)) for r in range(5))
+    assert shared_steps == _decode_head_steps(shared)
+    assert _metric(shared, "vllm:cert_exact_tokens_total", reason="prefill") == sum(
+        o["prompt_tokens"] for o in shared["outputs"]
+    )
 
 
 def test_prefix_caching_and_small_chunked_prefill():
-    auto, forced, cert = run("auto_features"), run("forced_features"), run("default_features")
+    auto, forced, cert = run("auto_small", "shared"), run("forced_small", "shared"), run("default_small", "shared")
     assert _tokens(forced) == _tokens(auto)
     assert all(o["token_ids"] for o in cert["outputs"])
     # chunks after the first read cached blocks: with prefill: certified they ran the certified path
     steps = sum(_metric(cert, "vllm:cert_head_steps_total", rung=str(r)) for r in range(5))
     assert steps > _decode_head_steps(cert)
     assert _metric(auto, "vllm:prefix_cache_hits_total") > 0
-    for result in (auto, forced, cert, run("default_no_prefix")):
-        assert _metric(result, "vllm:kv_cache_usage_perc") == 0.0  # every block was freed
+    for result in (auto, forced, cert, run("default", "shared")):
+        assert _gauge(result, "vllm:kv_cache_usage_perc") == 0.0  # every block was freed
 
 
 def test_preemption_recomputes_correctly_and_frees_everything():
-    auto, forced, cert = run("auto_preempt"), run("forced_preempt"), run("default_preempt")
+    auto, forced, cert = run("auto_small", "preempt"), run("forced_small", "preempt"), run("default_small", "preempt")
     assert _metric(auto, "vllm:num_preemptions_total") > 0
     assert _metric(forced, "vllm:num_preemptions_total") > 0
     assert _tokens(forced) == _tokens(auto)
     assert [len(t) for t in _tokens(cert)] == [200] * 4
     for result in (auto, forced, cert):
-        assert _metric(result, "vllm:kv_cache_usage_perc") == 0.0
+        assert _gauge(result, "vllm:kv_cache_usage_perc") == 0.0
 
 
 def test_certified_doubles_the_kv_token_capacity():
     """Same KV memory (VLLM_CPU_KVCACHE_SPACE=1): the certified page is half a BF16 page, so vLLM's
     planner fits about twice the tokens (startup line "CPU KV cache size: N tokens")."""
-    auto, cert = run("auto")["kv_cache_tokens"], run("default")["kv_cache_tokens"]
+    auto, cert = run("auto", "prompts")["kv_cache_tokens"], run("default", "prompts")["kv_cache_tokens"]
     print(f"\nKV cache capacity: auto {auto:,} tokens, certified {cert:,} tokens ({cert / auto:.2f}x)")
     assert 1.9 <= cert / auto <= 2.1

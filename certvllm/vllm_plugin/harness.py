@@ -10,9 +10,14 @@ SPEC: ``{"model": DIR, "kv_cache_dtype": "auto"|"certified", "cert": {...additio
 "engine": {...LLM kwargs...}, "requests": [{"prompt": str | "prompt_token_ids": [...], "max_tokens": n,
 "ignore_eos": bool, "prompt_logprobs": bool, "skip_reading_prefix_cache": bool, "detokenize": bool}],
 "batch": bool,
-"repeat": int}``, or several such groups as ``"phases": [...]``.
+"repeat": int}``, or several such groups as ``"phases": [...]``, run one after the other in the same engine;
+``"environment": {VAR: value}`` is set in the process before vLLM is imported.
 RESULT: ``{"outputs": [{"token_ids": [...], "text": str}], "seconds": [...], "init_seconds": s,
-"metrics": {series: value}}``. A request with ``"prompt_logprobs": true`` also gets
+"metrics": {series: value}, "phases": [{"outputs", "seconds", "metrics", "metrics_before"}, ...]}``
+(top-level ``outputs`` and ``seconds``: the first phase's, ``metrics``: the last snapshot). A phase's
+``metrics`` is a cumulative snapshot taken once the engine is idle after it, ``metrics_before`` the one
+before it (for the first phase: after startup), so :func:`phase_deltas` gives what each phase alone added
+to every counter. A request with ``"prompt_logprobs": true`` also gets
 ``"prompt_logprobs": [None, lp_1, ...]``: the log-probability of each actual prompt token given the
 tokens before it (vLLM's ``SamplingParams(prompt_logprobs=0)``), ``None`` for the first. vLLM skips the
 prefix cache for such requests unless ``"skip_reading_prefix_cache": false``; then only the positions
@@ -20,13 +25,14 @@ after the cached prefix are computed, and the earlier entries are ``None`` (pass
 vLLM would otherwise detokenize the uncomputed entries' token ids).
 
 ``run_engine(spec, on_phase=callback)`` streams: after each phase the child appends
-``{"phase": i, "outputs", "seconds", "metrics"}`` (metrics: a cumulative snapshot) to a progress file
-and the parent calls ``callback(record)`` while the engine keeps running, so a caller can save results
-phase by phase (the evaluation suite's resumable runs).
+``{"phase": i, "outputs", "seconds", "metrics", "metrics_before"}`` to a progress file and the parent calls
+``callback(record)`` while the engine keeps running, so a caller can save results phase by phase (the
+evaluation suite's resumable runs).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -39,7 +45,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from certvllm.env import PROMETHEUS_DIR, prometheus_dir, scoped
+
 DEFAULT_ENGINE = {"enforce_eager": True, "max_model_len": 2048, "dtype": "bfloat16", "seed": 0}
+# the engine process's variables unless run_engine(env=...) says otherwise: 1 GiB of CPU KV pages, no usage
+# reports, no hub access (the models are local folders)
+ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1"}
 
 
 def _read_metrics(path: str) -> dict[str, float]:
@@ -56,6 +67,39 @@ def _read_metrics(path: str) -> dict[str, float]:
     return values
 
 
+METRIC_FLUSH_S = 0.25  # the worker-side metric flusher's period (certvllm.metrics.prometheus)
+
+
+def _settled_metrics(path: str, polls: int = 40) -> dict[str, float]:
+    """The metrics once the worker's flusher has caught up: two reads two flush periods apart that agree.
+
+    Called while the engine is idle, so every count of the work before it is already queued in the worker;
+    a single fixed sleep could cut a phase's counts short on a loaded machine and move them into the next
+    phase's delta.
+    """
+    time.sleep(2 * METRIC_FLUSH_S)
+    previous = _read_metrics(path)
+    for _ in range(polls):
+        time.sleep(2 * METRIC_FLUSH_S)
+        current = _read_metrics(path)
+        if current == previous:
+            return current
+        previous = current
+    return previous
+
+
+def metric_delta(phase: dict[str, Any]) -> dict[str, float]:
+    """What one phase (a result's or a streamed record) added to every series: its snapshot minus the one
+    before it. Meaningful for counters and histograms; a gauge is read from the phase's ``metrics``."""
+    before = phase["metrics_before"]
+    return {k: v - before.get(k, 0.0) for k, v in phase["metrics"].items()}
+
+
+def phase_deltas(result: dict[str, Any]) -> list[dict[str, float]]:
+    """:func:`metric_delta` of every phase of ``result``."""
+    return [metric_delta(phase) for phase in result["phases"]]
+
+
 def _run(spec: dict[str, Any]) -> dict[str, Any]:
     from vllm import LLM, SamplingParams
 
@@ -65,6 +109,10 @@ def _run(spec: dict[str, Any]) -> dict[str, Any]:
     start = time.perf_counter()
     llm = LLM(spec["model"], kv_cache_dtype=spec.get("kv_cache_dtype", "auto"), disable_log_stats=False, **engine)
     init = time.perf_counter() - start
+    metrics_dir = prometheus_dir()
+    if not metrics_dir:
+        raise RuntimeError("PROMETHEUS_MULTIPROC_DIR is not set: start the harness with run_engine")
+    before = _settled_metrics(metrics_dir)  # startup's own counts belong to no phase
 
     def params(r: dict[str, Any]) -> Any:
         return SamplingParams(
@@ -109,16 +157,32 @@ def _run(spec: dict[str, Any]) -> dict[str, Any]:
     progress = spec.get("progress")
     phases = []
     for i, phase in enumerate(spec.get("phases", [spec])):
-        phases.append(run_phase(phase))
-        if progress:  # stream this phase with a metrics snapshot (the flusher runs every 0.25 s)
-            time.sleep(0.6)
-            snapshot = _read_metrics(os.environ["PROMETHEUS_MULTIPROC_DIR"])
+        record = run_phase(phase)
+        record["metrics"], record["metrics_before"] = _settled_metrics(metrics_dir), before
+        before = record["metrics"]
+        phases.append(record)
+        if progress:  # stream this phase with its metrics snapshot
             with open(progress, "a") as f:
-                f.write(json.dumps({"phase": i, **phases[-1], "metrics": snapshot}) + "\n")
-    time.sleep(1.0)  # let the worker's metric flusher run (every 0.25 s)
-    metrics = _read_metrics(os.environ["PROMETHEUS_MULTIPROC_DIR"])
+                f.write(json.dumps({"phase": i, **record}) + "\n")
     llm.llm_engine.engine_core.shutdown()
-    return {**phases[0], "phases": phases, "init_seconds": init, "metrics": metrics}
+    return {"outputs": phases[0]["outputs"], "seconds": phases[0]["seconds"], "phases": phases,
+            "init_seconds": init, "metrics": before}  # fmt: skip
+
+
+def cpu_binds(engines: int) -> list[str | None]:
+    """``VLLM_CPU_OMP_THREADS_BIND`` values for up to ``engines`` CPU engines run at the same time.
+
+    vLLM's own binding puts every engine's worker threads on the same cores, so engines run side by side
+    need disjoint core sets; they get equal ones, so that each computes with the same thread count (and
+    so the same numbers) as the others. One entry per engine that can run at once: ``[None]`` (vLLM's own
+    binding) for a single engine or a single core.
+    """
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    n = max(1, min(engines, len(cores)))
+    if n == 1:
+        return [None]
+    per = len(cores) // n
+    return [",".join(str(c) for c in cores[i * per : (i + 1) * per]) for i in range(n)]
 
 
 def _follow(proc: subprocess.Popen, progress: Path, on_phase: Callable[[dict[str, Any]], None], timeout: float) -> int:
@@ -159,30 +223,26 @@ def run_engine(
 ) -> dict[str, Any]:  # fmt: skip
     """Run ``spec`` in a fresh Python process; raises RuntimeError with the log tail on failure.
 
-    With ``on_phase``, each finished phase is handed over as soon as the engine completes it (see the
-    module docstring); ``timeout`` then bounds the whole run as well.
+    The process inherits this one's environment with :data:`ENGINE_ENV`, then ``env``, set on top (the
+    child sets them before it imports vLLM), and its own ``PROMETHEUS_MULTIPROC_DIR``. With ``on_phase``,
+    each finished phase is handed over as soon as the engine completes it (see the module docstring);
+    ``timeout`` then bounds the whole run as well.
     """
     with tempfile.TemporaryDirectory(prefix="certvllm-harness-") as tmp:
         spec_path, out_path, log_path = Path(tmp, "spec.json"), Path(tmp, "out.json"), Path(tmp, "log.txt")
         if on_phase is not None:
             spec = {**spec, "progress": str(Path(tmp, "progress.jsonl"))}
+        spec = {**spec, "environment": {**ENGINE_ENV, **(env or {}), PROMETHEUS_DIR: str(Path(tmp, "metrics"))}}
         spec_path.write_text(json.dumps(spec))
-        child_env = {
-            "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1",
-            **os.environ, **(env or {}), "PROMETHEUS_MULTIPROC_DIR": str(Path(tmp, "metrics")),
-        }  # fmt: skip
         Path(tmp, "metrics").mkdir()
         command = [sys.executable, "-m", "certvllm.vllm_plugin.harness", str(spec_path), str(out_path)]
         with log_path.open("w") as log:
             if on_phase is None:
                 returncode = subprocess.run(
-                    command, stdout=log, stderr=subprocess.STDOUT, env=child_env, timeout=timeout,
-                    start_new_session=True,
-                ).returncode  # fmt: skip
+                    command, stdout=log, stderr=subprocess.STDOUT, timeout=timeout, start_new_session=True
+                ).returncode
             else:
-                proc = subprocess.Popen(
-                    command, stdout=log, stderr=subprocess.STDOUT, env=child_env, start_new_session=True
-                )
+                proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
                 returncode = _follow(proc, Path(spec["progress"]), on_phase, timeout)
         log_text = log_path.read_text()
         if returncode != 0 or not out_path.exists():
@@ -195,7 +255,10 @@ def run_engine(
 
 def main() -> None:
     spec = json.loads(Path(sys.argv[1]).read_text())
-    result = _run(spec)
+    with contextlib.ExitStack() as stack:  # before vLLM (and prometheus_client) is imported
+        for name, value in spec.get("environment", {}).items():
+            stack.enter_context(scoped(name, value))
+        result = _run(spec)
     Path(sys.argv[2]).write_text(json.dumps(result))
 
 
