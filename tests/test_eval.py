@@ -1,6 +1,6 @@
 """``certvllm eval``: scorers, statistics, items and the report (fast), and a smoke run through the
-engine (``slow``, ``vllm``): 1K context, n = 2, perplexity + NIAH + RULER + a tasks file, dense vs
-certified, then a rerun that must find everything done."""
+engine (``slow``, ``vllm``): 1K context, perplexity + NIAH + RULER + a tasks file, dense vs certified
+(one engine per config for every task), then a rerun that must find everything done."""
 
 from __future__ import annotations
 
@@ -56,6 +56,15 @@ def test_configs_contexts_and_tasks_file(tmp_path):
     assert ppl_spec["cert"]["prefill"] == "certified" and ppl_spec["engine"]["enable_prefix_caching"]
     gen_spec = runner.engine_spec(paper, "gen", runner.Options(model="m", out=tmp_path), 1024)
     assert "prefill" not in gen_spec["cert"]
+    # one engine for both families: perplexity's settings, and generation prompts prefilled whole with no
+    # cached context (never chunked, never reading the prefix cache), so still exactly
+    both = runner.engine_spec(paper, ["ppl", "gen"], runner.Options(model="m", out=tmp_path), 1024)
+    assert both["cert"]["prefill"] == "certified" and both["engine"]["enable_prefix_caching"]
+    assert both["engine"]["enable_chunked_prefill"] is False and both["engine"]["max_num_batched_tokens"] >= 1024
+    gen_requests = runner._requests([{"prompt": "p", "max_tokens": 4}], "gen")["requests"]
+    assert gen_requests == [{"prompt": "p", "max_tokens": 4, "skip_reading_prefix_cache": True}]
+    certified_gen = runner.Options(model="m", out=tmp_path, prefill="certified")
+    assert runner.engine_spec(paper, ["ppl", "gen"], certified_gen, 1024)["engine"]["enable_chunked_prefill"]
     f = tmp_path / "qa.jsonl"
     f.write_text('{"prompt": "2+2=", "answers": ["4"]}\n\n{"prompt": "Capital of France?", "answers": ["Paris"], '
                  '"metric": "all", "max_tokens": 8}\n')  # fmt: skip
@@ -65,6 +74,19 @@ def test_configs_contexts_and_tasks_file(tmp_path):
     f.write_text('{"prompt": "x"}\n')
     with pytest.raises(ValueError, match="answers"):
         tasks.load_tasks_file(f, None)
+
+
+def test_engines_side_by_side_get_equal_disjoint_cores(monkeypatch):
+    """``--engines N``: each engine's worker gets its own cores, as many as every other one's."""
+    import os
+
+    from certvllm.vllm_plugin.harness import cpu_binds
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {4, 0, 1, 2, 3}, raising=False)
+    assert cpu_binds(2) == ["0,1", "2,3"] and cpu_binds(5) == ["0", "1", "2", "3", "4"]
+    assert cpu_binds(1) == [None]  # vLLM's own binding
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0}, raising=False)
+    assert cpu_binds(2) == [None]
 
 
 def test_store_resume_and_report_from_synthetic_results(tmp_path):
@@ -115,8 +137,12 @@ def test_eval_smoke_through_the_engine(tmp_path):
     qa.write_text(json.dumps({"prompt": "Q: What is the capital of France?\nA: The capital of France is",
                               "answers": ["Paris"], "max_tokens": 8}) + "\n")  # fmt: skip
     out = tmp_path / "out"
+    # the least work that still reaches every statistic: two perplexity windows and two NIAH trials (one
+    # item has no bootstrap CI), one sample per RULER task (pooled over the two tasks: two items); the two
+    # configs' engines run side by side
     argv = ["all", "--model", MODEL, "--contexts", "1k", "--configs", "dense,certified:paper", "--n", "2",
-            "--ruler-tasks", "niah_single,vt", "--tasks-file", str(qa), "--out", str(out)]  # fmt: skip
+            "--n-ruler", "1", "--ruler-tasks", "niah_single,vt", "--tasks-file", str(qa), "--engines", "2",
+            "--out", str(out)]  # fmt: skip
     assert main(argv) == 0
     rep = json.loads((out / "report.json").read_text())
     assert rep["configs"] == ["dense", "certified:paper"] and rep["reference"] == "dense"
@@ -138,7 +164,11 @@ def test_eval_smoke_through_the_engine(tmp_path):
         assert 0.0 <= cells["certified:paper"]["acc"] <= 1.0
         assert sum(rep["rungs"][task]["certified:paper"]["rung_fraction"]) == pytest.approx(1.0)
     assert rep["accuracy"]["file:qa"]["file"]["dense"]["acc"] == 1.0  # "Paris"
+    for cells in (rep["accuracy"]["niah"]["1k"], rep["ruler"]["1k"]):
+        assert cells["dense"]["n"] == cells["certified:paper"]["paired"] == 2
     assert {p.name for p in out.glob("*.png")} == {"accuracy_by_context.png", "ppl_delta.png", "rungs.png"}
+    runs = [json.loads(line) for line in (out / "runs.jsonl").read_text().splitlines()]  # one engine per config
+    assert sorted((r["config"], r["kind"]) for r in runs) == [("certified:paper", "ppl+gen"), ("dense", "ppl+gen")]
 
     # resumable: a rerun finds every item done and starts no engine
     runs_before = (out / "runs.jsonl").read_text()

@@ -3,7 +3,8 @@
     certvllm eval ppl|niah|ruler|file|all[,...] [--model DIR] [--contexts 1k,2k,4k,8k]
                   [--configs dense,certified:paper,naive] [--n N] [--n-ppl N] [--n-niah N] [--n-ruler N]
                   [--tasks-file FILE.jsonl] [--ruler-tasks niah_single,...] [--out DIR] [--cache-dir DIR]
-                  [--seed S] [--ppl-score-tokens K] [--prefill exact|certified] [--kv-space-gb G] [--report-only]
+                  [--seed S] [--ppl-score-tokens K] [--prefill exact|certified] [--kv-space-gb G] [--engines N]
+                  [--report-only]
 
 Results are appended per (task, context, config) under ``--out/results``; rerunning skips every item
 already there (same content), so an interrupted run resumes. The report (``report.json``,
@@ -15,10 +16,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 from certvllm.eval import data, report, runner, tasks
+from certvllm.vllm_plugin.harness import cpu_binds
 
 DEFAULT_MODEL = "models/smollm2-135m-instruct"
 FAMILIES = ("ppl", "niah", "ruler", "file")
@@ -59,6 +64,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--kv-space-gb", type=float, default=2.0, help="VLLM_CPU_KVCACHE_SPACE for each engine")
     p.add_argument("--batch", type=int, default=16, help="generation requests per phase (a resumable unit)")
+    p.add_argument("--engines", type=int, default=1, help="configs run at the same time, each engine on its "
+                   "own share of the CPU cores (CPU runs; default 1: one engine after the other)")  # fmt: skip
     p.add_argument("--report-only", action="store_true", help="only rebuild the report from stored results")
     return p
 
@@ -128,22 +135,31 @@ def run(args: argparse.Namespace) -> int:
             it["meta"]["prompt_tokens"] = len(tok(it["prompt"])["input_ids"])
             by_kind["gen"].append(it)
 
-    for kind, items in by_kind.items():
-        if not items:
-            continue
-        total = sum(len(runner.pending(store, items, cfg)) for cfg in configs)
-        with tqdm(total=total, desc="perplexity" if kind == "ppl" else "generation", unit="item",
-                  dynamic_ncols=True) as bar:  # fmt: skip
-            opts.progress = bar
-            for cfg in configs:
-                started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
-                before = len(opts.log)
-                try:
-                    runner.run_config(store, items, cfg, kind, opts)
-                finally:
-                    with (out / "runs.jsonl").open("a") as f:
-                        for entry in opts.log[before:]:
-                            f.write(json.dumps({"started": started, **entry}) + "\n")
+    total = sum(len(runner.pending(store, items, cfg)) for cfg in configs for items in by_kind.values())
+    queue, written = list(configs), threading.Lock()
+
+    def slot(bind: str | None) -> None:
+        """Run configs from the queue one after the other, each in one engine serving every task family."""
+        while True:
+            with written:
+                if not queue:
+                    return
+                cfg = queue.pop(0)
+            started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+            mine = replace(opts, log=[])
+            try:
+                runner.run_config(store, by_kind, cfg, mine, cpu_bind=bind)
+            finally:
+                with written, (out / "runs.jsonl").open("a") as f:
+                    for entry in mine.log:
+                        f.write(json.dumps({"started": started, **entry}) + "\n")
+
+    with tqdm(total=total, desc="items", unit="item", dynamic_ncols=True) as bar:
+        opts.progress = bar
+        binds = cpu_binds(args.engines) if args.engines > 1 else [None]
+        with ThreadPoolExecutor(len(binds)) as pool:
+            for done in [pool.submit(slot, bind) for bind in binds]:
+                done.result()  # the first failure, once every engine has finished
     rep = report.build(out)
     print(f"report: {out / 'report.md'} ({len(rep['configs'])} configs)")
     return 0

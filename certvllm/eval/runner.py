@@ -1,17 +1,22 @@
-"""Engine runs for the evaluation suite: one engine per (task family, config), resumable.
+"""Engine runs for the evaluation suite: one engine per config for every task and context, resumable.
 
 Configs: ``dense`` (``kv_cache_dtype="auto"``), ``certified`` / ``certified:PRESET_OR_YAML``
 (``kv_cache_dtype="certified"``, ``additional_config={"certvllm": {"preset": ...}}``) and ``naive``
 (certified with the ``naive`` preset).
 
-* Generation tasks (NIAH, RULER, ``--tasks-file``) share one engine per config covering every context:
-  greedy decoding, no prefix caching; the prompt is prefilled exactly (``prefill: exact``, the paper's
-  protocol: dense prefill, certified decode) unless ``--prefill certified``.
-* Perplexity gets its own engine per config with prefix caching and ``prefill: certified``. Each window is
-  one phase of two requests: the prefix (``context - score_tokens`` tokens, one exact prefill chunk, kept
-  in the prefix cache), then the whole window with ``prompt_logprobs`` reading that cached prefix, so each
-  scored token is a certified row over the quantized cache: one certified head-step per layer and query
-  head, exactly what a teacher-forced decode step computes (``docs/evaluation.md``).
+* Generation tasks (NIAH, RULER, ``--tasks-file``): greedy decoding, never reading the prefix cache; the
+  prompt is prefilled exactly (the paper's protocol: dense prefill, certified decode) unless
+  ``--prefill certified``.
+* Perplexity needs prefix caching and ``prefill: certified``. Each window is one phase of two requests:
+  the prefix (``context - score_tokens`` tokens, one exact prefill chunk, kept in the prefix cache), then
+  the whole window with ``prompt_logprobs`` reading that cached prefix, so each scored token is a certified
+  row over the quantized cache: one certified head-step per layer and query head, exactly what a
+  teacher-forced decode step computes (``docs/evaluation.md``).
+
+Both families share the config's engine (perplexity windows first): prefix caching and ``prefill:
+certified`` are engine-wide, so the generation requests skip reading the prefix cache and, under the
+default ``--prefill exact``, chunked prefill is off (each prompt is prefilled whole, with no cached
+context: the exact path, as in an engine of their own).
 
 Results are appended to ``OUT/results/TASK/CONTEXT/CONFIG.jsonl`` as soon as the engine finishes each
 phase, with the phase's metric deltas (rungs, fallbacks, bounds) in ``CONFIG.phases.jsonl``.
@@ -21,7 +26,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -137,6 +142,8 @@ def _phases(items: list[Item], kind: str, batch: int) -> list[list[Item]]:
 
 
 def _requests(phase: list[Item], kind: str) -> dict[str, Any]:
+    """One harness phase: a perplexity window's two requests, or a batch of generation items (which never
+    read the prefix cache: their prompts are prefilled as if the engine had none)."""
     if kind == "ppl":
         it = phase[0]
         return {"batch": False, "requests": [
@@ -145,51 +152,61 @@ def _requests(phase: list[Item], kind: str) -> dict[str, Any]:
             {"prompt_token_ids": it["token_ids"], "max_tokens": 1, "prompt_logprobs": True,
              "skip_reading_prefix_cache": False, "detokenize": False},
         ]}  # fmt: skip
-    return {"batch": True, "requests": [{"prompt": it["prompt"], "max_tokens": it["max_tokens"]} for it in phase]}
+    return {"batch": True, "requests": [{"prompt": it["prompt"], "max_tokens": it["max_tokens"],
+                                         "skip_reading_prefix_cache": True} for it in phase]}  # fmt: skip
 
 
-def engine_spec(config: EngineConfig, kind: str, opts: Options, max_len: int) -> dict[str, Any]:
-    """The harness spec (without requests) of one engine run."""
+def engine_spec(config: EngineConfig, kinds: str | Collection[str], opts: Options, max_len: int) -> dict[str, Any]:
+    """The harness spec (without requests) of one engine run serving the task families ``kinds``
+    (``"ppl"``, ``"gen"`` or both)."""
+    kinds = {kinds} if isinstance(kinds, str) else set(kinds)
     engine: dict[str, Any] = {"max_model_len": max_len, "enforce_eager": True, "seed": 0}
     cert = dict(config.cert) if config.cert is not None else None
-    if kind == "ppl":
-        engine.update(enable_prefix_caching=True, enable_chunked_prefill=True,
+    if "ppl" in kinds:
+        # a perplexity prefix is one exact prefill chunk, then read back from the prefix cache by its window;
+        # generation prompts beside it must not be chunked unless their prefill is certified anyway
+        chunked = "gen" not in kinds or opts.prefill == "certified"
+        engine.update(enable_prefix_caching=True, enable_chunked_prefill=chunked,
                       max_num_batched_tokens=max(max_len, 2048))  # fmt: skip
-        if cert is not None:
-            cert["prefill"] = "certified"
     else:
         engine.update(enable_prefix_caching=False)
-        if cert is not None and opts.prefill == "certified":
-            cert["prefill"] = "certified"
+    if cert is not None and ("ppl" in kinds or opts.prefill == "certified"):
+        cert["prefill"] = "certified"
     spec: dict[str, Any] = {"model": opts.model, "kv_cache_dtype": config.kv_cache_dtype, "engine": engine}
     if cert is not None:
         spec["cert"] = cert
     return spec
 
 
-def run_config(store: Store, items: list[Item], config: EngineConfig, kind: str, opts: Options) -> int:
-    """Run every pending item of one task family for ``config`` in one engine; returns items run."""
-    todo = pending(store, items, config)
+def _max_len(items: list[Item], kind: str, limit: int) -> int:
+    """The engine's ``max_model_len`` for ``items`` of one family (at most ``limit``)."""
+    if kind == "ppl":
+        return min(limit, max(len(it["token_ids"]) for it in items) + 1)
+    lengths = [parse_context(it["context"]) for it in items if it["context"] != "file"]
+    lengths += [it["meta"].get("prompt_tokens", 0) + it["max_tokens"] for it in items if it["context"] == "file"]
+    return min(limit, max(lengths))
+
+
+def run_config(store: Store, items: dict[str, list[Item]], config: EngineConfig, opts: Options,
+               cpu_bind: str | None = None) -> int:  # fmt: skip
+    """Run every pending item of every family (``{"ppl": [...], "gen": [...]}``) for ``config`` in one
+    engine (its worker on the cores ``cpu_bind``, ``VLLM_CPU_OMP_THREADS_BIND``, when given); returns items
+    run."""
+    todo = {kind: found for kind, its in items.items() if (found := pending(store, its, config))}
     if not todo:
         return 0
-    phases = _phases(todo, kind, opts.batch)
-    max_len = opts.max_model_len
-    if kind == "ppl":
-        max_len = min(max_len, max(len(it["token_ids"]) for it in todo) + 1)
-    else:
-        lengths = [parse_context(it["context"]) for it in todo if it["context"] != "file"]
-        lengths += [it["meta"].get("prompt_tokens", 0) + it["max_tokens"] for it in todo if it["context"] == "file"]
-        max_len = min(max_len, max(lengths))
-    spec = engine_spec(config, kind, opts, max_len)
-    spec["phases"] = [_requests(p, kind) for p in phases]
-    state: dict[str, Any] = {"metrics": {}, "t": time.perf_counter()}
+    kinds = sorted(todo, key=lambda k: k != "ppl")  # perplexity windows first
+    phases = [(kind, p) for kind in kinds for p in _phases(todo[kind], kind, opts.batch)]
+    max_len = max(_max_len(todo[kind], kind, opts.max_model_len) for kind in kinds)
+    spec = engine_spec(config, kinds, opts, max_len)
+    spec["phases"] = [_requests(p, kind) for kind, p in phases]
+    state: dict[str, Any] = {"t": time.perf_counter()}
     if opts.progress is not None:
         opts.progress.set_postfix_str(f"{config.name}: starting engine")
 
     def on_phase(record: dict[str, Any]) -> None:
-        phase = phases[record["phase"]]
-        delta = _metric_delta(record["metrics"], state["metrics"])
-        state["metrics"] = record["metrics"]
+        kind, phase = phases[record["phase"]]
+        delta = _metric_delta(record["metrics"], record["metrics_before"])
         rows = []
         outputs = record["outputs"][-1:] if kind == "ppl" else record["outputs"]
         for it, out in zip(phase, outputs, strict=True):
@@ -216,9 +233,13 @@ def run_config(store: Store, items: list[Item], config: EngineConfig, kind: str,
             opts.progress.set_postfix_str(f"{config.name} {first['task']} {first['context']}")
 
     env = {"VLLM_CPU_KVCACHE_SPACE": f"{opts.kv_space_gb:g}"}
+    if cpu_bind is not None:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_bind
     start = time.perf_counter()
     result = run_engine(spec, timeout=ENGINE_TIMEOUT_S, env=env, on_phase=on_phase)
-    opts.log.append({"kind": kind, "config": config.name, "items": len(todo), "phases": len(phases),
-                     "init_seconds": result["init_seconds"], "wall_seconds": time.perf_counter() - start,
-                     "kv_cache_tokens": result.get("kv_cache_tokens"), "max_model_len": max_len})  # fmt: skip
-    return len(todo)
+    count = sum(len(its) for its in todo.values())
+    opts.log.append({"kind": "+".join(kinds), "config": config.name,
+                     "items": count, "phases": len(phases), "init_seconds": result["init_seconds"],
+                     "wall_seconds": time.perf_counter() - start, "kv_cache_tokens": result.get("kv_cache_tokens"),
+                     "max_model_len": max_len})  # fmt: skip
+    return count
