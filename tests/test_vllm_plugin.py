@@ -91,7 +91,8 @@ def test_unsupported_vllm_versions_are_refused(monkeypatch):
     from certvllm.vllm_plugin import _compat
 
     monkeypatch.setattr(vllm, "__version__", "0.31.2")
-    with pytest.raises(_compat.UnsupportedVllmError, match="supports vLLM 0.32 and 0.33, found 0.31.2"):
+    supported = r"supports vLLM 0.26, 0.32 and 0.33 \(range 0.26–0.33\), found 0.31.2"
+    with pytest.raises(_compat.UnsupportedVllmError, match=supported):
         _compat.check_version()
 
 
@@ -147,11 +148,13 @@ def test_host_budget_too_small_refuses_to_start_naming_the_flag():
     assert "Raise --cert-host-memory-gb" in out
 
 
-@pytest.mark.vllm
-@pytest.mark.slow
 def test_bad_dense_backend_fails_at_startup():
-    out = _engine_error({}, {"CERTVLLM_DENSE_BACKEND": "flash"})
-    assert "CERTVLLM_DENSE_BACKEND='flash' is not a dense attention backend" in out
+    """``dense_backend`` is a config field: a bad value fails the config's validation, and a forced xformers
+    that cannot run here fails the plugin's startup check, both before any engine process starts."""
+    out = _startup_refusal(additional_config={"certvllm": {"dense_backend": "flash"}})
+    assert "dense_backend" in out and "--cert-dense-backend" in out
+    with pytest.raises(RuntimeError, match="--cert-dense-backend xformers, but"):
+        _engine_config(additional_config={"certvllm": {"dense_backend": "xformers"}})
 
 
 def test_block_size_not_a_multiple_of_16_is_refused():
@@ -252,35 +255,56 @@ def test_promotion_pool_fits_in_the_planned_kv_memory(
             assert used(kept + 2) > planned * page, f"kept {kept} of {planned}: more blocks would fit"
 
 
-def test_host_tier_registers_layers_with_one_step_prefetcher_in_forward_order():
-    """The CUDA backend registers every layer's cache with the worker's step prefetcher as it first sees
-    it; a cache reallocated for a layer replaces its entry, or, at another size (profiling → real cache),
-    starts a prefetcher sized for it."""
+def _runtime(**cert):
+    from types import SimpleNamespace
+
+    from certvllm.vllm_plugin.runtime import WorkerRuntime
+
+    vllm_config = SimpleNamespace(
+        additional_config={"certvllm": cert}, model_config=SimpleNamespace(served_model_name=["m"]),
+        parallel_config=SimpleNamespace(data_parallel_rank=0),
+    )  # fmt: skip
+    return WorkerRuntime.of(vllm_config)
+
+
+def test_runtime_binds_each_layer_once_per_kv_tensor():
+    """The worker's runtime gives each layer one state per vLLM KV tensor: the same tensor returns the same
+    state (the forward looks it up), a new tensor (profiling → the real cache) a new tiered cache with its
+    own shadow; on the CPU no promotion pool or step prefetch exists."""
     import torch
 
-    from certvllm.formats.layout import PageLayout
-    from certvllm.vllm_plugin.host_tier import HostTier
+    from certvllm.vllm_plugin.host_tier import vllm_page_layout
 
-    tier = HostTier()
-    lay = PageLayout(64)
-    kv = {name: torch.zeros(6, 2, 16, lay.bytes_per_token, dtype=torch.uint8) for name in ("l.0", "l.1")}
-    caches = {name: tier.layer(name, t, 64, torch.float16, 16) for name, t in kv.items()}
-    tier.attach_prefetch("l.0", caches["l.0"], 0.0)
-    assert tier.prefetcher is None  # fraction 0: no prefetch
-    for name in ("l.0", "l.1"):
-        tier.attach_prefetch(name, caches[name], 0.5)
-    pf = tier.prefetcher
-    assert [lay_.cache for lay_ in pf.layers] == [caches["l.0"], caches["l.1"]]
-    assert caches["l.1"].prefetch == (pf, 1)
-    assert pf.capacity == 6  # half of one layer's 6 blocks × 2 KV heads
-    same = tier.layer("l.0", torch.zeros_like(kv["l.0"]), 64, torch.float16, 16)
-    tier.attach_prefetch("l.0", same, 0.5)
-    assert tier.prefetcher is pf and len(pf.layers) == 2 and pf.layers[0].cache is same
-    bigger = {name: torch.zeros(8, 2, 16, lay.bytes_per_token, dtype=torch.uint8) for name in kv}
-    for name in ("l.0", "l.1"):
-        tier.attach_prefetch(name, tier.layer(name, bigger[name], 64, torch.float16, 16), 0.5)
-    assert tier.prefetcher is not pf and tier.prefetcher.capacity == 8
-    assert [lay_.cache.pages.data_ptr() for lay_ in tier.prefetcher.layers] == [bigger[n].data_ptr() for n in kv]
+    rt = _runtime()
+    c = vllm_page_layout(64, 16).bytes_per_token
+    kv = torch.zeros(6, 2, 16, c, dtype=torch.uint8)
+    first = rt.bind("model.layers.3.self_attn.attn", kv, 64, torch.float16)
+    assert first.index == 3 and rt.layer("model.layers.3.self_attn.attn") is first
+    assert rt.bind("model.layers.3.self_attn.attn", kv, 64, torch.float16) is first
+    assert first.residency.pool is None and rt.prefetcher is None  # CPU: none
+    assert rt.host_bytes == first.cache.shadow.numel() * 2
+    again = rt.bind("model.layers.3.self_attn.attn", torch.zeros(8, 2, 16, c, dtype=torch.uint8), 64, torch.float16)
+    assert again is not first and again.cache.num_blocks == 8 and rt.layer(again.name) is again
+    with pytest.raises(RuntimeError, match="no certified cache yet"):
+        rt.layer("model.layers.4.self_attn.attn")
+    with pytest.raises(ValueError, match="does not match the certified page"):
+        rt.bind("model.layers.5.self_attn.attn", torch.zeros(6, 2, 16, c + 16, dtype=torch.uint8), 64, torch.float16)
+
+
+def test_vllm_page_is_two_bytes_per_head_dim_whatever_the_value_group():
+    """vLLM sizes its KV tensor before certvllm's settings are known: the page is 2·D bytes per token and KV
+    head for every head size; g = 16 fills it, g = 32 pads it, g = 8 does not fit and is refused."""
+    from certvllm.formats.layout import PageLayout
+    from certvllm.vllm_plugin.backend import SUPPORTED_HEAD_SIZES
+    from certvllm.vllm_plugin.host_tier import check_page_fits, vllm_page_layout
+
+    for d in SUPPORTED_HEAD_SIZES:
+        assert vllm_page_layout(d, 16).bytes_per_token == 2 * d == PageLayout(d, 16).bytes_per_token
+        if d % 32 == 0:
+            check_page_fits(d, 32)
+            assert vllm_page_layout(d, 32).page_bytes == 32 * d
+        with pytest.raises(ValueError, match="--cert-value-group-size 16 or 32"):
+            check_page_fits(d, 8)
 
 
 def test_key_page_sources_come_from_the_pool_and_the_prefetch_counters():
@@ -288,13 +312,14 @@ def test_key_page_sources_come_from_the_pool_and_the_prefetch_counters():
     prefetch, and the rest (over PCIe), read from the two components' counters."""
     from types import SimpleNamespace
 
+    from certvllm.kv.residency import Residency
     from certvllm.vllm_plugin.backend import CertifiedAttentionImpl
 
     seen = []
     metrics = SimpleNamespace(count_key_pages=lambda *a: seen.append(a))
     pool = SimpleNamespace(take_stats=lambda: {"lookups": 100, "hits": 60, "fills": 10, "bypass": 30})
     prefetch = SimpleNamespace(take_stats=lambda: {"staged": 40, "candidates": 40, "served": 25})
-    impl = SimpleNamespace(metrics=metrics)
-    CertifiedAttentionImpl._count_key_pages(impl, SimpleNamespace(promotion_cache=pool, prefetch=(prefetch, 3)))
-    CertifiedAttentionImpl._count_key_pages(impl, SimpleNamespace(promotion_cache=pool, prefetch=None))
+    impl = SimpleNamespace(runtime=SimpleNamespace(metrics=metrics))
+    CertifiedAttentionImpl._count_key_pages(impl, SimpleNamespace(residency=Residency(pool, prefetch, 3)))
+    CertifiedAttentionImpl._count_key_pages(impl, SimpleNamespace(residency=Residency(pool)))
     assert seen == [(60, 25, 15), (60, 0, 40)]
