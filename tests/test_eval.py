@@ -63,8 +63,10 @@ def test_configs_contexts_and_tasks_file(tmp_path):
     assert both["engine"]["enable_chunked_prefill"] is False and both["engine"]["max_num_batched_tokens"] >= 1024
     gen_requests = runner._requests([{"prompt": "p", "max_tokens": 4}], "gen")["requests"]
     assert gen_requests == [{"prompt": "p", "max_tokens": 4, "skip_reading_prefix_cache": True}]
-    certified_gen = runner.Options(model="m", out=tmp_path, prefill="certified")
-    assert runner.engine_spec(paper, ["ppl", "gen"], certified_gen, 1024)["engine"]["enable_chunked_prefill"]
+    certified_gen = runner.Options(model="m", out=tmp_path, prefill="certified")  # chunked: an engine of its own
+    with pytest.raises(ValueError, match="engine of its own"):
+        runner.engine_spec(paper, ["ppl", "gen"], certified_gen, 1024)
+    assert runner.engine_spec(paper, "gen", certified_gen, 1024)["cert"]["prefill"] == "certified"
     f = tmp_path / "qa.jsonl"
     f.write_text('{"prompt": "2+2=", "answers": ["4"]}\n\n{"prompt": "Capital of France?", "answers": ["Paris"], '
                  '"metric": "all", "max_tokens": 8}\n')  # fmt: skip

@@ -14,9 +14,10 @@ Configs: ``dense`` (``kv_cache_dtype="auto"``), ``certified`` / ``certified:PRES
   teacher-forced decode step computes (``docs/evaluation.md``).
 
 Both families share the config's engine (perplexity windows first): prefix caching and ``prefill:
-certified`` are engine-wide, so the generation requests skip reading the prefix cache and, under the
-default ``--prefill exact``, chunked prefill is off (each prompt is prefilled whole, with no cached
-context: the exact path, as in an engine of their own).
+certified`` are engine-wide, so the generation requests skip reading the prefix cache and chunked prefill
+is off (each prompt is prefilled whole, with no cached context: the exact path, as in an engine of their
+own). Under ``--prefill certified`` generation keeps an engine of its own, chunked at vLLM's default
+budget (which perplexity's one-chunk prefixes cannot share).
 
 Results are appended to ``OUT/results/TASK/CONTEXT/CONFIG.jsonl`` as soon as the engine finishes each
 phase, with the phase's metric deltas (rungs, fallbacks, bounds) in ``CONFIG.phases.jsonl``.
@@ -164,9 +165,10 @@ def engine_spec(config: EngineConfig, kinds: str | Collection[str], opts: Option
     cert = dict(config.cert) if config.cert is not None else None
     if "ppl" in kinds:
         # a perplexity prefix is one exact prefill chunk, then read back from the prefix cache by its window;
-        # generation prompts beside it must not be chunked unless their prefill is certified anyway
-        chunked = "gen" not in kinds or opts.prefill == "certified"
-        engine.update(enable_prefix_caching=True, enable_chunked_prefill=chunked,
+        # generation prompts beside it must not be chunked (their prefill then stays exact)
+        if "gen" in kinds and opts.prefill == "certified":
+            raise ValueError("--prefill certified generation needs an engine of its own (vLLM's chunking)")
+        engine.update(enable_prefix_caching=True, enable_chunked_prefill="gen" not in kinds,
                       max_num_batched_tokens=max(max_len, 2048))  # fmt: skip
     else:
         engine.update(enable_prefix_caching=False)
@@ -189,13 +191,19 @@ def _max_len(items: list[Item], kind: str, limit: int) -> int:
 
 def run_config(store: Store, items: dict[str, list[Item]], config: EngineConfig, opts: Options,
                cpu_bind: str | None = None) -> int:  # fmt: skip
-    """Run every pending item of every family (``{"ppl": [...], "gen": [...]}``) for ``config`` in one
-    engine (its worker on the cores ``cpu_bind``, ``VLLM_CPU_OMP_THREADS_BIND``, when given); returns items
-    run."""
+    """Run every pending item of every family (``{"ppl": [...], "gen": [...]}``) for ``config``: in one
+    engine, or under ``--prefill certified`` one per family (see :func:`engine_spec`); each engine's worker
+    on the cores ``cpu_bind`` (``VLLM_CPU_OMP_THREADS_BIND``) when given. Returns the items run."""
     todo = {kind: found for kind, its in items.items() if (found := pending(store, its, config))}
-    if not todo:
-        return 0
     kinds = sorted(todo, key=lambda k: k != "ppl")  # perplexity windows first
+    groups = [kinds] if opts.prefill == "exact" else [[kind] for kind in kinds]
+    return sum(_run_engine(store, {k: todo[k] for k in group}, config, opts, cpu_bind) for group in groups if group)
+
+
+def _run_engine(store: Store, todo: dict[str, list[Item]], config: EngineConfig, opts: Options,
+                cpu_bind: str | None) -> int:  # fmt: skip
+    """One engine for the pending items ``todo`` of one or more families."""
+    kinds = list(todo)
     phases = [(kind, p) for kind in kinds for p in _phases(todo[kind], kind, opts.batch)]
     max_len = max(_max_len(todo[kind], kind, opts.max_model_len) for kind in kinds)
     spec = engine_spec(config, kinds, opts, max_len)
