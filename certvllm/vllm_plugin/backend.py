@@ -2,10 +2,10 @@
 
 KV tensor (per layer, vLLM layout LBHNC): ``[num_blocks, H_kv, B, C]`` uint8 with the vLLM block size
 ``B = m·16`` (16 on GPUs; 128, vLLM's default, on the CPU) and ``C = 2·D`` bytes per token and KV head
-(``host_tier.vllm_page_layout``: 256 at D = 128, half of FP16). ``kv_cache[b, h]`` holds ``m`` tier-1 pages of 16-token blocks in the byte
-layout of ``certvllm.formats.layout``; the core addresses them as blocks ``b·m + i``. Each block also
-has a shadow page per layer in the worker's host tier (``host_tier.py``), written by
-:meth:`CertifiedAttentionImpl.do_kv_cache_update` at the same slots.
+(``host_tier.vllm_page_layout``: 256 at D = 128, half of FP16). ``kv_cache[b, h]`` holds ``m`` tier-1 pages
+of 16-token blocks in the byte layout of ``certvllm.formats.layout``; the core addresses them as blocks
+``b·m + i``. Each block also has a shadow page per layer in the worker's host tier (``host_tier.py``),
+written by :meth:`CertifiedAttentionImpl.do_kv_cache_update` at the same slots.
 
 Per step (``CertifiedMetadataBuilder`` splits the batch):
 * decode tokens (one query token per request) → certified attention on the pages;

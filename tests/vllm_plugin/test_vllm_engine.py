@@ -30,7 +30,7 @@ from certvllm.vllm_plugin.harness import cpu_binds, phase_deltas, run_engine
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MODEL = str(ROOT / "models" / "smollm2-135m-instruct")
 LAYERS, HEADS = 30, 9
 

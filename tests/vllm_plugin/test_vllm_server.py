@@ -18,7 +18,7 @@ from servers import free_port, stop_group
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MODEL = str(ROOT / "models" / "smollm2-135m-instruct")
 NAME = "smollm2"
 LAYERS, HEADS = 30, 9

@@ -12,7 +12,7 @@ import pytest
 
 from certvllm.eval import report, runner, scoring, stats, tasks
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MODEL = str(ROOT / "models" / "smollm2-135m-instruct")
 LAYERS, HEADS = 30, 9
 
