@@ -14,7 +14,7 @@ Supported: vLLM 0.26 (the newest release built for torch 2.11, what the lent H20
 from __future__ import annotations
 
 import logging
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
 import torch
 
@@ -120,3 +120,31 @@ def lbhnc_layouts() -> tuple:
     except ImportError:
         return ()
     return (KVCacheLayout.LBHNC,)
+
+
+def varlen_flash_attention(head_size: int) -> Any | None:
+    """vLLM's own variable-length FlashAttention for exact prefill on CUDA, as
+    ``fn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, out)`` (bottom-right causal),
+    or None where this vLLM build has none (the CPU build) or no version of it serves ``head_size``.
+
+    The kernel version is vLLM's choice for this GPU (FA3 on Hopper); it must be passed explicitly: the
+    interface defaults to FA2, which the offline bundle strips."""
+    try:
+        from vllm.v1.attention.backends.fa_utils import flash_attn_varlen_func, get_flash_attn_version
+    except ImportError:
+        return None
+    try:
+        version = get_flash_attn_version(head_size=head_size)
+    except Exception as err:  # noqa: BLE001 - any probe failure means: no flash kernel here
+        logger.info("certvllm: no FlashAttention for exact prefill (%s); using torch SDPA", err)
+        return None
+    if version is None:
+        return None
+
+    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
+            max_q: int, max_k: int, scale: float, out: torch.Tensor) -> None:  # fmt: skip
+        flash_attn_varlen_func(q, k, v, max_seqlen_q=max_q, cu_seqlens_q=cu_q, max_seqlen_k=max_k,
+                               cu_seqlens_k=cu_k, softmax_scale=scale, causal=True, out=out,
+                               fa_version=version)  # fmt: skip
+
+    return run

@@ -9,7 +9,7 @@ written by :meth:`CertifiedAttentionImpl.do_kv_cache_update` at the same slots.
 
 Per step (``CertifiedMetadataBuilder`` splits the batch):
 * decode tokens (one query token per request) → certified attention on the pages;
-* prefill tokens with no cached context → exact attention (from the shadow);
+* prefill tokens with no cached context → exact attention (the step's own keys and values);
 * prefill tokens that read cached blocks (chunked prefill, prefix-cache hits) → exact attention, or
   certified per query token with ``prefill: certified``;
 * ``mode: dense`` → everything exact.
@@ -302,13 +302,17 @@ class CertifiedAttentionImpl(AttentionImpl[CertifiedMetadata]):
                 self._count_key_pages(state)
 
         if meta.exact_plan is not None:
+            # this step's keys and values (already in the shadow): a prefill on CUDA reads only its cached
+            # context over PCIe
+            k_new = key.view(-1, self.num_kv_heads, self.head_size)
+            v_new = value.view(-1, self.num_kv_heads, self.head_size)
             if meta.exact_all:
                 n = meta.num_actual_tokens
-                exact.run(meta.exact_plan, q[:n], cache, out[:n], pagein)
+                exact.run(meta.exact_plan, q[:n], cache, out[:n], pagein, fresh=(k_new[:n], v_new[:n]))
             else:
                 idx = meta.exact_tokens.to(q.device)
                 part = torch.empty(idx.numel(), self.num_heads, self.head_size, dtype=out.dtype, device=out.device)
-                exact.run(meta.exact_plan, q[idx].contiguous(), cache, part, pagein)
+                exact.run(meta.exact_plan, q[idx].contiguous(), cache, part, pagein, fresh=(k_new[idx], v_new[idx]))
                 out[idx] = part
             if state.index == 0:
                 for reason, count in meta.exact_counts.items():
