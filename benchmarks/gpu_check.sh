@@ -13,23 +13,10 @@
 # Wheels in .whl/ (pydantic and its dependencies, which the H200 image lacks) are installed first.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export PYTHONUNBUFFERED=1
 OUT="${OUT:-runs}"
 mkdir -p "$OUT"
-if compgen -G ".whl/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/certvllm-site .whl/*.whl \
-    && export PYTHONPATH="/tmp/certvllm-site${PYTHONPATH:+:$PYTHONPATH}"
-fi
-if ! python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/pip.log" 2>&1; then
-  echo "pip install -e . failed (see pip.log): running from the source tree"
-  ln -sfn ../triton_kernels certvllm/triton_kernels
-  ln -sfn ../configs certvllm/configs
-  ln -sfn ../csrc certvllm/csrc
-  # only the package on the path: the repository root would put our top-level triton_kernels/ where vLLM
-  # looks for its own triton_kernels module
-  mkdir -p /tmp/certvllm-src && ln -sfn "$PWD/certvllm" /tmp/certvllm-src/certvllm
-  export PYTHONPATH="/tmp/certvllm-src${PYTHONPATH:+:$PYTHONPATH}"
-fi
+# shellcheck source=benchmarks/gpu_env.sh
+source benchmarks/gpu_env.sh
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
 test_rc=0
