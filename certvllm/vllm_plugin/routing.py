@@ -141,11 +141,33 @@ def _prepare_certified(vllm_config: Any) -> None:
     from certvllm.attention import dense_backend
     from certvllm.vllm_plugin import host_tier
 
+    if current_platform.is_cuda():  # the CPU platform turns CUDA graphs off itself
+        _piecewise_cuda_graphs(vllm_config)
     host_tier.check_minimum(vllm_config, cfg)
     host_tier.check_page_fits(vllm_config.model_config.get_head_size(), cfg.value_group_size)
     dense_backend.check_request(cfg.dense_backend, current_platform.is_cuda())  # before any request
     logger.info("certvllm: certified KV cache, preset settings %s", cfg.model_dump(exclude_defaults=True))
     logger.info("certvllm: %s", env.environment())
+
+
+def _piecewise_cuda_graphs(vllm_config: Any) -> None:
+    """CUDA graphs with the certified backend: the model is captured piecewise, attention runs between the
+    pieces. A full graph would freeze the per-step host work (the certified/exact split of the batch, the
+    cut of the block table, the prefetch plan), so a mode with full graphs is lowered to PIECEWISE here, with
+    the reason logged; vLLM's compile and its piecewise graphs stay as configured."""
+    compilation = vllm_config.compilation_config
+    mode = getattr(compilation, "cudagraph_mode", None)
+    if mode is None or not hasattr(mode, "has_full_cudagraphs") or not mode.has_full_cudagraphs():
+        return
+    from vllm.config import CUDAGraphMode
+
+    compilation.cudagraph_mode = CUDAGraphMode.PIECEWISE
+    logger.info(
+        "certvllm: cudagraph_mode %s -> PIECEWISE: certified attention plans each step on the host (which "
+        "tokens are certified or exact, the block table's cut, the page prefetch), so it runs between the "
+        "captured pieces; the rest of the model keeps its CUDA graphs and torch.compile.",
+        mode.name,
+    )
 
 
 def _cap_block_count() -> None:
