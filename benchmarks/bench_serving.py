@@ -243,6 +243,9 @@ def _skip_reason(cell: dict[str, int], spec: dict[str, Any], engine: dict[str, A
     if concurrency > engine["max_num_seqs"]:
         return f"concurrency {concurrency} > max_num_seqs {engine['max_num_seqs']}"
     need, capacity = concurrency * context, engine["kv_capacity_tokens"]
+    budget = spec.get("max_cell_tokens")
+    if budget is not None and need > budget:
+        return f"needs {need:,} KV tokens > this run's --max-cell-tokens {budget:,} (device time)"
     if capacity is not None and need > capacity:
         return (f"needs {concurrency} × ({context - max_tokens} + {max_tokens}) = {need:,} KV tokens "
                 f"> capacity {capacity:,}")  # fmt: skip
@@ -473,7 +476,8 @@ def run_engine_child(args: argparse.Namespace, dtype: str, results: Results, log
     with tempfile.TemporaryDirectory(prefix="bench-serving-") as tmp:
         progress = Path(tmp, "progress.jsonl")
         spec = {"engine": engine_kwargs(args, dtype), "cells": cells, "max_tokens": args.max_tokens,
-                "seed": args.seed, "cell_timeout": args.cell_timeout, "warmup_tokens": args.warmup_tokens,
+                "seed": args.seed, "cell_timeout": args.cell_timeout, "max_cell_tokens": args.max_cell_tokens,
+                "warmup_tokens": args.warmup_tokens,
                 "warmup_max_tokens": args.warmup_max_tokens, "warmup_requests": args.warmup_requests,
                 "cert_metrics": dtype == "certified" and not args.no_cert_metrics,
                 "progress": str(progress)}  # fmt: skip
@@ -677,6 +681,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="extra AsyncEngineArgs field for every engine (repeatable), e.g. max_num_batched_tokens=8192",
     )
     ap.add_argument("--cell-timeout", type=float, default=600.0, help="seconds per cell before it is aborted")
+    ap.add_argument(
+        "--max-cell-tokens",
+        type=int,
+        default=None,
+        help="skip cells needing more than this many KV tokens (concurrency × context), on every engine",
+    )
     ap.add_argument("--start-timeout", type=float, default=1800.0, help="seconds an engine may take to start")
     ap.add_argument("--warmup-tokens", type=int, default=2048, help="prompt tokens of the untimed warm-up request")
     ap.add_argument("--warmup-max-tokens", type=int, default=16)
