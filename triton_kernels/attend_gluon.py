@@ -34,6 +34,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.language.extra import libdevice
 
+from .shape_class import JIT_OPTIONS
+
 _PUBLIC_REINTERPRET = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))
 
 
@@ -74,7 +76,7 @@ def _blocks(jb, it, split, BPS, B, nf, tables, r, TB_STRIDE, num_blocks, h, H: g
     return bb, valid, bid, base
 
 
-@gluon.jit
+@gluon.jit(**JIT_OPTIONS)
 def _attend_gluon_kernel(
     scores, mmax, shadow, pages_u8, pages_f16, pages_f32, tables, nfull, bits, active,
     acc, den, aval, atail, exact_lm,

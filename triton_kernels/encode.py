@@ -37,9 +37,10 @@ from .common import (
     precise,
     rint,
 )
+from .shape_class import JIT_OPTIONS
 
 
-@triton.jit
+@triton.jit(**JIT_OPTIONS)
 def _encode_pages_kernel(
     k_ptr,  # keys of the source blocks (float16/bfloat16); element (t, d) of item i at k_ptr + k_off[i] + t*K_ST + d*K_SC
     v_ptr,  # values (same dtype), token-major; element (t, d) of item i at v_ptr + v_off[i] + t*D + d

@@ -40,6 +40,7 @@ from .common import (
     tail_mass_upper,
     tanh_f32,
 )
+from .shape_class import JIT_OPTIONS, width_class
 
 MAX_BLOCKS = GLUE_MAX_BLOCKS
 
@@ -61,7 +62,7 @@ def _f64_constants(dev: torch.device) -> torch.Tensor:
 
 
 def supported(num_blocks: int) -> bool:
-    return 1 <= num_blocks <= MAX_BLOCKS
+    return num_blocks >= 1 and width_class(num_blocks).glue
 
 
 @triton.jit
@@ -101,7 +102,7 @@ def _combine(acc, den_p, s_tail, tail_v, m, pid, rk, g, S, G: tl.constexpr, D: t
     return num, den, den_t, st, mm
 
 
-@triton.jit
+@triton.jit(**JIT_OPTIONS)
 def _combine_exact_kernel(
     acc, den_p, s_tail, tail_v, m, rung, out, S, G: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
     PRECISE: tl.constexpr,
@@ -115,7 +116,7 @@ def _combine_exact_kernel(
         tl.store(out + pid * D + dd, (num / den).to(tl.float32), mask=dd < D)
 
 
-@triton.jit
+@triton.jit(**JIT_OPTIONS)
 def _finalize_kernel(
     acc,  # [R, H, S, G, D] float64 attend parts: Σ w·v
     den_p,  # [R, H, S, G] float64 Σ w
@@ -327,7 +328,7 @@ def finalize(
         v_max.contiguous(), eta_max.contiguous(), bits, l8.contiguous(), exact_lm, delta.contiguous(), nfull,
         lens, widened.contiguous().view(torch.int8), canary, bad_page.contiguous().view(torch.int8), out, f_out,
         i_out, b_out, _f64_constants(dev), B, parts.den.shape[2], sabs.shape[-1], GAMMA_SLACK, 1 + 2.0**-20, c1, c0, round_factor(16), policy.bound_tol, policy.eps_guard, policy.forced_rung,
-        H=K, G=G, D=D, DP=next_pow2(D), BP=next_pow2(B), DEPTH=policy.rank_depth, CERTIFIED=policy.certified,
+        H=K, G=G, D=D, DP=next_pow2(D), BP=width_class(B).bp, DEPTH=policy.rank_depth, CERTIFIED=policy.certified,
         RANK=policy.checks_rank, PRECISE=precise(), num_warps=4, enable_fp_fusion=False,
     )  # fmt: skip
     shape = (R, K * G)

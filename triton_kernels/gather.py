@@ -13,9 +13,10 @@ import triton
 import triton.language as tl
 
 from .common import copy_key_page, device_arg, launch_device_ok, load_shadow_tile, next_pow2, store_page_tile
+from .shape_class import JIT_OPTIONS
 
 
-@triton.jit
+@triton.jit(**JIT_OPTIONS)
 def _gather_pages_kernel(
     src,  # shadow storage [E, H, 2, m*N, D] (float16/bfloat16), host-pinned or device
     out,  # [n, 2, N, D] output (same dtype), device
@@ -64,7 +65,7 @@ def gather_pages(
     return out
 
 
-@triton.jit
+@triton.jit(**JIT_OPTIONS)
 def _fill_pool_kernel(
     src,  # shadow storage [E, H, 2, m*N, D] (float16/bfloat16), host-pinned or device
     pool,  # [P, N, D] promotion-cache key pages (same dtype), device

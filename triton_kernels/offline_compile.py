@@ -83,6 +83,7 @@ def compile_gluon(kernel, pointers: dict, constants: dict, arch: int = 90) -> Co
     Needs a process whose Triton was imported without the interpreter (module docstring; else
     :func:`run_jobs`)."""
     from .common import interpreting
+    from .shape_class import CALLER_POINTERS
 
     if interpreting():
         raise RuntimeError("Triton interprets kernels in this process: compile Gluon kernels with run_jobs()")
@@ -100,7 +101,10 @@ def compile_gluon(kernel, pointers: dict, constants: dict, arch: int = 90) -> Co
             signature[name], constexprs[name] = "constexpr", constants[name]
         else:
             signature[name] = SCALARS.get(name) or pointers.get(name, "*fp32")
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names) if signature[n].startswith("*")}
+    # what a launch specialises: 16-byte alignment of the pointers the kernels do not opt out for, no scalar
+    # (``shape_class.RUNTIME_INTS``, ``CALLER_POINTERS``)
+    aligned = [i for i, n in enumerate(kernel.arg_names) if signature[n].startswith("*") and n not in CALLER_POINTERS]
+    attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
     compiled = triton.compile(GluonASTSource(kernel, signature, constexprs, attrs),
                               target=GPUTarget("cuda", arch, 32), options=options)  # fmt: skip
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:

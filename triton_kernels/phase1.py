@@ -39,10 +39,11 @@ from .common import (
     split_columns,
     split_program,
 )
+from .shape_class import JIT_OPTIONS
 from .tuning import DEFAULT_TUNING, KernelTuning
 
 
-@triton.jit
+@triton.jit(**JIT_OPTIONS)
 def _phase1_kernel(
     qs,  # [R, H_q, D] float32 scaled queries fl(q·λ)
     pages_u8,  # cache.pages [E, H_kv, m·page_bytes] viewed as uint8

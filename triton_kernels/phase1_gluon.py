@@ -29,6 +29,8 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
+from .shape_class import JIT_OPTIONS
+
 VEC = 16  # key-code bytes per thread and token
 
 
@@ -197,7 +199,7 @@ def _block_compute(
         gl.store(amax + orow, gl.where(valid, sa, 0.0), mask=inb)
 
 
-@gluon.jit
+@gluon.jit(**JIT_OPTIONS)
 def _phase1_gluon_kernel(
     qs,  # [R, H_q, D] float32 scaled queries fl(q·λ)
     pages_u8,  # cache.pages viewed as uint8

@@ -47,10 +47,11 @@ from .common import (
     split_columns,
     split_program,
 )
+from .shape_class import JIT_OPTIONS
 from .tuning import DEFAULT_TUNING, KernelTuning
 
 
-@triton.jit
+@triton.jit(**JIT_OPTIONS)
 def _promote_kernel(
     qs,  # [R, H_q, D] float32 scaled queries
     shadow,  # [E, H_kv, 2, m·N, D] float16/bfloat16 originals (pinned host, read through its device address)
@@ -155,7 +156,7 @@ def _promote_kernel(
     tl.store(sabs + (rk * G + g) * S + split, run_abs, mask=gm)
 
 
-@triton.jit
+@triton.jit(**JIT_OPTIONS)
 def _attend_kernel(
     scores,  # [R, H_kv, B, G, N] float32 phase-2 scores
     mmax,  # [R, H_kv, G] float32 global max score m per query head

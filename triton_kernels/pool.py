@@ -26,6 +26,7 @@ import triton.language as tl
 from certvllm.formats.pool_slots import CLAIM_HIT, HASH_MUL
 
 from .common import copy_key_page, device_arg, launch_device_ok, next_pow2
+from .shape_class import JIT_OPTIONS, width_class
 
 _HASH_MUL = tl.constexpr(HASH_MUL)  # the two slots and the claim encoding: ``certvllm.formats.pool_slots``
 _CLAIM_HIT = tl.constexpr(CLAIM_HIT)
@@ -49,7 +50,7 @@ def _items(tables, TB_STRIDE, nfull, bits, B, need_mask, num_blocks, P, H: tl.co
     return rk * B + b, inb, need, bid, page, s1, s2
 
 
-@triton.jit
+@triton.jit(**JIT_OPTIONS)
 def _claim1(tables, TB_STRIDE, nfull, bits, B, need_mask, num_blocks, P, gen, tag, tag_gen, claim, state, step,
             H: tl.constexpr, BLK: tl.constexpr):  # fmt: skip
     idx, inb, need, bid, page, s1, s2 = _items(tables, TB_STRIDE, nfull, bits, B, need_mask, num_blocks, P, H, BLK)
@@ -66,7 +67,7 @@ def _claim1(tables, TB_STRIDE, nfull, bits, B, need_mask, num_blocks, P, gen, ta
     tl.atomic_add(step + 1, tl.sum(hit.to(tl.int64), axis=0))
 
 
-@triton.jit
+@triton.jit(**JIT_OPTIONS)
 def _claim2(tables, TB_STRIDE, nfull, bits, B, need_mask, num_blocks, P, claim, claim2, state, step,
             H: tl.constexpr, BLK: tl.constexpr):  # fmt: skip
     idx, inb, need, bid, page, s1, s2 = _items(tables, TB_STRIDE, nfull, bits, B, need_mask, num_blocks, P, H, BLK)
@@ -81,7 +82,7 @@ def _claim2(tables, TB_STRIDE, nfull, bits, B, need_mask, num_blocks, P, claim, 
     tl.atomic_add(step + 3, tl.sum((rest & ~try2).to(tl.int64), axis=0))
 
 
-@triton.jit
+@triton.jit(**JIT_OPTIONS)
 def _claim3(tables, TB_STRIDE, nfull, bits, B, need_mask, num_blocks, P, claim2, state, step,
             H: tl.constexpr, BLK: tl.constexpr):  # fmt: skip
     idx, inb, need, bid, page, s1, s2 = _items(tables, TB_STRIDE, nfull, bits, B, need_mask, num_blocks, P, H, BLK)
@@ -93,7 +94,7 @@ def _claim3(tables, TB_STRIDE, nfull, bits, B, need_mask, num_blocks, P, claim2,
     tl.atomic_add(step + 3, tl.sum((t & ~won2).to(tl.int64), axis=0))
 
 
-@triton.jit
+@triton.jit(**JIT_OPTIONS)
 def _fill(src, pool, claim, claim2, gen, tag, tag_gen, step, P,
           H: tl.constexpr, M: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, CHANNEL_MAJOR: tl.constexpr,
           SPP: tl.constexpr):  # fmt: skip
@@ -148,12 +149,14 @@ def pool_lookup(
     R, H, B = bits.shape
     P = pool.shape[0]
     dev = bits.device
-    claims = torch.full((2, P), -1, dtype=torch.int64, device=dev)
+    # rows padded to an even length: claims[1] starts 16-byte aligned whatever P (pointer alignment is part of
+    # the compile key, and P follows the cache's size); the kernels index below P only
+    claims = torch.full((2, P + P % 2), -1, dtype=torch.int64, device=dev)
     step = torch.zeros(4, dtype=torch.int64, device=dev)
     state = torch.empty(R, H, B, dtype=torch.int32, device=dev)
     if R * B == 0:
         return state, step
-    blk = min(256, next_pow2(B))
+    blk = width_class(B).item_block
     grid = (R * H, triton.cdiv(B, blk))
     common = (tables, tables.stride(0), nfull, bits, B, need_mask, num_blocks, P)
     _claim1[grid](*common, generation, tag, tag_gen, claims[0], state, step, H=H, BLK=blk, num_warps=4)

@@ -20,10 +20,11 @@ import triton.language as tl
 
 from .common import device_arg, launch_device_ok, next_pow2
 from .pool import _items
+from .shape_class import JIT_OPTIONS, width_class
 from .tuning import DEFAULT_TUNING
 
 
-@triton.jit
+@triton.jit(**JIT_OPTIONS)
 def _stage_pages_kernel(
     src,  # shadow storage [E, H, 2, m*N, D] (float16/bfloat16), host-pinned or device
     dst,  # [P, N, D] staging pages (same dtype), device
@@ -105,7 +106,7 @@ def stage_pages(
     )  # fmt: skip
 
 
-@triton.jit
+@triton.jit(**JIT_OPTIONS)
 def _snapshot_tags_kernel(pages, count, gen, tag, tag_gen, CAP, H: tl.constexpr, BLK: tl.constexpr):
     """tag[i] = pages[i] and tag_gen[i] = the block's write generation now, for i < min(count, CAP); −1 past it."""
     i = tl.program_id(0) * BLK + tl.arange(0, BLK)
@@ -126,7 +127,7 @@ def snapshot_tags(pages: torch.Tensor, count: torch.Tensor, generation: torch.Te
                                                     BLK=blk, num_warps=4)  # fmt: skip
 
 
-@triton.jit
+@triton.jit(**JIT_OPTIONS)
 def _serve_record_kernel(
     tables, TB_STRIDE, nfull, bits, B, need_mask, num_blocks,  # as the pool lookup (triton_kernels.pool)
     gen,  # [num_blocks] int64 write generations
@@ -186,7 +187,7 @@ def serve_and_record(
     R, H, B = bits.shape
     if R * B == 0:
         return
-    blk = min(256, next_pow2(B))
+    blk = width_class(B).item_block
     _serve_record_kernel[(R * H, triton.cdiv(B, blk))](
         tables, tables.stride(0), nfull, bits, B, need_mask, num_blocks, generation, slot_map, index, tag, tag_gen,
         pages, step, nslots, pages.shape[0], H=H, BLK=blk, SERVE=serve, num_warps=4,

@@ -27,15 +27,16 @@ from certvllm.bounds.summary import Phase1Summary
 from certvllm.bounds.terms import exp_factors, rounding_factor
 
 from .common import GLUE_MAX_BLOCKS, exp_f32, head_program, launch_device_ok, log_f32, max_nan, next_pow2, precise
+from .shape_class import JIT_OPTIONS, width_class
 
 MAX_BLOCKS = GLUE_MAX_BLOCKS
 
 
 def supported(num_blocks: int) -> bool:
-    return 1 <= num_blocks <= MAX_BLOCKS
+    return num_blocks >= 1 and width_class(num_blocks).glue
 
 
-@triton.jit
+@triton.jit(**JIT_OPTIONS)
 def _prepare_kernel(
     qs,  # [R, H·G, D] float32 scaled queries
     tail_raw,  # [R, H, 2, N, D] originals of the partial block (float16/bfloat16)
@@ -136,6 +137,6 @@ def prepare(qs: torch.Tensor, tail_raw: torch.Tensor, lens: torch.Tensor, p1) ->
         qs, tail_raw.contiguous(), lens, p1.l8, p1.eta, p1.nu, p1.rmax, p1.amax,
         out.s_tail, out.tail_v, out.l_tail, out.lse, out.score_abs1, out.base_round, out.round1, out.v_max,
         out.eta_max, B, rounding_factor(D), c1, c0,
-        H=K, G=G, D=D, DP=next_pow2(D), BP=next_pow2(B), PRECISE=precise(), num_warps=4, enable_fp_fusion=False,
+        H=K, G=G, D=D, DP=next_pow2(D), BP=width_class(B).bp, PRECISE=precise(), num_warps=4, enable_fp_fusion=False,
     )  # fmt: skip
     return out

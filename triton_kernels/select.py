@@ -39,6 +39,7 @@ from .common import (
     precise,
     tail_mass_upper,
 )
+from .shape_class import JIT_OPTIONS, width_class
 
 MAX_BLOCKS = GLUE_MAX_BLOCKS
 
@@ -47,7 +48,7 @@ WINDOW = 512
 
 
 def supported(num_blocks: int) -> bool:
-    return 1 <= num_blocks <= MAX_BLOCKS
+    return num_blocks >= 1 and width_class(num_blocks).glue
 
 
 @triton.jit
@@ -142,7 +143,7 @@ def _promote_values_full(err, pos, B, nf, vbudget, VKMAX, bits_row, bit, BP: tl.
     tl.atomic_or(bits_row + vorder, (pos * 0 + 1) << bit, mask=take)
 
 
-@triton.jit
+@triton.jit(**JIT_OPTIONS)
 def _select_kernel(
     l8,  # [R, H, G, B] float32 block log-mass ℓ⁸_b (−inf past the last full block)
     lse,  # [R, H, G] float32 log of the total INT8 mass (full blocks and the partial one)
@@ -265,7 +266,7 @@ def select_blocks(
         raise ValueError(f"select_blocks: {B} block-table columns, the kernel holds at most {MAX_BLOCKS}")
     if 2 * G > 31:
         raise ValueError(f"select_blocks: {G} query heads per KV head, at most 15 fit the int32 bitmask")
-    bp = next_pow2(B)
+    bp = width_class(B).bp
     kmax1 = policy.k_max_widened
     w = max(next_pow2(window), next_pow2(kmax1 + 1))
     bits = torch.zeros(R, K, B, dtype=torch.int32, device=l8.device)
@@ -275,6 +276,6 @@ def select_blocks(
         l8.contiguous(), lse.contiguous(), delta.contiguous(), rounding.contiguous(), nfull, eta.contiguous(),
         value_budget.contiguous(), bits, widened, scratch, B, GAMMA_SLACK, 1.0 - policy.tau_cov, policy.k_min,
         policy.k_max, kmax1, policy.rung1_tail_threshold, policy.key_tol, policy.value_k_max,
-        H=K, G=G, BP=bp, W=w, LOG2BP=bp.bit_length() - 1, PRECISE=precise(), num_warps=min(16, max(4, bp // 512)),
+        H=K, G=G, BP=bp, W=w, LOG2BP=width_class(B).log2bp, PRECISE=precise(), num_warps=min(16, max(4, bp // 512)),
     )  # fmt: skip
     return bits, widened.bool()

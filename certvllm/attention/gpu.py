@@ -43,13 +43,11 @@ from certvllm.kv.pagein import PageInEngine
 from certvllm.kv.promotion_cache import PromotionCache
 from certvllm.triton_kernels.common import split_plan
 from certvllm.triton_kernels.finalize import combine_exact, finalize
-from certvllm.triton_kernels.finalize import supported as finalize_supported
 from certvllm.triton_kernels.phase1 import Phase1Out, phase1
 from certvllm.triton_kernels.phase2 import AttendOut, Phase2Geometry, attend, promote
 from certvllm.triton_kernels.prepare import prepare
-from certvllm.triton_kernels.prepare import supported as prepare_supported
 from certvllm.triton_kernels.select import select_blocks
-from certvllm.triton_kernels.select import supported as select_supported
+from certvllm.triton_kernels.shape_class import width_class
 from certvllm.triton_kernels.tuning import DEFAULT_TUNING, KernelTuning
 
 Glue = Literal["auto", "torch"]
@@ -108,9 +106,9 @@ def check_group(num_heads: int, num_kv_heads: int) -> None:
 
 
 def _glue_kernels(options: CudaOptions, num_blocks: int) -> bool:
-    return options.glue == "auto" and all(
-        ok(num_blocks) for ok in (prepare_supported, select_supported, finalize_supported)
-    )
+    """Whether the glue between the heavy passes runs as kernels: ``auto`` glue and a table of ``num_blocks``
+    columns in a glue width class (``triton_kernels.shape_class``, what warm-up enumerates)."""
+    return options.glue == "auto" and width_class(num_blocks).glue
 
 
 @dataclass

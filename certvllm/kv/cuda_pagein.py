@@ -18,10 +18,12 @@ import logging
 import threading
 import time
 import weakref
+from dataclasses import asdict
 from typing import TYPE_CHECKING
 
 import torch
 
+from certvllm.kv.deferred import DeferredRead, DeferredStats
 from certvllm.kv.pagein import PageInEngine, PageInStats
 
 if TYPE_CHECKING:
@@ -142,7 +144,7 @@ class CudaPageInEngine(PageInEngine):
         self.wait(event)
         return out
 
-    # -- traffic counted on the device (no synchronisation until take_stats) ----------------------
+    # -- traffic counted on the device (no synchronisation until take_stats; none with take_stats_deferred) --
     def add_device_counts(self, key_blocks: torch.Tensor, value_blocks: torch.Tensor, nbytes: torch.Tensor) -> None:
         """Add promotion counts and fused page-in bytes held in 0-dim device tensors."""
         counts = torch.stack((key_blocks, value_blocks, nbytes)).to(torch.int64)
@@ -157,6 +159,16 @@ class CudaPageInEngine(PageInEngine):
             self.stats.bytes += b
             self._device_counts = None
         return super().take_stats()
+
+    def take_stats_deferred(self) -> DeferredStats:
+        """:meth:`take_stats` without a synchronisation: the host counts now, the device counts (promoted key
+        and value blocks, fused page-in bytes) as a pinned host copy queued in stream order, read when the
+        result is resolved. The next call's device counts start from nothing."""
+        counts, self._device_counts = self._device_counts, None
+        host = asdict(super().take_stats())  # the host counts only: the device ones are taken above
+        if counts is None:
+            return DeferredStats.of(host)
+        return DeferredStats(host, ("key_blocks", "value_blocks", "bytes"), DeferredRead([counts]))
 
 
 def encode_blocks_from_shadow(cache: LayerKVCache, block_ids: torch.Tensor) -> None:

@@ -10,10 +10,12 @@ same two methods.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
 import torch
+
+from certvllm.kv.deferred import DeferredStats
 
 if TYPE_CHECKING:
     from certvllm.kv.cache import LayerKVCache
@@ -39,6 +41,12 @@ class PageInEngine:
     def take_stats(self) -> PageInStats:
         stats, self.stats = self.stats, PageInStats()
         return stats
+
+    def take_stats_deferred(self) -> DeferredStats:
+        """:meth:`take_stats` without reading the device: the counters (``bytes``, ``seconds``,
+        ``key_blocks``, ``value_blocks``) as a :class:`~certvllm.kv.deferred.DeferredStats` that is read
+        later (here all known on the host)."""
+        return DeferredStats.of(asdict(self.take_stats()))
 
     def gather_kv(self, cache: LayerKVCache, block_ids: torch.Tensor, kv_heads: torch.Tensor) -> torch.Tensor:
         """Keys and values of single (block, KV head) pages.

@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from certvllm.kv.deferred import DeferredRead, DeferredStats
 from certvllm.triton_kernels.tuning import DEFAULT_TUNING, KernelTuning
 
 if TYPE_CHECKING:
@@ -247,3 +248,8 @@ class StepPrefetcher:
         staged, cand, served = (int(x) for x in self.counts.tolist())
         self.counts.zero_()
         return {"staged": staged, "candidates": cand, "served": served}
+
+    def take_stats_deferred(self) -> DeferredStats:
+        """:meth:`take_stats` without a synchronisation: the counters are copied to pinned host memory and
+        zeroed on the device, in stream order, and read when the result is resolved (the same names)."""
+        return DeferredStats(names=("staged", "candidates", "served"), read=DeferredRead.take(self.counts))

@@ -50,6 +50,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from certvllm.formats.pool_slots import CLAIM_HIT, HASH_MUL
+from certvllm.kv.deferred import DeferredRead, DeferredStats
 
 if TYPE_CHECKING:
     from certvllm.kv.cache import LayerKVCache
@@ -197,3 +198,8 @@ class PromotionCache:
         looked, hits, fills, bypass = (int(x) for x in self.counts.tolist())
         self.counts.zero_()
         return {"lookups": looked, "hits": hits, "fills": fills, "bypass": bypass}
+
+    def take_stats_deferred(self) -> DeferredStats:
+        """:meth:`take_stats` without a synchronisation: the counters are copied to pinned host memory and
+        zeroed on the device, in stream order, and read when the result is resolved (the same names)."""
+        return DeferredStats(names=("lookups", "hits", "fills", "bypass"), read=DeferredRead.take(self.counts))

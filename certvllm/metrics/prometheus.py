@@ -6,17 +6,27 @@ Metrics are created lazily in the process that records them (the vLLM worker) an
 ``_bytes``) and every series carries ``model_name`` and ``engine`` labels so dashboards join with
 vLLM's own metrics. Recording is per attention call: counts are reduced with torch first, then added
 to the counters and histogram buckets in bulk.
+
+Nothing here synchronises a layer call with the GPU: :meth:`CertMetrics.record` queues the call's report
+as a non-blocking copy into pinned host memory (``certvllm.kv.deferred``) together with the page-in, pool
+and prefetch counters snapshotted the same way, and the flusher thread folds them once their CUDA events
+have completed (it waits on events and reads host memory; it never launches work on the device).
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from typing import Any
 
 import torch
 
 from certvllm.bounds.report import CertReport
+from certvllm.kv.deferred import DeferredRead, DeferredStats
+
+logger = logging.getLogger("certvllm")
 
 BOUND_BUCKETS = (1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0)
 RELATIVE_BUCKETS = (1e-4, 1e-3, 0.003, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
@@ -78,19 +88,77 @@ def metric_names() -> list[str]:
     return [s.name for s in SPECS]
 
 
+@dataclass(frozen=True)
+class KeyPageCounts:
+    """Where one CUDA call's promoted key pages came from, read off the hot path.
+
+    Attributes:
+        pool: the layer's promotion-pool counters (``PromotionCache.take_stats_deferred``: ``lookups``,
+            ``hits``, ...).
+        prefetch: the step prefetcher's counters (``StepPrefetcher.take_stats_deferred``: ``served``, ...),
+            None when the layer takes no part in a step prefetch.
+    """
+
+    pool: DeferredStats
+    prefetch: DeferredStats | None = None
+
+    def sources(self) -> tuple[int, int, int]:
+        """``(pool, prefetch, host)``: pool hits, pages served from the prefetch staging, and the rest
+        (lookups − hits − served), read over PCIe. Waits for the device counts if needed."""
+        pool = self.pool.values()
+        served = int(self.prefetch["served"]) if self.prefetch is not None else 0
+        hits = int(pool["hits"])
+        return hits, served, int(pool["lookups"]) - hits - served
+
+
+@dataclass
+class _Queued:
+    """One attention call waiting for the flusher: its report (a host report, or the pending host copy of
+    a device one, in ``fields(CertReport)`` order) and its counters."""
+
+    report: CertReport | DeferredRead
+    layer: int
+    page_in_bytes: int = 0
+    page_in_seconds: float = 0.0
+    page_in: DeferredStats | None = None
+    key_pages: KeyPageCounts | None = None
+
+    def host_report(self) -> CertReport:
+        """The report on the host (waits for its copy if needed)."""
+        if not isinstance(self.report, DeferredRead):
+            return self.report
+        return CertReport(**{f.name: t for f, t in zip(fields(CertReport), self.report.values(), strict=True)})
+
+    def page_in_totals(self) -> tuple[int, float]:
+        """``(bytes, seconds)`` of the call's page-in (waits for the device counts if needed)."""
+        if self.page_in is None:
+            return self.page_in_bytes, self.page_in_seconds
+        stats = self.page_in.values()
+        return self.page_in_bytes + int(stats.get("bytes", 0)), self.page_in_seconds + stats.get("seconds", 0.0)
+
+
 class CertMetrics:
     """Lazily created Prometheus metrics with fixed ``model_name``/``engine`` labels.
 
-    :meth:`record` only queues a call's report (the decode step is hot); a daemon thread folds the
-    queue into the Prometheus series every ``flush_seconds``, and :meth:`flush` does it on demand.
+    :meth:`record` only queues a call's report and counters (the decode step is hot: on CUDA they are
+    non-blocking host copies behind an event); a daemon thread folds the queue into the Prometheus series
+    every ``flush_seconds``, and :meth:`flush` does it on demand, exactly (it waits for the queued copies).
+
+    Args:
+        model_name, engine: the fixed labels.
+        flush_seconds: the flusher thread's period.
+        registry: the ``prometheus_client`` registry the series are declared in (default: the global one).
     """
 
-    def __init__(self, model_name: str, engine: str = "0", flush_seconds: float = 0.25) -> None:
+    def __init__(self, model_name: str, engine: str = "0", flush_seconds: float = 0.25,
+                 registry: Any = None) -> None:  # fmt: skip
         self.base = {"model_name": model_name, "engine": engine}
         self._metrics: dict[str, object] | None = None
+        self._registry = registry
         self._lock = threading.Lock()
-        self._pending: list[tuple[CertReport, int, int, float]] = []
+        self._pending: list[_Queued] = []
         self._pending_lock = threading.Lock()
+        self._fold_lock = threading.Lock()  # one fold at a time: flush() returns only once all is folded
         self._flush_seconds = flush_seconds
         self._flusher: threading.Thread | None = None
 
@@ -120,14 +188,17 @@ class CertMetrics:
 
         made: dict[str, object] = {}
         labels = ("model_name", "engine")
+        registry = prom.REGISTRY if self._registry is None else self._registry
         for spec in SPECS:
             name = spec.name.removesuffix("_total") if spec.kind == "counter" else spec.name
             if spec.kind == "counter":
-                made[spec.name] = prom.Counter(name, spec.doc, labels + spec.labels)
+                made[spec.name] = prom.Counter(name, spec.doc, labels + spec.labels, registry=registry)
             elif spec.kind == "histogram":
-                made[spec.name] = prom.Histogram(name, spec.doc, labels + spec.labels, buckets=spec.buckets)
+                made[spec.name] = prom.Histogram(name, spec.doc, labels + spec.labels, buckets=spec.buckets,
+                                                 registry=registry)  # fmt: skip
             else:
-                made[spec.name] = prom.Gauge(name, spec.doc, labels + spec.labels, multiprocess_mode="livesum")
+                made[spec.name] = prom.Gauge(name, spec.doc, labels + spec.labels, multiprocess_mode="livesum",
+                                             registry=registry)  # fmt: skip
         return made
 
     def _child(self, name: str, **labels: str):
@@ -146,12 +217,27 @@ class CertMetrics:
         if n:
             self._child("vllm:cert_exact_tokens_total", reason=reason).inc(n)
 
-    def record(self, report: CertReport, layer: int, page_in_bytes: int, page_in_seconds: float) -> None:
-        """Queue one attention call's report (``[R, H_q]`` tensors, any device) for the next flush; the flusher
-        thread works on a host copy (it must not launch work on the caller's device streams)."""
-        report = report.to("cpu")
+    def record(self, report: CertReport, layer: int, page_in_bytes: int = 0, page_in_seconds: float = 0.0, *,
+               page_in: DeferredStats | None = None, key_pages: KeyPageCounts | None = None) -> None:  # fmt: skip
+        """Queue one attention call for the next flush, without a host synchronisation.
+
+        Args:
+            report: the call's ``[R, H_q]`` report, any device. A CUDA report is queued as a non-blocking copy
+                into pinned host memory behind a CUDA event on the current stream (its tensors may be reused
+                after this returns); a CPU report is kept as it is (the caller must not modify it).
+            layer: the layer index (the ``layer`` label of rung-4 fallbacks).
+            page_in_bytes, page_in_seconds: page-in traffic known on the host.
+            page_in: the page-in engine's counters (``take_stats_deferred``), added to the two above.
+            key_pages: where the call's promoted key pages came from (CUDA path with a promotion pool).
+        """
+        device = report.rung.device
+        if device.type == "cuda":
+            queued: CertReport | DeferredRead = DeferredRead([getattr(report, f.name) for f in fields(CertReport)])
+        else:
+            queued = report if device.type == "cpu" else report.to("cpu")
+        item = _Queued(queued, layer, page_in_bytes, page_in_seconds, page_in, key_pages)
         with self._pending_lock:
-            self._pending.append((report, layer, page_in_bytes, page_in_seconds))
+            self._pending.append(item)
         if self._flusher is None:
             self._flusher = threading.Thread(target=self._flush_loop, name="certvllm-metrics", daemon=True)
             self._flusher.start()
@@ -159,18 +245,29 @@ class CertMetrics:
     def _flush_loop(self) -> None:
         while True:
             time.sleep(self._flush_seconds)
-            self.flush()
+            try:
+                self.flush()
+            except Exception:  # a fold that fails must not stop the series for good
+                logger.exception("certvllm: folding the queued attention metrics failed; they are dropped")
 
     def flush(self) -> None:
-        """Fold every queued report into the Prometheus series (one batch per layer)."""
-        with self._pending_lock:
-            pending, self._pending = self._pending, []
-        by_layer: dict[int, list[tuple[CertReport, int, float]]] = {}
-        for report, layer, nbytes, seconds in pending:
-            by_layer.setdefault(layer, []).append((report, nbytes, seconds))
-        for layer, items in by_layer.items():
-            report = CertReport.cat([r for r, _, _ in items])
-            self._record_now(report, layer, sum(b for _, b, _ in items), [s for _, b, s in items if b])
+        """Fold every queued call into the Prometheus series (one batch per layer). Waits for the device
+        values of the queued calls (their CUDA events) and for a fold already under way, so the series are
+        complete and exact for every call recorded before this one started."""
+        with self._fold_lock:
+            with self._pending_lock:
+                pending, self._pending = self._pending, []
+            by_layer: dict[int, list[tuple[CertReport, int, float]]] = {}
+            sources = [0, 0, 0]
+            for item in pending:  # in recording order: each read waits for its own event
+                nbytes, seconds = item.page_in_totals()
+                by_layer.setdefault(item.layer, []).append((item.host_report(), nbytes, seconds))
+                if item.key_pages is not None:
+                    sources = [a + b for a, b in zip(sources, item.key_pages.sources(), strict=True)]
+            for layer, items in by_layer.items():
+                report = CertReport.cat([r for r, _, _ in items])
+                self._record_now(report, layer, sum(b for _, b, _ in items), [s for _, b, s in items if b])
+            self.count_key_pages(*sources)
 
     def _record_now(self, report: CertReport, layer: int, page_in_bytes: int, page_in_seconds: list[float]) -> None:
         rungs = torch.bincount(report.rung.flatten().long(), minlength=5).tolist()

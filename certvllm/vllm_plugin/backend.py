@@ -38,6 +38,7 @@ from vllm.v1.kv_cache_interface import AttentionSpec
 from certvllm.attention import certified_attention
 from certvllm.config import CertConfig
 from certvllm.formats.layout import BLOCK_SIZE
+from certvllm.metrics import KeyPageCounts
 from certvllm.vllm_plugin import settings
 from certvllm.vllm_plugin._compat import KV_CACHE_DTYPE, lbhnc_layouts
 from certvllm.vllm_plugin.exact import ExactAttention, ExactPlan
@@ -288,18 +289,23 @@ class CertifiedAttentionImpl(AttentionImpl[CertifiedMetadata]):
         metrics = self.runtime.metrics
 
         if meta.row_tokens.numel():
-            rows_q = q[meta.row_tokens.to(q.device)]
+            # no host synchronisation from here to the end of the certified rows on CUDA: the host index
+            # tensors go up from pinned memory without waiting (a blocking copy would wait for the stream),
+            # and the report and counters go down the same way, read by the metrics' flusher thread
+            rows, lens = meta.row_tokens, meta.row_seq_lens
+            if q.device.type == "cuda":
+                rows = rows.pin_memory().to(q.device, non_blocking=True)
+                lens = lens.pin_memory().to(q.device, non_blocking=True)
+            rows_q = q[rows.to(q.device)]
             # CPU: rungs 3/4 run vLLM's own CPU kernel on the shadow (token-identical to `auto`); CUDA: the op
             # recomputes them on the device, inside the layer call, without a host synchronisation
             exact_rows = self._exact_rows(exact, meta, rows_q, cache, pagein) if exact.on_cpu else None
-            res = certified_attention(rows_q, cache, meta.row_block_table, meta.row_seq_lens, self.config,
+            res = certified_attention(rows_q, cache, meta.row_block_table, lens, self.config,
                                       self.scale, pagein=pagein, generator=self.generator,
                                       residency=state.residency, exact_rows=exact_rows)  # fmt: skip
-            out[meta.row_tokens.to(out.device)] = res.out.to(out.dtype)
-            stats = pagein.take_stats()  # synchronises once per layer call, after the layer's work is queued
-            metrics.record(res.report, state.index, stats.bytes, stats.seconds)
-            if state.residency.pool is not None:
-                self._count_key_pages(state)
+            out[rows.to(out.device)] = res.out.to(out.dtype)
+            key_pages = self._count_key_pages(state) if state.residency.pool is not None else None
+            metrics.record(res.report, state.index, page_in=pagein.take_stats_deferred(), key_pages=key_pages)
 
         if meta.exact_plan is not None:
             # this step's keys and values (already in the shadow): a prefill on CUDA reads only its cached
@@ -317,7 +323,7 @@ class CertifiedAttentionImpl(AttentionImpl[CertifiedMetadata]):
             if state.index == 0:
                 for reason, count in meta.exact_counts.items():
                     metrics.count_exact_tokens(reason, count)
-            pagein.take_stats()
+            pagein.take_stats_deferred()  # exact traffic is not exported: reset the counters without a sync
         return output
 
     def _exact_rows(self, exact: ExactAttention, meta: CertifiedMetadata, rows_q: torch.Tensor, cache: Any,
@@ -334,12 +340,14 @@ class CertifiedAttentionImpl(AttentionImpl[CertifiedMetadata]):
 
         return dense_rows
 
-    def _count_key_pages(self, state: LayerState) -> None:
-        """Where this call's promoted key pages came from: the pool, the step prefetch, or PCIe."""
-        pool = state.residency.pool.take_stats()
+    def _count_key_pages(self, state: LayerState) -> KeyPageCounts:
+        """Where this call's promoted key pages came from: the pool (hits), the step prefetch (served) or PCIe
+        (lookups − hits − served). The two components' device counters are snapshotted and reset in stream
+        order, without a synchronisation; the metrics read them when they fold the call
+        (:meth:`KeyPageCounts.sources`)."""
         slot = state.residency.prefetch_slot()
-        served = slot[0].take_stats()["served"] if slot is not None else 0
-        self.runtime.metrics.count_key_pages(pool["hits"], served, pool["lookups"] - pool["hits"] - served)
+        prefetch = slot[0].take_stats_deferred() if slot is not None else None
+        return KeyPageCounts(state.residency.pool.take_stats_deferred(), prefetch)
 
     def _exact_runtime(self, kv_cache: torch.Tensor) -> ExactAttention:
         if self._exact is None:

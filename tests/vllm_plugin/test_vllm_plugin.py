@@ -298,17 +298,21 @@ def test_vllm_page_is_two_bytes_per_head_dim_whatever_the_value_group():
 
 def test_key_page_sources_come_from_the_pool_and_the_prefetch_counters():
     """Per layer call the backend exports where promoted keys came from: pool hits, pages served by the step
-    prefetch, and the rest (over PCIe), read from the two components' counters."""
+    prefetch, and the rest (over PCIe), read from the two components' counters (deferred: read when the
+    metrics fold the call, not in the layer call)."""
     from types import SimpleNamespace
 
+    from certvllm.kv.deferred import DeferredStats
     from certvllm.kv.residency import Residency
     from certvllm.vllm_plugin.backend import CertifiedAttentionImpl
 
-    seen = []
-    metrics = SimpleNamespace(count_key_pages=lambda *a: seen.append(a))
-    pool = SimpleNamespace(take_stats=lambda: {"lookups": 100, "hits": 60, "fills": 10, "bypass": 30})
-    prefetch = SimpleNamespace(take_stats=lambda: {"staged": 40, "candidates": 40, "served": 25})
-    impl = SimpleNamespace(runtime=SimpleNamespace(metrics=metrics))
-    CertifiedAttentionImpl._count_key_pages(impl, SimpleNamespace(residency=Residency(pool, prefetch, 3)))
-    CertifiedAttentionImpl._count_key_pages(impl, SimpleNamespace(residency=Residency(pool)))
+    pool = SimpleNamespace(
+        take_stats_deferred=lambda: DeferredStats.of({"lookups": 100, "hits": 60, "fills": 10, "bypass": 30})
+    )
+    prefetch = SimpleNamespace(
+        take_stats_deferred=lambda: DeferredStats.of({"staged": 40, "candidates": 40, "served": 25})
+    )
+    impl = SimpleNamespace()
+    seen = [CertifiedAttentionImpl._count_key_pages(impl, SimpleNamespace(residency=r)).sources()
+            for r in (Residency(pool, prefetch, 3), Residency(pool))]  # fmt: skip
     assert seen == [(60, 25, 15), (60, 0, 40)]

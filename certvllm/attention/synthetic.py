@@ -1,0 +1,147 @@
+"""A small synthetic certified layer: real encoded pages, the serving write path and a worker's residency,
+and calls over block tables of any width that repeat its few block ids.
+
+Used by the startup warm-up (``warmup.py``), which must reach every kernel variant of a server without the
+server's memory: a 128K-token row needs 8,192 table columns but no 8,192 blocks, since a table may name a
+block many times. The compile key of a call depends on the table's width, never on which blocks it names
+(``certvllm.triton_kernels.shape_class``), so such calls compile exactly what serving compiles.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from certvllm.attention.op import certified_attention
+from certvllm.bounds.report import CertifiedOutput
+from certvllm.config import CertConfig
+from certvllm.formats.layout import BLOCK_SIZE, PageLayout
+from certvllm.kv.cache import LayerKVCache
+from certvllm.kv.cuda_pagein import CudaPageInEngine, encode_blocks_from_shadow
+from certvllm.kv.prefetch import StepPrefetcher
+from certvllm.kv.residency import Residency
+
+
+def engine_sub_blocks(block_size_tokens: int) -> int:
+    """16-token blocks per engine block (``m``); raises unless the engine block is a multiple of 16 tokens."""
+    if block_size_tokens < BLOCK_SIZE or block_size_tokens % BLOCK_SIZE:
+        raise ValueError(f"block_size_tokens={block_size_tokens}: the engine block must be a multiple of {BLOCK_SIZE}")
+    return block_size_tokens // BLOCK_SIZE
+
+
+def table_width(max_len: int, block_size_tokens: int) -> int:
+    """Block-table columns (16-token ids) of a batch whose longest row has ``max_len`` tokens: the engine blocks
+    it needs times ``m`` (what the vLLM metadata builder cuts the table to)."""
+    m = engine_sub_blocks(block_size_tokens)
+    return max(1, -(-int(max_len) // block_size_tokens)) * m
+
+
+class SyntheticLayer:
+    """One layer's cache of ``blocks`` 16-token blocks on ``device`` (rounded up to whole engine blocks), filled
+    with random keys and values through the CUDA write path (the shadow, then the Triton write kernel), with
+    the residency the vLLM worker gives each layer (``WorkerRuntime._residency``: a promotion pool when
+    ``promotion_cache_fraction`` > 0 and, with it, one step prefetcher shared by the ``layers`` layers when
+    ``prefetch_fraction`` > 0). All layers share the one cache.
+
+    Runs on a CUDA device, or on the CPU under Triton's interpreter (tests).
+
+    Args:
+        num_q_heads, num_kv_heads, head_dim, dtype: the model's attention shape and KV dtype.
+        config: the server's config (value group, mode, pool and prefetch fractions).
+        device: where the pages live.
+        block_size_tokens: the engine's block size (a multiple of 16).
+        page_token_bytes: bytes per token of the page (``PageLayout.token_bytes``); None: ``2·head_dim``, the
+            vLLM certified page (``vllm_plugin.host_tier.vllm_page_layout``); 0: the smallest page.
+        blocks: 16-token blocks of the cache.
+        layers: layers that take part in the step prefetch (each with its own pool).
+        scale: the softmax scale of the calls (None: ``1/√D``).
+        seed: seed of the keys, values and queries.
+    """
+
+    def __init__(
+        self,
+        num_q_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        config: CertConfig,
+        device: torch.device | str,
+        *,
+        block_size_tokens: int = 16,
+        page_token_bytes: int | None = None,
+        blocks: int = 64,
+        layers: int = 1,
+        scale: float | None = None,
+        seed: int = 0,
+    ) -> None:
+        if num_q_heads % num_kv_heads:
+            raise ValueError(f"H_q={num_q_heads} is not a multiple of H_kv={num_kv_heads}")
+        self.num_q_heads, self.dtype, self.config, self.scale = num_q_heads, dtype, config, scale
+        self.device = torch.device(device)
+        self.block_size_tokens = block_size_tokens
+        m = engine_sub_blocks(block_size_tokens)
+        token_bytes = 2 * head_dim if page_token_bytes is None else page_token_bytes
+        layout = PageLayout(head_dim, config.value_group_size, token_bytes=token_bytes)
+        engine_blocks = max(1, math.ceil(blocks / m))
+        pages = torch.zeros(engine_blocks, num_kv_heads, m * layout.page_bytes, dtype=torch.uint8, device=self.device)
+        shadow = torch.zeros(engine_blocks, num_kv_heads, 2, m * BLOCK_SIZE, head_dim, dtype=dtype)  # host tier
+        self.cache = LayerKVCache(pages, shadow, layout)
+        self.gen = torch.Generator().manual_seed(seed)
+        self.generator = torch.Generator().manual_seed(config.seed)  # exploration draws, as the vLLM impl's
+        self.pagein = CudaPageInEngine(self.device)
+        self._prefetcher: StepPrefetcher | None = None
+        self.residencies = [self._residency() for _ in range(layers)]
+        self._fill()
+
+    @property
+    def prefetcher(self) -> StepPrefetcher | None:
+        """The layers' step prefetcher, or None."""
+        return self._prefetcher
+
+    def _residency(self) -> Residency:
+        """The next layer's residency (its pool; its entry in the shared prefetcher, made on first use)."""
+        cfg = self.config
+        if cfg.promotion_cache_fraction <= 0:
+            return Residency()
+        res = Residency.for_layer(self.cache, cfg.promotion_cache_fraction)
+        if cfg.prefetch_fraction > 0:
+            if self._prefetcher is None:
+                self._prefetcher = StepPrefetcher.for_cache(self.cache, cfg.prefetch_fraction)
+            res.prefetcher, res.prefetch_index = self._prefetcher, self._prefetcher.register(self.cache)
+        return res
+
+    def _randn(self, *shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=self.gen).to(self.dtype)
+
+    def _fill(self) -> None:
+        """Every block full of random keys and values, written as the vLLM backend's CUDA write path does."""
+        cache = self.cache
+        tokens = cache.num_blocks * BLOCK_SIZE
+        k = self._randn(tokens, cache.num_kv_heads, cache.layout.head_dim)
+        v = self._randn(tokens, cache.num_kv_heads, cache.layout.head_dim)
+        full = cache.write_shadow(k, v, torch.arange(tokens))
+        encode_blocks_from_shadow(cache, full.to(self.device))
+
+    def tables(self, rows: int, width: int) -> torch.Tensor:
+        """``[rows, width]`` int64 block ids on the device: every row walks the cache's blocks from its own
+        offset, wrapping around (ids repeat)."""
+        cols = torch.arange(width, dtype=torch.int64)
+        start = torch.arange(rows, dtype=torch.int64).unsqueeze(1) * 7
+        return ((cols.unsqueeze(0) + start) % self.cache.num_blocks).to(self.device)
+
+    def call(self, lens: Sequence[int], layer: int = 0, *, begin_step: bool = False) -> CertifiedOutput:
+        """One certified decode call of ``len(lens)`` rows with these context lengths, through the public op
+        as the vLLM backend makes it (its table cut to the longest row, rungs 3/4 on the device, the layer's
+        residency). ``begin_step``: first start the step prefetch's stagings, as the metadata builder does
+        once per step."""
+        if begin_step and self.prefetcher is not None:
+            self.prefetcher.begin_step()
+        rows = len(lens)
+        seq_lens = torch.tensor([int(n) for n in lens], dtype=torch.int64)
+        tables = self.tables(rows, table_width(int(seq_lens.max()), self.block_size_tokens))
+        q = self._randn(rows, self.num_q_heads, self.cache.layout.head_dim).to(self.device)
+        return certified_attention(q, self.cache, tables, seq_lens, self.config, self.scale, pagein=self.pagein,
+                                   generator=self.generator, residency=self.residencies[layer],
+                                   backend="cuda")  # fmt: skip
