@@ -19,11 +19,11 @@ The batch size enters no compile key: it only sizes grids and tensors and moves 
 table (:func:`width_classes`): at most ⌈log₂ GLUE_MAX_BLOCKS⌉ + 1 glue classes plus one torch-glue class,
 15 in all. ``certvllm.attention.warmup`` compiles them at startup.
 
-Why the opted-out ints cost nothing: they are loop bounds, clamps and row offsets. Their divisibility could
-only widen vector loads along a row of a ``[·, B]`` array (``l8 + pid·B + pos``); with vLLM's 16-token GPU
-blocks one width in 16 is divisible by 16, so the unspecialised code is what already ran at the other 15
-(row loads are a small part of the glue kernels' time; phase 1 and the attend pass put one block per warp
-and never load across blocks). The value 1 (a one-column table, one split) only ever folded a loop bound.
+Why the opted-out ints are safe: they are loop bounds, clamps and row offsets. Their divisibility can only
+widen vector loads along a row of a ``[·, B]`` array (``l8 + pid·B + pos`` in the glue kernels); with vLLM's
+16-token GPU blocks one width in 16 is divisible by 16, so the unspecialised code is what already ran at the
+other 15. Phase 1 and the attend pass put one block per warp and never load across blocks, so their code
+does not depend on it. The value 1 (a one-column table, one split) only ever folded a loop bound.
 Specialisation never changes the order of a floating-point operation: results are bit-identical.
 """
 
