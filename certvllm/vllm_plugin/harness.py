@@ -8,13 +8,17 @@ engine keeps runs independent (vLLM spawns its own workers, and each run gets it
 
 SPEC: ``{"model": DIR, "kv_cache_dtype": "auto"|"certified", "cert": {...additional_config...},
 "engine": {...LLM kwargs...}, "requests": [{"prompt": str | "prompt_token_ids": [...], "max_tokens": n,
-"ignore_eos": bool, "prompt_logprobs": bool, "skip_reading_prefix_cache": bool, "detokenize": bool}],
-"batch": bool,
+"ignore_eos": bool, "prompt_logprobs": bool, "skip_reading_prefix_cache": bool, "detokenize": bool,
+"abort_after_tokens": n}], "batch": bool,
 "repeat": int}``, or several such groups as ``"phases": [...]``, run one after the other in the same engine;
 ``"environment": {VAR: value}`` is set in the process before vLLM is imported.
-RESULT: ``{"outputs": [{"token_ids": [...], "text": str}], "seconds": [...], "init_seconds": s,
-"metrics": {series: value}, "phases": [{"outputs", "seconds", "metrics", "metrics_before"}, ...]}``
-(top-level ``outputs`` and ``seconds``: the first phase's, ``metrics``: the last snapshot). A phase's
+RESULT: ``{"outputs": [{"token_ids": [...], "text": str, "prompt_tokens": n, "cached_tokens": n,
+"aborted": bool}], "seconds": [...], "init_seconds": s, "metrics": {series: value},
+"phases": [{"outputs", "seconds", "metrics", "metrics_before"}, ...], "engine_config": {...}, "log": str}``
+(top-level ``outputs`` and ``seconds``: the first phase's, ``metrics``: the last snapshot; ``engine_config``:
+the settings the engine ran with as the front end sees them, after vLLM filled in its defaults, e.g.
+``max_num_batched_tokens``, ``num_gpu_blocks`` and the *requested* ``cudagraph_mode``, which the worker may
+still lower, saying so in ``log``: the process's whole output). A phase's
 ``metrics`` is a cumulative snapshot taken once the engine is idle after it, ``metrics_before`` the one
 before it (for the first phase: after startup), so :func:`phase_deltas` gives what each phase alone added
 to every counter. A request with ``"prompt_logprobs": true`` also gets
@@ -23,6 +27,12 @@ tokens before it (vLLM's ``SamplingParams(prompt_logprobs=0)``), ``None`` for th
 prefix cache for such requests unless ``"skip_reading_prefix_cache": false``; then only the positions
 after the cached prefix are computed, and the earlier entries are ``None`` (pass ``"detokenize": false``:
 vLLM would otherwise detokenize the uncomputed entries' token ids).
+
+A request with ``"abort_after_tokens": n`` is aborted once it has produced ``n`` tokens (at least; the
+tokens received by then are its output, with ``"aborted": true``), as vLLM's server aborts the request of
+a streaming client that goes away. A phase holding such a request runs through the engine's step loop
+instead of ``LLM.generate``. vLLM's KV gauges (``vllm:kv_cache_usage_perc``) are refreshed by the next
+engine step only, so give such a phase a request that outlives the aborted ones if its gauges matter.
 
 ``run_engine(spec, on_phase=callback)`` streams: after each phase the child appends
 ``{"phase": i, "outputs", "seconds", "metrics", "metrics_before"}`` to a progress file and the parent calls
@@ -33,6 +43,8 @@ evaluation suite's resumable runs).
 from __future__ import annotations
 
 import contextlib
+import enum
+import itertools
 import json
 import os
 import re
@@ -100,6 +112,19 @@ def phase_deltas(result: dict[str, Any]) -> list[dict[str, float]]:
     return [metric_delta(phase) for phase in result["phases"]]
 
 
+def greedy_agreement(reference: list[list[int]], candidate: list[list[int]]) -> dict[str, int]:
+    """How far two runs' greedy outputs of the same requests agree: ``identical`` of ``outputs`` are equal
+    token for token, and ``tokens_in_place`` of the reference's ``tokens`` equal the candidate's token at the
+    same position (a first differing token usually changes everything after it)."""
+    pairs = list(zip(reference, candidate, strict=True))
+    return {
+        "outputs": len(pairs),
+        "identical": sum(a == b for a, b in pairs),
+        "tokens_in_place": sum(sum(x == y for x, y in zip(a, b, strict=False)) for a, b in pairs),
+        "tokens": sum(len(a) for a, _ in pairs),
+    }
+
+
 def _run(spec: dict[str, Any]) -> dict[str, Any]:
     from vllm import LLM, SamplingParams
 
@@ -132,29 +157,59 @@ def _run(spec: dict[str, Any]) -> dict[str, Any]:
     def prompt(r: dict[str, Any]) -> Any:
         return {"prompt_token_ids": r["prompt_token_ids"]} if "prompt_token_ids" in r else r["prompt"]
 
+    request_ids = itertools.count()
+
+    def stream(requests: list[dict[str, Any]]) -> tuple[list[Any], set[str]]:
+        """Serve ``requests`` through the engine's step loop (what ``LLM.generate`` runs), aborting each
+        request with ``abort_after_tokens`` once it has that many tokens. Returns the last output of every
+        request, in order, and the ids of the aborted ones."""
+        engine = llm.llm_engine
+        ids = [f"harness-{next(request_ids)}" for _ in requests]
+        limits = {rid: r.get("abort_after_tokens") for rid, r in zip(ids, requests, strict=True)}
+        for rid, r in zip(ids, requests, strict=True):
+            engine.add_request(rid, prompt(r), params(r))
+        last: dict[str, Any] = {}
+        aborted: set[str] = set()
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.request_id not in limits or out.request_id in aborted:
+                    continue  # an aborted request's output still in flight
+                last[out.request_id] = out
+                limit = limits[out.request_id]
+                if not out.finished and limit is not None and len(out.outputs[0].token_ids) >= limit:
+                    engine.abort_request([out.request_id])
+                    aborted.add(out.request_id)
+        return [last[rid] for rid in ids], aborted
+
     def run_phase(phase: dict[str, Any]) -> dict[str, Any]:
         requests = phase["requests"]
+        streamed = any(r.get("abort_after_tokens") is not None for r in requests)
+
+        def serve(group: list[dict[str, Any]]) -> tuple[list[Any], set[str]]:
+            if streamed:
+                return stream(group)
+            return llm.generate([prompt(r) for r in group], [params(r) for r in group], use_tqdm=False), set()
+
         seconds, outputs = [], []
         for _ in range(phase.get("repeat", 1)):
-            if phase.get("batch", True):
+            got, aborted = [], set()
+            for group in [requests] if phase.get("batch", True) else [[r] for r in requests]:
                 t = time.perf_counter()
-                got = llm.generate([prompt(r) for r in requests], [params(r) for r in requests], use_tqdm=False)
+                outs, cut = serve(group)
                 seconds.append(time.perf_counter() - t)
-            else:
-                got = []
-                for r in requests:
-                    t = time.perf_counter()
-                    got += llm.generate([prompt(r)], [params(r)], use_tqdm=False)
-                    seconds.append(time.perf_counter() - t)
+                got += outs
+                aborted |= cut
             outputs = [{"token_ids": list(o.outputs[0].token_ids), "text": o.outputs[0].text,
                         "prompt_tokens": len(o.prompt_token_ids or []),
-                        "cached_tokens": o.num_cached_tokens or 0} for o in got]  # fmt: skip
+                        "cached_tokens": o.num_cached_tokens or 0,
+                        "aborted": o.request_id in aborted} for o in got]  # fmt: skip
             for out, r, o in zip(outputs, requests, got, strict=True):
                 if r.get("prompt_logprobs"):
                     out["prompt_logprobs"] = prompt_logprobs(o)
         return {"outputs": outputs, "seconds": seconds}
 
     progress = spec.get("progress")
+    engine_config = _engine_config(llm)
     phases = []
     for i, phase in enumerate(spec.get("phases", [spec])):
         record = run_phase(phase)
@@ -166,7 +221,33 @@ def _run(spec: dict[str, Any]) -> dict[str, Any]:
                 f.write(json.dumps({"phase": i, **record}) + "\n")
     llm.llm_engine.engine_core.shutdown()
     return {"outputs": phases[0]["outputs"], "seconds": phases[0]["seconds"], "phases": phases,
-            "init_seconds": init, "metrics": before}  # fmt: skip
+            "init_seconds": init, "metrics": before, "engine_config": engine_config}  # fmt: skip
+
+
+def _engine_config(llm: Any) -> dict[str, Any]:
+    """The settings an engine runs with, as the front end's ``VllmConfig`` holds them once the engine is up
+    (vLLM's defaults filled in; enums as their names). ``cudagraph_mode`` is the requested mode: the worker
+    lowers it when the attention backend cannot be captured, and logs that."""
+    config = llm.llm_engine.vllm_config
+    fields = {
+        "max_model_len": (config.model_config, "max_model_len"),
+        "enforce_eager": (config.model_config, "enforce_eager"),
+        "block_size": (config.cache_config, "block_size"),
+        "num_gpu_blocks": (config.cache_config, "num_gpu_blocks"),
+        "enable_prefix_caching": (config.cache_config, "enable_prefix_caching"),
+        "max_num_batched_tokens": (config.scheduler_config, "max_num_batched_tokens"),
+        "max_num_seqs": (config.scheduler_config, "max_num_seqs"),
+        "enable_chunked_prefill": (config.scheduler_config, "enable_chunked_prefill"),
+        "compilation_mode": (config.compilation_config, "mode"),
+        "cudagraph_mode": (config.compilation_config, "cudagraph_mode"),
+    }
+    values: dict[str, Any] = {}
+    for name, (section, attr) in fields.items():
+        value = getattr(section, attr, None)
+        if isinstance(value, enum.Enum):
+            value = value.name
+        values[name] = value if value is None or isinstance(value, bool | int | float | str) else str(value)
+    return values
 
 
 def cpu_binds(engines: int) -> list[str | None]:
@@ -235,7 +316,9 @@ def run_engine(
         spec = {**spec, "environment": {**ENGINE_ENV, **(env or {}), PROMETHEUS_DIR: str(Path(tmp, "metrics"))}}
         spec_path.write_text(json.dumps(spec))
         Path(tmp, "metrics").mkdir()
-        command = [sys.executable, "-m", "certvllm.vllm_plugin.harness", str(spec_path), str(out_path)]
+        # -P: the current directory stays off the child's sys.path (run from a source checkout, the top-level
+        # triton_kernels/ would shadow vLLM's own module; certvllm is imported as installed)
+        command = [sys.executable, "-P", "-m", "certvllm.vllm_plugin.harness", str(spec_path), str(out_path)]
         with log_path.open("w") as log:
             if on_phase is None:
                 returncode = subprocess.run(
@@ -248,6 +331,7 @@ def run_engine(
         if returncode != 0 or not out_path.exists():
             raise RuntimeError(f"engine run failed (exit {returncode}):\n{log_text[-6000:]}")
         result = json.loads(out_path.read_text())
+        result["log"] = log_text
         capacity = re.search(r"KV cache size: ([\d,]+) tokens", log_text)
         result["kv_cache_tokens"] = int(capacity.group(1).replace(",", "")) if capacity else None
         return result
