@@ -141,6 +141,10 @@ class CertifiedMetadataBuilder(AttentionMetadataBuilder[CertifiedMetadata]):
         self.exact = ExactAttention(num_heads, kv_cache_spec.num_kv_heads, kv_cache_spec.head_size, model.dtype,
                                     1.0, kv_cache_spec.block_size, device.type == "cpu",
                                     self.config.dense_backend)  # fmt: skip
+        # before the engine reports ready: no request may wait on a kernel compile
+        self.runtime.warm_up(num_heads, kv_cache_spec.num_kv_heads, kv_cache_spec.head_size, model.dtype,
+                             model.max_model_len, vllm_config.scheduler_config.max_num_seqs,
+                             kv_cache_spec.block_size, device)  # fmt: skip
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> CertifiedMetadata:  # fmt: skip

@@ -60,6 +60,7 @@ class WorkerRuntime:
         self._prefetch_blocks = 0  # the 16-token blocks per layer the prefetcher was sized for
         self._prefetch_index: dict[str, int] = {}  # layer name → its entry in the current prefetcher
         self._pageins: dict[torch.device, PageInEngine] = {}
+        self._warmed: set[tuple[Any, ...]] = set()
 
     # -- one per worker and run ---------------------------------------------------------------------
     _current: WorkerRuntime | None = None
@@ -127,6 +128,26 @@ class WorkerRuntime:
     def host_bytes(self) -> int:
         """Bytes of shadow pages this worker holds."""
         return sum(s.cache.shadow.numel() * s.cache.shadow.element_size() for s in self.layers.values())
+
+    # -- startup ------------------------------------------------------------------------------------
+    def warm_up(self, num_q_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, max_model_len: int,
+                max_num_seqs: int, block_size: int, device: torch.device) -> None:  # fmt: skip
+        """Compile every kernel variant this worker's certified calls can meet, once per head layout, before
+        the engine reports ready (``certvllm.attention.warmup``; nothing to do on the CPU). Logged with its
+        time; the memory it used is returned to the device."""
+        key = (num_q_heads, num_kv_heads, head_dim, dtype, max_model_len, max_num_seqs, block_size, str(device))
+        if key in self._warmed:
+            return
+        from certvllm.attention.warmup import warm_up
+
+        report = warm_up(num_q_heads, num_kv_heads, head_dim, dtype, max_model_len, max_num_seqs, self.config,
+                         device, block_size_tokens=block_size)  # fmt: skip
+        self._warmed.add(key)
+        logger.info("%s", report.summary())
+        for line in report.lines():
+            logger.debug("certvllm warm-up: %s", line)
+        if torch.device(device).type == "cuda":
+            torch.cuda.empty_cache()
 
     # -- per step -----------------------------------------------------------------------------------
     def pagein(self, device: torch.device) -> PageInEngine:

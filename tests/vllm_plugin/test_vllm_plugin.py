@@ -316,3 +316,18 @@ def test_key_page_sources_come_from_the_pool_and_the_prefetch_counters():
     seen = [CertifiedAttentionImpl._count_key_pages(impl, SimpleNamespace(residency=r)).sources()
             for r in (Residency(pool, prefetch, 3), Residency(pool))]  # fmt: skip
     assert seen == [(60, 25, 15), (60, 0, 40)]
+
+
+def test_runtime_warms_up_each_head_layout_once_and_logs_it(caplog):
+    """The metadata builder's warm-up goes through the runtime: one warm-up per head layout and device, logged
+    (on the CPU there is nothing to compile, and the log line says so)."""
+    import logging
+
+    import torch
+
+    rt = _runtime()
+    with caplog.at_level(logging.INFO, logger="vllm.certvllm"):
+        rt.warm_up(8, 2, 64, torch.bfloat16, 4096, 16, 16, torch.device("cpu"))
+        rt.warm_up(8, 2, 64, torch.bfloat16, 4096, 16, 16, torch.device("cpu"))
+    lines = [r.getMessage() for r in caplog.records if "warm-up" in r.getMessage()]
+    assert len(lines) == 1 and "nothing to compile" in lines[0]
