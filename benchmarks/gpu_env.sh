@@ -3,8 +3,9 @@
 # * the offline vLLM bundle, when its parts are in $KIT (default /tmp/kit; scripts/gpu_bundle.py builds it):
 #   install.sh installs it once into $SITE (default /tmp/site) and prints the export line;
 # * wheels in .whl/ (pydantic and its dependencies, for runs without the bundle);
-# * certvllm itself: `pip install -e .`, or, where that fails, the package directory alone on PYTHONPATH
-#   (never the repository root: our top-level triton_kernels/ would shadow vLLM's own triton_kernels module).
+# * certvllm itself: this working tree's package directory first on PYTHONPATH (never the repository root: our
+#   top-level triton_kernels/ would shadow vLLM's own module); `pip install -e .` only where no installed
+#   certvllm provides the vLLM plugin entry point.
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1
 KIT="${KIT:-/tmp/kit}"
 SITE="${SITE:-/tmp/site}"
@@ -15,13 +16,14 @@ elif compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/certvllm-site \
     .whl/*.whl && export PYTHONPATH="/tmp/certvllm-site${PYTHONPATH:+:$PYTHONPATH}"
 fi
-if ! python3 -c "import certvllm.triton_kernels" 2>/dev/null; then
-  if ! python3 -m pip install -q --no-deps --no-build-isolation -e . >/tmp/certvllm-pip.log 2>&1; then
-    echo "gpu_env: pip install -e . failed (see /tmp/certvllm-pip.log): running from the source tree"
-    ln -sfn ../triton_kernels certvllm/triton_kernels
-    ln -sfn ../configs certvllm/configs
-    ln -sfn ../csrc certvllm/csrc
-    mkdir -p /tmp/certvllm-src && ln -sfn "$PWD/certvllm" /tmp/certvllm-src/certvllm
-    export PYTHONPATH="/tmp/certvllm-src${PYTHONPATH:+:$PYTHONPATH}"
-  fi
+# this working tree's certvllm, ahead of any installed copy (the bundle carries a certvllm wheel of its own,
+# built when the bundle was, and its entry point, which loads the plugin from whichever certvllm comes first)
+ln -sfn ../triton_kernels certvllm/triton_kernels
+ln -sfn ../configs certvllm/configs
+ln -sfn ../csrc certvllm/csrc
+mkdir -p /tmp/certvllm-src && ln -sfn "$PWD/certvllm" /tmp/certvllm-src/certvllm
+export PYTHONPATH="/tmp/certvllm-src${PYTHONPATH:+:$PYTHONPATH}"
+if ! python3 -P -c "import importlib.metadata as m; assert m.entry_points(group='vllm.general_plugins')" 2>/dev/null; then
+  python3 -m pip install -q --no-deps --no-build-isolation -e . >/tmp/certvllm-pip.log 2>&1 \
+    || echo "gpu_env: no certvllm entry point and pip install -e . failed (see /tmp/certvllm-pip.log)"
 fi

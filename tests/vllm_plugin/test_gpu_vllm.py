@@ -14,9 +14,10 @@ graphs run with the certified backend. Engines (model folders: see ``tests/conft
   chunked prefill), ``prefix`` (one at a time: P, then Q sharing P's 8K-token prefix, then P again, both
   served from the prefix cache) and ``abort`` (two streams aborted after 8 and 16 tokens beside one that
   completes).
-* ``preempt``: the same model with a 240-block cache (``num_gpu_blocks_override``), a 512-token prefill
-  budget and prefix caching off: 8 requests of 1024 + 128 tokens one at a time (no preemption), then all
-  at once (preemption).
+* ``preempt``: the same model with a 100-block cache (``num_gpu_blocks_override``; about 93 after the
+  promotion pool's share, 1.3 requests), a 512-token prefill budget and prefix caching off: 4 requests of
+  1024 + 128 tokens one at a time (no preemption), then all at once (preemption: the first H200 run, with
+  240 blocks, fitted the three requests vLLM admitted and preempted none).
 * ``smol_auto``, ``smol_default``, ``smol_forced``, ``smol_dense``: the bundled SmolLM2-135M with its real
   weights (``--smollm2-dir``; skipped with the way to provide it when absent), the CPU engine tests'
   prompts, 32 greedy tokens each, under ``auto``, the default preset, every head forced to rung 4
@@ -151,7 +152,10 @@ def main_phases(batch: int = 64, batch_prompt: int = 512, long_prompts: tuple[in
     }  # fmt: skip
 
 
-def preempt_phases(n: int = 8, prompt: int = 1024, max_tokens: int = 128) -> dict[str, dict[str, Any]]:
+PREEMPT_REQUESTS = 4
+
+
+def preempt_phases(n: int = PREEMPT_REQUESTS, prompt: int = 1024, max_tokens: int = 128) -> dict[str, dict[str, Any]]:
     requests = [_req(token_ids(prompt, 4000 + i), max_tokens) for i in range(n)]
     return {"sequential": {"requests": requests, "batch": False}, "batched": {"requests": requests}}
 
@@ -170,7 +174,7 @@ def _spec(name: str, config: pytest.Config) -> dict[str, Any]:
         "main": dict(kv_cache_dtype="certified", cert=_host(config),
                      engine={**dummy, "max_model_len": 131072, "enable_prefix_caching": True}, phases=main_phases()),
         "preempt": dict(kv_cache_dtype="certified", cert=small_host,
-                        engine={**dummy, "max_model_len": 2048, "num_gpu_blocks_override": 240,
+                        engine={**dummy, "max_model_len": 1280, "num_gpu_blocks_override": 100,
                                 "max_num_batched_tokens": 512, "enable_prefix_caching": False},
                         phases=preempt_phases()),
         "smol_auto": dict(kv_cache_dtype="auto", engine=smol, phases={"prompts": prompts}),
@@ -369,13 +373,13 @@ def test_preempt_recomputes_the_same_tokens_and_frees_everything(small8b, dummy8
     sequential, batched = small8b["phases"]["sequential"], small8b["phases"]["batched"]
     assert counter(sequential, "vllm:num_preemptions_total") == 0
     assert counter(batched, "vllm:num_preemptions_total") > 0
-    assert [len(t) for t in tokens(batched)] == [128] * 8
+    assert [len(t) for t in tokens(batched)] == [128] * PREEMPT_REQUESTS
     agree = greedy_agreement(tokens(sequential), tokens(batched))
     assert tokens(batched) == tokens(sequential), f"preempted run differs from the one-at-a-time run: {agree}"
     # 1024-token prompts, 512-token budget: every prompt's second chunk is an exact prefill over its cached first
     budget = small8b["engine_config"]["max_num_batched_tokens"]
     assert budget == 512
-    assert counter(sequential, "vllm:cert_exact_tokens_total", reason="prefill_cached") == 8 * 512
+    assert counter(sequential, "vllm:cert_exact_tokens_total", reason="prefill_cached") == PREEMPT_REQUESTS * 512
     check_accounting(sequential, *_shape(dummy8b))
     for phase in (sequential, batched):
         check_nothing_held(phase)
