@@ -1,12 +1,20 @@
-"""Helpers for tests that start servers: free ports, and stopping a process group without leftovers."""
+"""Helpers for tests that start servers: free ports, a server process that answers ``/health``, HTTP calls,
+``/metrics`` scrapes, and stopping a process group without leftovers."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import re
 import signal
 import socket
 import subprocess
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 
 def free_port() -> int:
@@ -24,3 +32,50 @@ def stop_group(proc: subprocess.Popen) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)  # workers left in the group
     proc.wait(timeout=30)
+
+
+def http_get(url: str, timeout: float = 10) -> str:
+    with urllib.request.urlopen(url, timeout=timeout) as resp:
+        return resp.read().decode()
+
+
+def http_post(url: str, body: dict[str, Any], timeout: float = 120) -> dict[str, Any]:
+    """POST ``body`` as JSON, the JSON answer."""
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        return json.loads(resp.read())
+
+
+def scrape(base: str) -> dict[str, float]:
+    """``/metrics`` as ``name{labels}`` → value, without the ``model_name`` and ``engine`` labels (summed)."""
+    values: dict[str, float] = {}
+    for line in http_get(base + "/metrics").splitlines():
+        if line.startswith("#") or not line.strip():
+            continue
+        key, _, value = line.rpartition(" ")
+        key = re.sub(r'(model_name|engine)="[^"]*",?', "", key).replace(",}", "}").replace("{}", "")
+        values[key] = values.get(key, 0.0) + float(value)
+    return values
+
+
+@contextlib.contextmanager
+def serving(cmd: list[str], port: int, env: dict[str, str], log: Path, start_timeout: float,
+            poll_s: float = 1.0) -> Iterator[tuple[str, subprocess.Popen]]:  # fmt: skip
+    """Start ``cmd`` (a server on ``port``) in its own process group, logging to ``log``; yield
+    ``(base URL, process)`` once ``/health`` answers; stop the whole group on exit. A server that exits or
+    does not answer within ``start_timeout`` seconds raises with the end of its log."""
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + start_timeout
+        while True:
+            with contextlib.suppress(OSError):
+                if http_get(base + "/health", timeout=2) is not None:
+                    break
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("server did not start:\n" + log.read_text()[-6000:])
+            time.sleep(poll_s)
+        yield base, proc
+    finally:
+        stop_group(proc)

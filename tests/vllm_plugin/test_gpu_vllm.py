@@ -39,12 +39,10 @@ No block held after a phase means no shadow page held: the host tier is indexed 
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import random
 import re
-import subprocess
 import sys
 import time
 import urllib.request
@@ -54,7 +52,7 @@ from typing import Any
 
 import pytest
 import torch
-from servers import free_port, stop_group
+from servers import free_port, http_post, scrape, serving
 from test_vllm_engine import PROMPTS, agrees_enough
 
 from certvllm.vllm_plugin.harness import greedy_agreement, metric_delta, run_engine
@@ -462,29 +460,6 @@ def test_main_cudagraph_mode_change_is_explained_by_certvllm(engine8b):
 # -- e. the OpenAI server's /metrics ----------------------------------------------------------------------
 
 
-def _get(url: str, timeout: float = 10) -> str:
-    with urllib.request.urlopen(url, timeout=timeout) as resp:
-        return resp.read().decode()
-
-
-def _post(url: str, body: dict[str, Any], timeout: float = 300) -> dict[str, Any]:
-    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as resp:
-        return json.loads(resp.read())
-
-
-def scrape(base: str) -> dict[str, float]:
-    """``/metrics`` as ``name{labels}`` → value, without the ``model_name`` and ``engine`` labels (summed)."""
-    values: dict[str, float] = {}
-    for line in _get(base + "/metrics").splitlines():
-        if line.startswith("#") or not line.strip():
-            continue
-        key, _, value = line.rpartition(" ")
-        key = re.sub(r'(model_name|engine)="[^"]*",?', "", key).replace(",}", "}").replace("{}", "")
-        values[key] = values.get(key, 0.0) + float(value)
-    return values
-
-
 def settled_scrape(base: str, polls: int = 40) -> dict[str, float]:
     """Scrape until two scrapes 0.5 s apart agree on every certvllm series (worker metrics flush every 0.25 s)."""
     previous = scrape(base)
@@ -512,21 +487,8 @@ def server(dummy8b: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
            "--load-format", "dummy", "--max-model-len", "32768", "--max-num-seqs", "16",
            "--gpu-memory-utilization", "0.85", "--host", "127.0.0.1", "--port", str(port),
            "--cert-config", "default", "--cert-host-memory-gb", "8"]  # fmt: skip
-    with log.open("w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 540
-        while True:
-            with contextlib.suppress(OSError):
-                if _get(base + "/health", timeout=2) is not None:
-                    break
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("server did not start:\n" + log.read_text()[-6000:])
-            time.sleep(2)
+    with serving(cmd, port, env, log, start_timeout=540, poll_s=2.0) as (base, _):
         yield base
-    finally:
-        stop_group(proc)
 
 
 def test_server_metrics_account_for_the_generated_tokens(server, dummy8b):
@@ -536,7 +498,7 @@ def test_server_metrics_account_for_the_generated_tokens(server, dummy8b):
     for i in range(3):  # distinct prompts of 300 tokens: full blocks to certify, no prefix-cache hit
         body = {"model": SERVED, "prompt": token_ids(300, 5000 + i), "max_tokens": 24 + 8 * i, "temperature": 0,
                 "ignore_eos": True}  # fmt: skip
-        usages.append(_post(server + "/v1/completions", body)["usage"])
+        usages.append(http_post(server + "/v1/completions", body)["usage"])
     body = {"model": SERVED, "prompt": token_ids(300, 5003), "max_tokens": 20, "temperature": 0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
     req = urllib.request.Request(server + "/v1/completions", json.dumps(body).encode(),

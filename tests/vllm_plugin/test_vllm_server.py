@@ -5,8 +5,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
-import subprocess
 import sys
 import time
 import urllib.request
@@ -14,7 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from servers import free_port, stop_group
+from servers import free_port, http_post, scrape, serving
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -22,17 +20,6 @@ ROOT = Path(__file__).resolve().parents[2]
 MODEL = str(ROOT / "models" / "smollm2-135m-instruct")
 NAME = "smollm2"
 LAYERS, HEADS = 30, 9
-
-
-def _get(url: str, timeout: float = 10) -> str:
-    with urllib.request.urlopen(url, timeout=timeout) as resp:
-        return resp.read().decode()
-
-
-def _post(url: str, body: dict, timeout: float = 120) -> dict:
-    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as resp:
-        return json.loads(resp.read())
 
 
 @pytest.fixture(scope="module")
@@ -47,22 +34,9 @@ def server(tmp_path_factory) -> Iterator[str]:
     cmd = [sys.executable, "-m", "certvllm.cli", "serve", MODEL, "--served-model-name", NAME, "--enforce-eager",
            "--max-model-len", "2048", "--host", "127.0.0.1", "--port", str(port),
            "--cert-config", "default"]  # fmt: skip
-    with log.open("w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 240
-        while True:
-            with contextlib.suppress(OSError):
-                if _get(base + "/health", timeout=2) is not None:
-                    break
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("server did not start:\n" + log.read_text()[-4000:])
-            time.sleep(1)
+    with serving(cmd, port, env, log, start_timeout=240) as (base, proc):
         yield base
-    finally:
-        stop_group(proc)
-        assert not _alive_in_group(proc.pid), "server processes left behind"
+    assert not _alive_in_group(proc.pid), "server processes left behind"
 
 
 def _alive_in_group(pgid: int, wait: float = 15.0) -> list[int]:
@@ -81,23 +55,12 @@ def _alive_in_group(pgid: int, wait: float = 15.0) -> list[int]:
         time.sleep(0.5)
 
 
-def _metrics(base: str) -> dict[str, float]:
-    values: dict[str, float] = {}
-    for line in _get(base + "/metrics").splitlines():
-        if line.startswith("#") or not line.strip():
-            continue
-        key, _, value = line.rpartition(" ")
-        key = re.sub(r'(model_name|engine)="[^"]*",?', "", key).replace(",}", "}").replace("{}", "")
-        values[key] = values.get(key, 0.0) + float(value)
-    return values
-
-
 def _settled_metrics(base: str) -> dict[str, float]:
     """Scrape until two scrapes agree (worker metrics are flushed every 0.25 s)."""
-    previous = _metrics(base)
+    previous = scrape(base)
     for _ in range(20):
         time.sleep(0.5)
-        current = _metrics(base)
+        current = scrape(base)
         if current.get('vllm:cert_head_steps_total{rung="0"}') == previous.get('vllm:cert_head_steps_total{rung="0"}'):
             return current
         previous = current
@@ -110,10 +73,10 @@ def _head_steps(m: dict[str, float]) -> float:
 
 def test_completions_chat_streaming_and_metrics(server):
     before = _head_steps(_settled_metrics(server))
-    comp = _post(server + "/v1/completions",
+    comp = http_post(server + "/v1/completions",
                  {"model": NAME, "prompt": "The capital of France is", "max_tokens": 12, "temperature": 0})  # fmt: skip
     assert "Paris" in comp["choices"][0]["text"]
-    chat = _post(server + "/v1/chat/completions", {
+    chat = http_post(server + "/v1/chat/completions", {
         "model": NAME, "messages": [{"role": "user", "content": "What is the capital of France?"}],
         "max_tokens": 16, "temperature": 0})  # fmt: skip
     assert chat["choices"][0]["message"]["content"]
@@ -153,12 +116,12 @@ def test_aborted_stream_frees_its_blocks(server):
     resp.close()  # the client goes away mid-stream: vLLM aborts the request
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
-        m = _metrics(server)
+        m = scrape(server)
         if m.get("vllm:num_requests_running") == 0 and m.get("vllm:kv_cache_usage_perc") == 0:
             break
         time.sleep(0.5)
     assert m.get("vllm:num_requests_running") == 0
     assert m.get("vllm:kv_cache_usage_perc") == 0
     # the server still serves
-    ok = _post(server + "/v1/completions", {"model": NAME, "prompt": "Hello", "max_tokens": 4, "temperature": 0})
+    ok = http_post(server + "/v1/completions", {"model": NAME, "prompt": "Hello", "max_tokens": 4, "temperature": 0})
     assert ok["choices"][0]["text"] is not None
