@@ -79,3 +79,25 @@ def serving(cmd: list[str], port: int, env: dict[str, str], log: Path, start_tim
         yield base, proc
     finally:
         stop_group(proc)
+
+
+def abandon_stream(base: str, body: dict[str, Any], lines: int = 5, timeout: float = 300) -> None:
+    """Start a streamed ``/v1/completions`` request, read ``lines`` lines, and go away mid-stream (vLLM then
+    aborts the request)."""
+    req = urllib.request.Request(base + "/v1/completions", json.dumps({**body, "stream": True}).encode(),
+                                 {"Content-Type": "application/json"})  # fmt: skip
+    resp = urllib.request.urlopen(req, timeout=timeout)
+    for _ in range(lines):
+        resp.readline()
+    resp.close()
+
+
+def wait_idle(base: str, timeout: float = 60) -> dict[str, float]:
+    """Scrape until no request runs and no KV block is in use (or ``timeout``); the last scrape."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = scrape(base)
+        idle = m.get("vllm:num_requests_running") == 0 and m.get("vllm:kv_cache_usage_perc") == 0
+        if idle or time.monotonic() > deadline:
+            return m
+        time.sleep(0.5)

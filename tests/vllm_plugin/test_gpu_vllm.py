@@ -52,7 +52,7 @@ from typing import Any
 
 import pytest
 import torch
-from servers import free_port, http_post, scrape, serving
+from servers import abandon_stream, free_port, http_post, scrape, serving, wait_idle
 from test_vllm_engine import PROMPTS, agrees_enough
 
 from certvllm.vllm_plugin.harness import greedy_agreement, metric_delta, run_engine
@@ -526,16 +526,6 @@ def test_server_metrics_account_for_the_generated_tokens(server, dummy8b):
 def test_server_aborted_stream_frees_its_blocks(server):
     body = {"model": SERVED, "prompt": token_ids(300, 6000), "max_tokens": 400, "temperature": 0, "stream": True,
             "ignore_eos": True}  # fmt: skip
-    req = urllib.request.Request(server + "/v1/completions", json.dumps(body).encode(),
-                                 {"Content-Type": "application/json"})  # fmt: skip
-    resp = urllib.request.urlopen(req, timeout=300)
-    for _ in range(5):
-        resp.readline()
-    resp.close()  # the client goes away mid-stream: vLLM aborts the request
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        m = scrape(server)
-        if m.get("vllm:num_requests_running") == 0 and m.get("vllm:kv_cache_usage_perc") == 0:
-            break
-        time.sleep(0.5)
+    abandon_stream(server, body, timeout=300)
+    m = wait_idle(server, timeout=60)
     assert m.get("vllm:num_requests_running") == 0 and m.get("vllm:kv_cache_usage_perc") == 0

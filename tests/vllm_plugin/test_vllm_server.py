@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from servers import free_port, http_post, scrape, serving
+from servers import abandon_stream, free_port, http_post, scrape, serving, wait_idle
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -108,18 +108,8 @@ def test_completions_chat_streaming_and_metrics(server):
 def test_aborted_stream_frees_its_blocks(server):
     body = {"model": NAME, "prompt": "Write a long story about a dragon.", "max_tokens": 400, "temperature": 0,
             "stream": True, "ignore_eos": True}  # fmt: skip
-    req = urllib.request.Request(server + "/v1/completions", json.dumps(body).encode(),
-                                 {"Content-Type": "application/json"})  # fmt: skip
-    resp = urllib.request.urlopen(req, timeout=120)
-    for _ in range(5):
-        resp.readline()
-    resp.close()  # the client goes away mid-stream: vLLM aborts the request
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        m = scrape(server)
-        if m.get("vllm:num_requests_running") == 0 and m.get("vllm:kv_cache_usage_perc") == 0:
-            break
-        time.sleep(0.5)
+    abandon_stream(server, body, timeout=120)
+    m = wait_idle(server, timeout=30)
     assert m.get("vllm:num_requests_running") == 0
     assert m.get("vllm:kv_cache_usage_perc") == 0
     # the server still serves
