@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import re
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -90,10 +91,17 @@ class WorkerRuntime:
         ):
             return state
         self.layers.pop(name, None)
+        start = time.perf_counter()
         cache = layer_cache(name, kv_cache, head_dim, dtype, self.config.value_group_size)
+        allocated = time.perf_counter()
         state = LayerState(name, layer_index(name), cache, self._residency(name, cache))
         self.layers[name] = state
         self.metrics.set_host_tier_bytes(self.host_bytes)
+        # startup cost, per layer: the shadow (allocated, pinned on CUDA) and the device-resident state
+        log = logger.info if len(self.layers) == 1 else logger.debug
+        log("certvllm: %s bound: %.2f GiB of shadow in %.2f s, promotion pool and prefetch in %.2f s (%d layers "
+            "bound, %.1f GiB of shadow)", name, cache.shadow.numel() * cache.shadow.element_size() / 2**30,
+            allocated - start, time.perf_counter() - allocated, len(self.layers), self.host_bytes / 2**30)  # fmt: skip
         return state
 
     def layer(self, name: str) -> LayerState:
