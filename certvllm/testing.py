@@ -1,4 +1,6 @@
-"""Input families for soundness checks, and the float64 exact reference.
+"""Input families for soundness checks, the float64 exact reference, the float64 evaluation of a certified
+call (``certified_exact``, ``run_with_exact``) and FlashAttention's tolerance rule for cross-implementation
+agreement (``assert_within_lowp_error``).
 
 Shared by the test-suite, ``benchmarks/bench_soundness.py`` and the GPU tests, so every check
 runs over the same random and adversarial distributions.
@@ -214,3 +216,207 @@ def attend_deviation(out, lm: torch.Tensor, ref, ref_lm: torch.Tensor, vabs_max:
     dev["lm"] = float(((lm - ref_lm).abs() / (1e-5 + 2.0**-22 * ref_lm.abs()))[fin].max()) if bool(fin.any()) else 0.0
     dev["ok"] = same_places and max(v for k, v in dev.items() if k != "ok") <= 1.0
     return dev
+
+
+def assert_within_lowp_error(
+    out: torch.Tensor,
+    ref64: torch.Tensor,
+    ref_lowp: torch.Tensor,
+    factor: float = 2.0,
+    atol: float = 0.0,
+    dim: int | tuple[int, ...] | None = None,
+    what: str = "output",
+) -> None:
+    """Assert that ``out`` is at most ``factor`` times as far from the float64 answer as a plain
+    same-precision implementation of the same computation is (the rule of FlashAttention's tests):
+
+        max |out − ref64| ≤ factor · max |ref_lowp − ref64| + atol
+
+    ``ref64`` is the computation in float64, ``ref_lowp`` the same computation done the obvious way in the
+    precision ``out`` claims (float32 math, float16 outputs, …). The tolerance is then the arithmetic's own
+    rounding at these inputs, not a hand-picked constant: it shrinks with tiny values and grows with long
+    sums, and an implementation that drops precision somewhere (a bf16 product, a lost float64 sum, a
+    wrong operand) is caught even when its error would pass a fixed ``rtol``.
+
+    The maxima are taken over ``dim`` (every element by default; ``dim=-1`` checks each vector along the
+    last axis on its own, for batches whose slices differ in scale) — not element by element: two
+    implementations' rounding errors are uncorrelated element by element, so on any one element the
+    low-precision reference may happen to be exact while a correct implementation rounds the other way.
+    ``atol`` is the floor for that case at the level of a whole slice: where the low-precision reference
+    happens to be exact on every element (an exactly one-hot softmax, constant value rows, short exact
+    sums), any other order of the same operations would fail a zero tolerance. Keep it to a few ulps of
+    the output's scale.
+
+    Raises ``AssertionError`` naming the worst element (index, the three values), both errors, the
+    allowance and the factor.
+    """
+    if not (out.shape == ref64.shape == ref_lowp.shape):
+        raise AssertionError(f"{what}: shapes differ: out {list(out.shape)}, ref64 {list(ref64.shape)}, "
+                             f"ref_lowp {list(ref_lowp.shape)}")  # fmt: skip
+    if ref64.dtype != torch.float64:
+        raise AssertionError(f"{what}: ref64 must be float64, got {ref64.dtype}")
+    o, r, lo = out.double(), ref64, ref_lowp.double()
+    bad = torch.isfinite(r) & ~torch.isfinite(o)
+    if bool(bad.any()):
+        idx = tuple(int(i) for i in bad.nonzero()[0])
+        raise AssertionError(f"{what}: non-finite out at {idx}: out={float(o[idx])!r}, ref64={float(r[idx])!r}")
+    err = torch.nan_to_num((o - r).abs(), nan=0.0)
+    err_lowp = torch.nan_to_num((lo - r).abs(), nan=0.0)
+    if out.numel() == 0:
+        return
+    dims = tuple(range(out.dim())) if dim is None else ((dim,) if isinstance(dim, int) else tuple(dim))
+    worst = err.amax(dim=dims, keepdim=True)
+    worst_lowp = err_lowp.amax(dim=dims, keepdim=True)
+    allowed = factor * worst_lowp + atol
+    excess = worst - allowed
+    if bool((excess <= 0).all()):
+        return
+    # the worst element: the largest error inside the slice that exceeds its allowance by the most
+    slice_excess = excess.expand_as(err)
+    score = torch.where(slice_excess == slice_excess.max(), err, -1.0)
+    idx = tuple(int(i) for i in (score == score.max()).nonzero()[0])
+    n_bad = int((excess > 0).sum())
+    n_slices = excess.numel()
+    raise AssertionError(
+        f"{what}: |out − ref64| = {float(err[idx]):.6g} at {idx} (out={float(o[idx])!r}, ref64={float(r[idx])!r}, "
+        f"ref_lowp={float(lo[idx])!r}) > factor·max|ref_lowp − ref64| + atol = {factor:g}·"
+        f"{float(worst_lowp.expand_as(err)[idx]):.6g} + {atol:.3g} = {float(allowed.expand_as(err)[idx]):.6g} "
+        f"(ratio {float(err[idx]) / max(float(worst_lowp.expand_as(err)[idx]), 1e-300):.3g} to the same-precision "
+        f"error; {n_bad} of {n_slices} slice(s) over, max over dims {dims})"
+    )
+
+
+def _dequantized64(cache, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """k̂ = ℓ̃ + code·σ and v̂ = zero + code·scale of whole blocks in float64 (the products of 8-bit codes with
+    float32 σ and float16 scales are exact in a double, the sum rounds once at 2^-53): ``[n, H_kv, N, D]``."""
+    from certvllm.formats.keys import key_sigma
+    from certvllm.formats.layout import key_scale_lut
+    from certvllm.formats.values import unpack_int4
+
+    lay = cache.layout
+    n, d, g = lay.block_size, lay.head_dim, lay.groups
+    pages = cache.read_pages(block_ids).cpu()  # [n, H_kv, page_bytes]
+
+    def field(start: int, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
+        return pages[..., start : start + nbytes].contiguous().view(dtype)
+
+    exponent = pages[..., lay.header + 8].contiguous().view(torch.int8)
+    sigma = key_sigma(field(lay.k_scale_code, d, torch.uint8), exponent, key_scale_lut()).double()
+    offset = field(lay.k_offset, 2 * d, torch.float16).double()
+    kcodes = field(lay.k_codes, n * d, torch.uint8).unflatten(-1, (n, d)).double()
+    keys = offset.unsqueeze(-2) + kcodes * sigma.unsqueeze(-2)
+    vcodes = unpack_int4(field(lay.v_codes, n * d // 2, torch.uint8).unflatten(-1, (n, d // 2))).double()
+    vscale = field(lay.v_scale, 2 * n * g, torch.float16).unflatten(-1, (n, g)).double()
+    vzero = field(lay.v_zero, 2 * n * g, torch.float16).unflatten(-1, (n, g)).double()
+    values = (vzero.unsqueeze(-1) + vcodes.unflatten(-1, (g, -1)) * vscale.unsqueeze(-1)).flatten(-2)
+    return keys, values
+
+
+def certified_exact(
+    q: torch.Tensor,
+    cache,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    key_mask: torch.Tensor,
+    value_mask: torch.Tensor,
+) -> torch.Tensor:
+    """The certified computation of a call, in float64: ``[R, H_q, D]``.
+
+    For the selection ``key_mask``/``value_mask`` ``[R, H_kv, G, B]`` (block b of row r read with original
+    keys / values for query head g), one softmax over every token in float64: original keys and values of
+    promoted full blocks, k̂/v̂ (exact float64 dequantization) of the others, originals for the trailing
+    partial block. A head whose masks are all set is exact attention over the originals (rungs 3/4)."""
+    lay = cache.layout
+    N = lay.block_size
+    R, Hq, D = q.shape
+    K = cache.num_kv_heads
+    G = Hq // K
+    tables, lens = block_tables.cpu().long(), seq_lens.cpu().long()
+    key_mask, value_mask = key_mask.cpu(), value_mask.cpu()
+    outs = []
+    for r in range(R):
+        t = int(lens[r])
+        nf, nt = t // N, t % N
+        qd = q[r].cpu().double().view(K, G, D) * scale
+        orig = cache.shadow_blocks(tables[r, : -(-t // N)]).double()  # [nb, K, 2, N, D]
+        ok, ov = orig[:, :, 0].transpose(0, 1), orig[:, :, 1].transpose(0, 1)  # [K, nb, N, D]
+        scores, nums = [], []
+        if nf:
+            kh, vh = (x.transpose(0, 1) for x in _dequantized64(cache, tables[r, :nf]))  # [K, nf, N, D]
+            km, vm = key_mask[r, :, :, :nf, None], value_mask[r, :, :, :nf, None]  # [K, G, nf, 1]
+            s_full = torch.where(km, torch.einsum("kgd,kbnd->kgbn", qd, ok[:, :nf]),
+                                 torch.einsum("kgd,kbnd->kgbn", qd, kh))  # fmt: skip
+            scores.append(s_full.flatten(-2))
+        if nt:
+            scores.append(torch.einsum("kgd,knd->kgn", qd, ok[:, nf, :nt]))
+        w = torch.softmax(torch.cat(scores, dim=-1), dim=-1)
+        if nf:
+            wf = w[..., : nf * N].unflatten(-1, (nf, N))
+            nums.append(torch.where(vm, torch.einsum("kgbn,kbnd->kgbd", wf, ov[:, :nf]),
+                                    torch.einsum("kgbn,kbnd->kgbd", wf, vh)).sum(dim=2))  # fmt: skip
+        if nt:
+            nums.append(torch.einsum("kgn,knd->kgd", w[..., nf * N :], ov[:, nf, :nt]))
+        outs.append(sum(nums).reshape(Hq, D))
+    return torch.stack(outs)
+
+
+def run_with_exact(call, q: torch.Tensor, cache, block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float):
+    """Run ``call()`` (a certified call over these rows, on the reference or the CUDA path) and return its
+    result with the float64 evaluation of what it computed (:func:`certified_exact` over the selection the
+    call made, every block of its rung-3/4 heads original): ``(CertifiedOutput, [R, H_q, D] float64)``.
+
+    The selection is read where the path makes it: ``select_values`` in ``reference.py`` (its key mask
+    argument and its value mask result, per chunk of rows) and ``gpu._select`` (the promotion bitmask).
+    A call in a mode without selection (naive) promotes nothing. The compiled CPU kernel keeps its
+    selection inside (a call that promoted blocks the spies did not see raises): use the reference's
+    (``backend="reference"``), on the heads where the two agree."""
+    import certvllm.attention.reference as ref_mod
+
+    seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+    orig_values = ref_mod.select_values
+
+    def spy_values(ph1, key_mask, cfg):
+        value_mask = orig_values(ph1, key_mask, cfg)
+        seen.append((key_mask.cpu().clone(), value_mask.cpu().clone()))
+        return value_mask
+
+    def spy_select(call_, p1, summary, generator):
+        bits, widened = orig_select(call_, p1, summary, generator)  # orig_select: bound below, before any call
+        G = call_.shape[2]
+        shifts = torch.arange(G, dtype=torch.int32).view(1, 1, G, 1)
+        b = bits.cpu().unsqueeze(2)
+        seen.append((((b >> shifts) & 1).bool(), ((b >> (shifts + G)) & 1).bool()))
+        return bits, widened
+
+    patches = [(ref_mod, "select_values", orig_values, spy_values)]
+    try:
+        import certvllm.attention.gpu as gpu_mod
+
+        orig_select = gpu_mod._select
+        patches.append((gpu_mod, "_select", orig_select, spy_select))
+    except ImportError:  # no Triton: only the reference path can run
+        pass
+    for module, name, _, spy in patches:
+        setattr(module, name, spy)
+    try:
+        res = call()
+    finally:
+        for module, name, orig, _ in patches:
+            setattr(module, name, orig)
+    R, Hq, _ = q.shape
+    K = cache.num_kv_heads
+    B = block_tables.shape[1]
+    key_mask = torch.zeros(R, K, Hq // K, B, dtype=torch.bool)
+    value_mask = torch.zeros_like(key_mask)
+    row = 0
+    for km, vm in seen:
+        n, b = km.shape[0], km.shape[-1]
+        key_mask[row : row + n, ..., :b], value_mask[row : row + n, ..., :b] = km, vm
+        row += n
+    promoted = bool((res.report.k_star > 0).any() or (res.report.v_promoted > 0).any())
+    if (seen and row != R) or (promoted and not seen):
+        raise RuntimeError(f"the spies saw the selections of {row} rows of {R} (the compiled CPU kernel's are unseen)")
+    exact = (res.report.rung.cpu() >= 3).view(R, K, Hq // K, 1)
+    key_mask, value_mask = key_mask | exact, value_mask | exact
+    return res, certified_exact(q, cache, block_tables, seq_lens, scale, key_mask, value_mask)

@@ -4,12 +4,24 @@ adversarial inputs, plus each rung reached by a constructed input.
 Tolerances: for every head with rung ≤ 2, ‖out − exact‖₂ ≤ e_key + e_val with exact computed in
 float64 over the unquantized originals — no slack. For rung ≥ 3, the output must be bit-identical
 to ``dense_decode`` on the same originals.
+
+The compiled CPU kernel against the PyTorch reference: on heads where both reach the same rung ≤ 2,
+outputs within 1e-4·V_max of each other and bound terms e_val, e_key within ``torch.allclose`` rtol = 1e-3,
+atol = 1e-7 (directed-rounding sums in another order, with no float64 counterpart). Outputs also by
+FlashAttention's rule (``certvllm.testing.assert_within_lowp_error``), per family: the kernel's worst
+deviation from the float64 evaluation of the certified computation (``certvllm.testing.run_with_exact``:
+the reference's selection, exact dequantization; heads where both paths agree on rung ≤ 2, K* and value
+promotions) is at most ``factor = 2`` times the reference's own (float32 arithmetic), plus
+``atol = 2^-23·max|v|`` (a float32 ulp at the values' scale: the floor where the reference happens to be
+exact, e.g. a one-hot softmax). ``retrieval_peaks`` fails the rule, a finding kept as a strict xfail
+(``TIE_FINDING``): the kernel breaks ties between identical keys that the reference keeps.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import math
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -20,7 +32,15 @@ from hypothesis import strategies as st
 from certvllm.attention import certified_attention, certified_decode, dense_decode
 from certvllm.config import load_config, make_config
 from certvllm.formats.layout import BLOCK_SIZE
-from certvllm.testing import FAMILIES, check_soundness, exact_attention, make_case, paged_batch
+from certvllm.testing import (
+    FAMILIES,
+    assert_within_lowp_error,
+    check_soundness,
+    exact_attention,
+    make_case,
+    paged_batch,
+    run_with_exact,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 PRESETS = ("default", "paper", "strict", "fast", "naive")
@@ -266,3 +286,36 @@ def test_fused_kernel_matches_the_reference(gen):
         assert torch.allclose(fused.report.e_key[both], ref.report.e_key[both], rtol=1e-3, atol=1e-7)
         assert torch.equal(fused.report.k_star[both], ref.report.k_star[both])
     assert agree >= 0.97 * total
+
+
+TIE_FINDING = (
+    "the CPU kernel scores the trailing partial block with a scalar D-term float32 loop and promoted blocks "
+    "with an omp-simd reduction: identical keys in the two (retrieval_peaks' copies) get scores a few ulps "
+    "apart, which the torch reference (one summation order) keeps tied; at |s| ≈ 20 the output moves "
+    "2-13x the float32 allowance (within the certificate)"
+)
+
+
+@pytest.mark.parametrize(
+    "family",
+    [pytest.param(f, marks=pytest.mark.xfail(strict=True, reason=TIE_FINDING)) if f == "retrieval_peaks" else f
+     for f in FAMILIES],
+)  # fmt: skip
+def test_fused_kernel_output_is_within_twice_the_references_float32_error(family):
+    from certvllm.attention import cpu_fused
+
+    assert cpu_fused.cpu_kernel.available()
+    gen = torch.Generator().manual_seed(0)
+    cases = [make_case(family, t, 8, 2, 128, torch.float16, gen) for t in (20, 200, 650)]
+    cache, tables, lens = paged_batch(cases)
+    q = torch.stack([c.q for c in cases])
+    cfg = load_config("default")
+    fused = certified_attention(q, cache, tables, lens, cfg, backend="cpu")
+    reference = partial(certified_attention, q, cache, tables, lens, cfg, backend="reference")
+    ref, exact = run_with_exact(reference, q, cache, tables, lens, 1 / math.sqrt(128))
+    same = (fused.report.rung == ref.report.rung) & (ref.report.rung <= 2)
+    same &= (fused.report.k_star == ref.report.k_star) & (fused.report.v_promoted == ref.report.v_promoted)
+    assert 2 * int(same.sum()) >= same.numel()  # near-tied blocks may reorder the selection on a few heads
+    atol = 2.0**-23 * max(float(c.v.float().abs().max()) for c in cases)
+    assert_within_lowp_error(fused.out[same], exact[same], ref.out[same], factor=2.0, atol=atol,
+                             what=f"CPU kernel, {family}")  # fmt: skip
