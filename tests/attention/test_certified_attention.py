@@ -13,8 +13,9 @@ deviation from the float64 evaluation of the certified computation (``certvllm.t
 the reference's selection, exact dequantization; heads where both paths agree on rung ≤ 2, K* and value
 promotions) is at most ``factor = 2`` times the reference's own (float32 arithmetic), plus
 ``atol = 2^-23·max|v|`` (a float32 ulp at the values' scale: the floor where the reference happens to be
-exact, e.g. a one-hot softmax). ``retrieval_peaks`` fails the rule, a finding kept as a strict xfail
-(``TIE_FINDING``): the kernel breaks ties between identical keys that the reference keeps.
+exact, e.g. a one-hot softmax). Every family passes since the kernel scores the trailing partial block
+with the same reduction as promoted blocks (before, identical keys in the two, as ``retrieval_peaks``
+makes, got scores a few ulps apart and the output 2–13× the allowance).
 """
 
 from __future__ import annotations
@@ -288,18 +289,9 @@ def test_fused_kernel_matches_the_reference(gen):
     assert agree >= 0.97 * total
 
 
-TIE_FINDING = (
-    "the CPU kernel scores the trailing partial block with a scalar D-term float32 loop and promoted blocks "
-    "with an omp-simd reduction: identical keys in the two (retrieval_peaks' copies) get scores a few ulps "
-    "apart, which the torch reference (one summation order) keeps tied; at |s| ≈ 20 the output moves "
-    "2-13x the float32 allowance (within the certificate)"
-)
-
-
 @pytest.mark.parametrize(
     "family",
-    [pytest.param(f, marks=pytest.mark.xfail(strict=True, reason=TIE_FINDING)) if f == "retrieval_peaks" else f
-     for f in FAMILIES],
+    FAMILIES,
 )  # fmt: skip
 def test_fused_kernel_output_is_within_twice_the_references_float32_error(family):
     from certvllm.attention import cpu_fused
