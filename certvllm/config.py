@@ -93,6 +93,13 @@ class CertConfig(BaseModel):
         "whole model (0.25 with 32 layers: 0.008 of the FP16 cache). 0 disables it. Served only under the "
         "block's current write generation, as the promotion cache.",
     )
+    cuda_graphs: bool = Field(
+        True,
+        description="CUDA path only: each layer's decode call replays a CUDA graph captured per (row bucket, "
+        "width bucket) (certvllm.attention.graphs): one launch per layer call instead of about 70 and the Python "
+        "between them. The step prefetch (prefetch_fraction) issues other layers' work from inside a call, which "
+        "a per-layer graph cannot hold, so it is off while this is on. The CPU path ignores it.",
+    )
     dense_backend: Literal["auto", "sdpa", "xformers"] = Field(
         "auto",
         description="Kernel of the exact dense recompute on the reference and CPU paths (rungs 3/4, dense mode): "
@@ -111,6 +118,11 @@ class CertConfig(BaseModel):
         if self.k_min > self.k_max:
             raise ValueError(f"k_min={self.k_min} must be ≤ k_max={self.k_max}; raise k_max or lower k_min")
         return self
+
+    @property
+    def step_prefetch_fraction(self) -> float:
+        """``prefetch_fraction`` as the CUDA path runs it: 0 while ``cuda_graphs`` is on (the field's description)."""
+        return 0.0 if self.cuda_graphs else self.prefetch_fraction
 
     @property
     def ladder(self) -> LadderPolicy:

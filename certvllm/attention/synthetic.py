@@ -106,9 +106,9 @@ class SyntheticLayer:
         if cfg.promotion_cache_fraction <= 0:
             return Residency()
         res = Residency.for_layer(self.cache, cfg.promotion_cache_fraction)
-        if cfg.prefetch_fraction > 0:
+        if cfg.step_prefetch_fraction > 0:
             if self._prefetcher is None:
-                self._prefetcher = StepPrefetcher.for_cache(self.cache, cfg.prefetch_fraction)
+                self._prefetcher = StepPrefetcher.for_cache(self.cache, cfg.step_prefetch_fraction)
             res.prefetcher, res.prefetch_index = self._prefetcher, self._prefetcher.register(self.cache)
         return res
 

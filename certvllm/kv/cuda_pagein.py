@@ -18,7 +18,9 @@ import logging
 import threading
 import time
 import weakref
-from dataclasses import asdict
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -30,6 +32,17 @@ if TYPE_CHECKING:
     from certvllm.kv.cache import LayerKVCache
 
 logger = logging.getLogger("certvllm")
+
+
+@dataclass
+class RecordedTraffic:
+    """What a CUDA-graph capture of a call would have counted (:meth:`CudaPageInEngine.recording`): the host's
+    bytes, and the ``[3]`` int64 device tensor of its device counts (rewritten by every replay), or None."""
+
+    host_bytes: int = 0
+    device_counts: torch.Tensor | None = None
+
+
 _registered: set[int] = set()
 _lock = threading.Lock()
 
@@ -149,6 +162,27 @@ class CudaPageInEngine(PageInEngine):
         """Add promotion counts and fused page-in bytes held in 0-dim device tensors."""
         counts = torch.stack((key_blocks, value_blocks, nbytes)).to(torch.int64)
         self._device_counts = counts if self._device_counts is None else self._device_counts + counts
+
+    @contextmanager
+    def recording(self) -> Iterator[RecordedTraffic]:
+        """Around a CUDA-graph capture: the counts the captured work adds are set apart (nothing moved
+        during the capture) into the yielded record, for :meth:`add_recorded` after each replay; the
+        counts from before are kept."""
+        saved = self.stats, self._device_counts
+        self.stats, self._device_counts = PageInStats(), None
+        record = RecordedTraffic()
+        try:
+            yield record
+        finally:
+            record.host_bytes, record.device_counts = self.stats.bytes, self._device_counts
+            self.stats, self._device_counts = saved
+
+    def add_recorded(self, record: RecordedTraffic) -> None:
+        """Count one replay of a captured call (its device counts are copied: the next replay rewrites them)."""
+        self.stats.bytes += record.host_bytes
+        if record.device_counts is not None:
+            counts = record.device_counts
+            self._device_counts = counts.clone() if self._device_counts is None else self._device_counts + counts
 
     def take_stats(self) -> PageInStats:
         """Return and reset the counters (synchronises once to read the device-side counts)."""

@@ -35,7 +35,6 @@ from vllm.v1.attention.backend import (
 )
 from vllm.v1.kv_cache_interface import AttentionSpec
 
-from certvllm.attention import certified_attention
 from certvllm.config import CertConfig
 from certvllm.formats.layout import BLOCK_SIZE
 from certvllm.metrics import KeyPageCounts
@@ -110,6 +109,8 @@ class CertifiedMetadata:
             blocks the longest row needs.
         row_engine_table: ``[R, max_blocks]`` the same in vLLM block ids (for the exact kernel).
         row_seq_lens: ``[R]`` int64 (CPU) tokens the row attends to (its own included).
+        row_tokens_dev, row_seq_lens_dev: ``row_tokens`` and ``row_seq_lens`` on the attention device (copied
+            once per step, from pinned memory without waiting, on CUDA; the same tensors on the CPU).
         exact_tokens: ``[E]`` int64 query tokens served exactly (None: none; all tokens when ``exact_all``).
         exact_plan: the exact kernel's plan for those tokens' requests.
         exact_all: every token is exact and ``exact_plan`` is the batch's own plan.
@@ -121,6 +122,8 @@ class CertifiedMetadata:
     row_block_table: torch.Tensor
     row_engine_table: torch.Tensor
     row_seq_lens: torch.Tensor
+    row_tokens_dev: torch.Tensor
+    row_seq_lens_dev: torch.Tensor
     exact_tokens: torch.Tensor | None
     exact_plan: ExactPlan | None
     exact_all: bool
@@ -135,6 +138,7 @@ class CertifiedMetadataBuilder(AttentionMetadataBuilder[CertifiedMetadata]):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.config: CertConfig = settings.cert_config(vllm_config)
         self.runtime = WorkerRuntime.of(vllm_config)
+        self._host_lens_exact = getattr(vllm_config, "speculative_config", None) is None
         model = vllm_config.model_config
         num_heads = model.get_num_attention_heads(vllm_config.parallel_config)
         # plans only: the softmax scale is applied by each layer's impl
@@ -153,7 +157,7 @@ class CertifiedMetadataBuilder(AttentionMetadataBuilder[CertifiedMetadata]):
         qsl = cm.query_start_loc_cpu.to(torch.int64)
         n_req = cm.num_reqs
         qsl = qsl[: n_req + 1]
-        seq_lens = cm.seq_lens[:n_req].to("cpu", torch.int64)
+        seq_lens = self._host_seq_lens(cm, n_req)
         q_lens = qsl[1:] - qsl[:-1]
         context = seq_lens - q_lens
         cfg = self.config
@@ -178,7 +182,7 @@ class CertifiedMetadataBuilder(AttentionMetadataBuilder[CertifiedMetadata]):
                 reason = "dense_mode" if cfg.mode == "dense" else ("prefill" if ctx == 0 else "prefill_cached")
                 counts[reason] += ql
         cat = lambda xs: torch.cat(xs) if xs else torch.zeros(0, dtype=torch.int64)  # noqa: E731
-        rows_req = cat(row_req)
+        rows_req = self._to_device(cat(row_req))
         exact_all = len(exact_req) == n_req and n_req > 0
         exact_tokens, plan = None, None
         if exact_all:
@@ -188,27 +192,45 @@ class CertifiedMetadataBuilder(AttentionMetadataBuilder[CertifiedMetadata]):
             idx = torch.tensor(exact_req)
             sub_q = q_lens[idx]
             sub_qsl = torch.cat((torch.zeros(1, dtype=torch.int64), sub_q.cumsum(0)))
-            plan = self.exact.plan(sub_qsl, seq_lens[idx], block_table[idx.to(block_table.device)])
+            plan = self.exact.plan(sub_qsl, seq_lens[idx], block_table[self._to_device(idx)])
             exact_tokens = torch.cat([torch.arange(int(qsl[i]), int(qsl[i + 1])) for i in exact_req])
         sub = self.kv_cache_spec.block_size // BLOCK_SIZE
         row_lens = cat(row_len)
         # only the columns the longest row uses: vLLM's table is max_model_len wide, and the certified
         # kernels' work (split plan, selection, reductions) scales with the table width, not the lengths
         width = max(1, -(-int(row_lens.max()) // self.kv_cache_spec.block_size)) if row_lens.numel() else 1
-        row_table = block_table[rows_req.to(block_table.device), :width].to(torch.int64)
+        row_table = block_table[rows_req, :width].to(torch.int64)
         if sub > 1:  # vLLM block ids → 16-token block ids
             row_table = (row_table.unsqueeze(-1) * sub + torch.arange(sub, device=row_table.device)).flatten(1)
+        row_tokens = cat(row_tok)
         return CertifiedMetadata(
             num_actual_tokens=cm.num_actual_tokens,
-            row_tokens=cat(row_tok),
+            row_tokens=row_tokens,
             row_block_table=row_table,
-            row_engine_table=block_table[rows_req.to(block_table.device)],
+            row_engine_table=block_table[rows_req],
             row_seq_lens=row_lens,
+            row_tokens_dev=self._to_device(row_tokens),
+            row_seq_lens_dev=self._to_device(row_lens),
             exact_tokens=exact_tokens,
             exact_plan=plan,
             exact_all=exact_all,
             exact_counts=counts,
         )
+
+    def _host_seq_lens(self, cm: CommonAttentionMetadata, n_req: int) -> torch.Tensor:
+        """``[n_req]`` int64 lengths on the host: vLLM's CPU copy where it is exact (its upper bound is the length
+        unless speculative decoding runs), else one read of the device's (a synchronisation per step)."""
+        bound = getattr(cm, "seq_lens_cpu_upper_bound", None)
+        if bound is not None and self._host_lens_exact:
+            return bound[:n_req].to(torch.int64)
+        return cm.seq_lens[:n_req].to("cpu", torch.int64)
+
+    def _to_device(self, host: torch.Tensor) -> torch.Tensor:
+        """A step's host index tensor on the attention device: from pinned memory without waiting on CUDA (a
+        blocking copy would wait for the stream), itself on the CPU."""
+        if self.device.type != "cuda":
+            return host
+        return host.pin_memory().to(self.device, non_blocking=True)
 
 
 class CertifiedAttentionImpl(AttentionImpl[CertifiedMetadata]):
@@ -293,21 +315,16 @@ class CertifiedAttentionImpl(AttentionImpl[CertifiedMetadata]):
         metrics = self.runtime.metrics
 
         if meta.row_tokens.numel():
-            # no host synchronisation from here to the end of the certified rows on CUDA: the host index
-            # tensors go up from pinned memory without waiting (a blocking copy would wait for the stream),
-            # and the report and counters go down the same way, read by the metrics' flusher thread
-            rows, lens = meta.row_tokens, meta.row_seq_lens
-            if q.device.type == "cuda":
-                rows = rows.pin_memory().to(q.device, non_blocking=True)
-                lens = lens.pin_memory().to(q.device, non_blocking=True)
-            rows_q = q[rows.to(q.device)]
+            # no host synchronisation from here to the end of the certified rows on CUDA: the step's index
+            # tensors went up once, from pinned memory, when the builder made them; the report and counters
+            # go down the same way, read by the metrics' flusher thread
+            rows_q = q[meta.row_tokens_dev]
             # CPU: rungs 3/4 run vLLM's own CPU kernel on the shadow (token-identical to `auto`); CUDA: the op
-            # recomputes them on the device, inside the layer call, without a host synchronisation
+            # recomputes them on the device, inside the layer call (a CUDA graph's replay where the runtime has one)
             exact_rows = self._exact_rows(exact, meta, rows_q, cache, pagein) if exact.on_cpu else None
-            res = certified_attention(rows_q, cache, meta.row_block_table, lens, self.config,
-                                      self.scale, pagein=pagein, generator=self.generator,
-                                      residency=state.residency, exact_rows=exact_rows)  # fmt: skip
-            out[rows.to(out.device)] = res.out.to(out.dtype)
+            res = self.runtime.certified(state, rows_q, meta.row_block_table, meta.row_seq_lens_dev, self.scale,
+                                         self.generator, exact_rows)  # fmt: skip
+            out[meta.row_tokens_dev] = res.out.to(out.dtype)
             key_pages = self._count_key_pages(state) if state.residency.pool is not None else None
             metrics.record(res.report, state.index, page_in=pagein.take_stats_deferred(), key_pages=key_pages)
 

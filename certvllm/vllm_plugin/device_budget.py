@@ -55,10 +55,12 @@ def blocks_with_pool(
     slot = BLOCK_SIZE * head_size * itemsize + TAG_BYTES
     page = layers * kv_heads * block_size * vllm_page_layout(head_size, cfg.value_group_size).bytes_per_token
     pool = layers * (fraction * kv_heads * subs * slot + GENERATION_BYTES * subs)
-    prefetch = cfg.prefetch_fraction
+    prefetch = cfg.step_prefetch_fraction
     if prefetch > 0:  # the ring (all layers) and, per layer, the page list and the grid map
         pool += DEPTH * prefetch * kv_heads * subs * slot + layers * (8 * prefetch + 4) * kv_heads * subs
-    fixed = (layers + DEPTH) * slot + 8 * layers
+    fixed = layers * slot  # each pool's slot count rounds up
+    if prefetch > 0:  # and the ring's and the page lists'
+        fixed += DEPTH * slot + 8 * layers
     return max(int((num_blocks * page - fixed) // (page + pool)), 0)
 
 

@@ -1,5 +1,5 @@
 """The certified state of one vLLM worker process: its layers' tiered caches, their device-resident
-promotion state, the page-in engine, the step prefetcher and the metrics.
+promotion state, the page-in engine, the step prefetcher, the layer calls' CUDA graphs and the metrics.
 
 One :class:`WorkerRuntime` per worker and run, shared by the backend's layer implementations and its
 metadata builder (``WorkerRuntime.of``); one :class:`LayerState` per attention layer, created when the
@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from certvllm.attention import certified_attention
+from certvllm.bounds.report import CertifiedOutput
 from certvllm.config import CertConfig
 from certvllm.kv.cache import LayerKVCache
 from certvllm.kv.pagein import PageInEngine
@@ -27,6 +29,8 @@ from certvllm.vllm_plugin.host_tier import layer_cache
 
 logger = logging.getLogger("vllm.certvllm")  # under "vllm": shares vLLM's log handlers
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")
+DEFAULT_MAX_DECODE_ROWS = 256
+"""Rows of the largest graphed call before :meth:`WorkerRuntime.warm_up` sets it to the engine's ``max_num_seqs``."""
 
 
 def layer_index(name: str) -> int:
@@ -62,6 +66,8 @@ class WorkerRuntime:
         self._prefetch_index: dict[str, int] = {}  # layer name → its entry in the current prefetcher
         self._pageins: dict[torch.device, PageInEngine] = {}
         self._warmed: set[tuple[Any, ...]] = set()
+        self._graphs: dict[torch.device, Any] = {}  # device → certvllm.attention.graphs.LayerCallGraphs
+        self.max_decode_rows = DEFAULT_MAX_DECODE_ROWS  # the engine's max_num_seqs once warm_up has run
 
     # -- one per worker and run ---------------------------------------------------------------------
     _current: WorkerRuntime | None = None
@@ -120,11 +126,11 @@ class WorkerRuntime:
         residency = Residency.for_layer(cache, fraction)
         logger.debug("certvllm: %s promotion cache %d slots, %.1f MiB", name, residency.pool.slots,
                      residency.pool.nbytes / 2**20)  # fmt: skip
-        if self.config.prefetch_fraction > 0:
+        if self.config.step_prefetch_fraction > 0:
             from certvllm.kv.prefetch import StepPrefetcher
 
             if self.prefetcher is None or self._prefetch_blocks != cache.num_blocks:  # the real cache: a new one
-                self.prefetcher = StepPrefetcher.for_cache(cache, self.config.prefetch_fraction)
+                self.prefetcher = StepPrefetcher.for_cache(cache, self.config.step_prefetch_fraction)
                 self._prefetch_blocks = cache.num_blocks
                 self._prefetch_index = {}
             index = self.prefetcher.register(cache, self._prefetch_index.get(name))  # forward order
@@ -144,6 +150,7 @@ class WorkerRuntime:
         the engine reports ready (``certvllm.attention.warmup``; nothing to do on the CPU). Logged with its
         time; the memory it used is returned to the device."""
         key = (num_q_heads, num_kv_heads, head_dim, dtype, max_model_len, max_num_seqs, block_size, str(device))
+        self.max_decode_rows = max_num_seqs
         if key in self._warmed:
             return
         from certvllm.attention.warmup import warm_up
@@ -158,6 +165,33 @@ class WorkerRuntime:
             torch.cuda.empty_cache()
 
     # -- per step -----------------------------------------------------------------------------------
+    def certified(self, state: LayerState, q: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, scale: float,
+                  generator: torch.Generator | None, exact_rows: Any = None) -> CertifiedOutput:  # fmt: skip
+        """One layer's certified rows (``certified_attention``'s arguments): replayed from the layer's CUDA graph
+        where this worker graphs its calls (``CertConfig.cuda_graphs``, CUDA, at most ``max_decode_rows`` rows,
+        rungs 3/4 on the device, no step prefetch), else the op called directly. Consume the result before the
+        next call."""
+        pagein = self.pagein(q.device)
+        graphs = self._layer_graphs(q.device) if exact_rows is None else None
+        if graphs is not None and graphs.handles(q.shape[0]) and state.residency.prefetch_slot() is None:
+            return graphs.run((state.name, state.cache.pages.data_ptr()), q, state.cache, tables, lens, self.config,
+                              scale, pagein=pagein, residency=state.residency, generator=generator)  # fmt: skip
+        return certified_attention(q, state.cache, tables, lens, self.config, scale, pagein=pagein,
+                                   generator=generator, residency=state.residency, exact_rows=exact_rows)  # fmt: skip
+
+    def _layer_graphs(self, device: torch.device) -> Any:
+        """The device's ``LayerCallGraphs`` (made on first use), or None off CUDA or with ``cuda_graphs`` off."""
+        if not self.config.cuda_graphs or device.type != "cuda":
+            return None
+        if device not in self._graphs:
+            from certvllm.attention.graphs import LayerCallGraphs
+
+            self._graphs[device] = LayerCallGraphs(device, self.max_decode_rows)
+            logger.info("certvllm: certified decode calls of up to %d rows replay CUDA graphs, one per layer and "
+                        "(row, width) bucket (cuda_graphs: true; the step prefetch is off with them)",
+                        self.max_decode_rows)  # fmt: skip
+        return self._graphs[device]
+
     def pagein(self, device: torch.device) -> PageInEngine:
         """The page-in engine of ``device`` (zero-copy gathers on a side stream on CUDA)."""
         if device not in self._pageins:

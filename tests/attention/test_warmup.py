@@ -162,7 +162,7 @@ class CompileKeys:
 @pytest.mark.parametrize(
     "preset,overrides,glue_max,block_size_tokens",
     [
-        ("default", {}, GLUE_MAX_BLOCKS, 16),
+        ("default", {"cuda_graphs": False}, GLUE_MAX_BLOCKS, 16),  # eager calls: the step prefetch's kernels too
         ("paper", {}, 32, 16),  # exploration draws; tables past 32 columns take the torch glue
         ("naive", {"promotion_cache_fraction": 0.0}, GLUE_MAX_BLOCKS, 32),  # no pool, no prefetch; 32-token blocks
     ],

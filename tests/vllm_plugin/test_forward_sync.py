@@ -50,11 +50,13 @@ def _layers(device: str, n_layers: int, cfg):
         if device == "cuda":
             cache = LayerKVCache(host.pages.cuda(), host.shadow.pin_memory(), host.layout, host.keys_channel_major)
             residency = Residency.for_layer(cache, cfg.promotion_cache_fraction)
-            if runtime.prefetcher is None:
-                from certvllm.kv.prefetch import StepPrefetcher
+            if cfg.step_prefetch_fraction > 0:
+                if runtime.prefetcher is None:
+                    from certvllm.kv.prefetch import StepPrefetcher
 
-                runtime.prefetcher = StepPrefetcher.for_cache(cache, cfg.prefetch_fraction)
-            residency.prefetcher, residency.prefetch_index = runtime.prefetcher, runtime.prefetcher.register(cache)
+                    runtime.prefetcher = StepPrefetcher.for_cache(cache, cfg.step_prefetch_fraction)
+                residency.prefetcher = runtime.prefetcher
+                residency.prefetch_index = runtime.prefetcher.register(cache)
         else:
             cache = LayerKVCache(host.pages.clone(), host.shadow.clone(), host.layout, host.keys_channel_major)
             residency = Residency()
@@ -68,15 +70,18 @@ def _layers(device: str, n_layers: int, cfg):
     impl.generator, impl._exact = torch.Generator().manual_seed(0), None
     tables = tables.to(device)
     meta = CertifiedMetadata(num_actual_tokens=TOKENS, row_tokens=torch.tensor(ROWS), row_block_table=tables,
-                             row_engine_table=tables, row_seq_lens=lens.to(torch.int64), exact_tokens=None,
-                             exact_plan=None, exact_all=False)  # fmt: skip
+                             row_engine_table=tables, row_seq_lens=lens.to(torch.int64),
+                             row_tokens_dev=torch.tensor(ROWS, device=device),
+                             row_seq_lens_dev=lens.to(device, torch.int64), exact_tokens=None, exact_plan=None,
+                             exact_all=False)  # fmt: skip
     q = torch.zeros(TOKENS, H_Q, D, dtype=torch.bfloat16)
     q[ROWS] = torch.stack([c.q for c in cases]).to(torch.bfloat16)
     reports = []
     record = runtime.metrics.record
 
     def spy(report, layer, *args, **kwargs):
-        reports.append(report)
+        # a copy on the device (no synchronisation): a CUDA graph's outputs are rewritten by later replays
+        reports.append(report.select(torch.arange(report.rung.shape[0], device=report.rung.device)))
         record(report, layer, *args, **kwargs)
 
     runtime.metrics.record = spy
@@ -120,11 +125,14 @@ def test_forward_records_every_call_on_the_cpu():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU and vLLM's CUDA build")
-def test_forward_never_synchronises_on_cuda():
+@pytest.mark.parametrize("graphs", [True, False], ids=["cuda_graphs", "eager_with_prefetch"])
+def test_forward_never_synchronises_on_cuda(graphs):
+    """Both CUDA modes: the layer calls replayed from CUDA graphs (the default), and eager calls with the step
+    prefetch (``cuda_graphs: false``)."""
     pytest.importorskip("vllm")
     from certvllm.config import load_config
 
-    cfg = load_config("default", promotion_cache_fraction=0.05, prefetch_fraction=0.5)
+    cfg = load_config("default", promotion_cache_fraction=0.05, prefetch_fraction=0.5, cuda_graphs=graphs)
     impl, runtime, names, kvs, meta, query, reports = _layers("cuda", 4, cfg)
     for _ in range(2):  # warm-up: kernels compiled, LUTs cached, grids allocated
         _step(impl, runtime, names, kvs, meta, query)
@@ -144,3 +152,5 @@ def test_forward_never_synchronises_on_cuda():
     assert len(reports) == 12
     assert sum(got[f"vllm:cert_key_pages_total{{source={s}}}"] for s in ("pool", "prefetch", "host")) > 0
     assert got["vllm:cert_page_in_bytes_total{}"] > 0
+    graphed = runtime._layer_graphs(torch.device("cuda"))
+    assert (graphed is not None and len(graphed) == len(names) and graphed.replays >= 12) == graphs

