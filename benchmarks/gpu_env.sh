@@ -2,16 +2,19 @@
 #
 # * the offline vLLM bundle, when its parts are in $KIT (default /tmp/kit; scripts/gpu_bundle.py builds it):
 #   install.sh installs it once into $SITE (default /tmp/site) and prints the export line;
-# * wheels in .whl/ (pydantic and its dependencies, for runs without the bundle);
+# * wheels in .whl/ (pydantic and its dependencies, for runs without the bundle or before its last part);
 # * certvllm itself: this working tree's package directory first on PYTHONPATH (never the repository root: our
 #   top-level triton_kernels/ would shadow vLLM's own module); `pip install -e .` only where no installed
 #   certvllm provides the vLLM plugin entry point.
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1
 KIT="${KIT:-/tmp/kit}"
 SITE="${SITE:-/tmp/site}"
-if [ -f "$KIT/install.sh" ]; then
+bundle_exports=""
+if [ -f "$KIT/install.sh" ]; then  # prints nothing while parts are still missing
   bundle_exports="$(bash "$KIT/install.sh" "$KIT" "$SITE")" || return 1 2>/dev/null || exit 1
-  [ -n "$bundle_exports" ] && eval "$bundle_exports"
+fi
+if [ -n "$bundle_exports" ]; then
+  eval "$bundle_exports"
 elif compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/certvllm-site \
     .whl/*.whl && export PYTHONPATH="/tmp/certvllm-site${PYTHONPATH:+:$PYTHONPATH}"
