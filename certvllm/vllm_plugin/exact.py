@@ -110,7 +110,9 @@ class ExactAttention:
             start, end = qsl[i], qsl[i + 1]
             if end == start:
                 continue
-            table = (plan.block_table[i].cpu().long().unsqueeze(-1) * sub + torch.arange(sub)).flatten()
+            # on the table's device: the gather takes device ids, so the host never waits for the stream here
+            row = plan.block_table[i].long()
+            table = (row.unsqueeze(-1) * sub + torch.arange(sub, device=row.device)).flatten()
             ctx = seq_len - (end - start)
             from_shadow = seq_len if fresh is None else ctx
             k, v = gather_row_kv(cache, table, from_shadow, pagein) if from_shadow else (None, None)
