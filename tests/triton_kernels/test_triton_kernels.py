@@ -1,7 +1,11 @@
 """The Triton kernels against the PyTorch reference, at tiny shapes.
 
 Without a GPU they run in Triton's interpreter (``TRITON_INTERPRET=1``, set here before any kernel is
-defined); on a CUDA machine the same tests run the compiled kernels on the device. Full shapes, the
+defined); on a CUDA machine the same tests run the compiled kernels on the device. The interpreter (the CPU lane,
+``make test``) runs at least one case of every kernel; the cases it would only repeat at interpreter speed (other
+families, presets and shapes of the same kernels, and the tiling variants the CPU path never runs: split plans,
+attend tiles) and the CUDA-only features (promotion pool, step prefetch) run in the GPU lane only
+(``pytest -m gpu``), compiled. Full shapes, the
 soundness sweep on the GPU and the timing live in ``tests/triton_kernels/test_gpu.py`` (``pytest -m gpu``).
 
 Tolerances: the write kernel must reproduce ``encode_pages`` bit for bit on finite inputs except η/ν (both
@@ -76,6 +80,13 @@ def _cuda_only(fn):
     for mark in CUDA_ONLY:
         fn = mark(fn)
     return fn
+
+
+def _gpu_lane(*values):
+    """A parameter set that runs compiled in the GPU lane only (``pytest -m gpu``): every kernel keeps at least
+    one interpreter case on the CPU lane, and the interpreter (seconds to minutes per call) runs no more than
+    that; the other shapes, families and presets of the same assertions run on the device."""
+    return pytest.param(*values, marks=CUDA_ONLY)
 
 
 def assert_same_pages(got: torch.Tensor, ref: torch.Tensor, lay: PageLayout) -> None:
@@ -194,8 +205,9 @@ def test_gather_and_in_place_encode_from_the_shadow(sub, channel_major, gen):
 
 @pytest.mark.parametrize(
     "family,preset",
-    [("random", "default"), ("sink_and_recency", "strict"), ("retrieval_peaks", "fast"), ("outlier_channels", "naive")],
-)
+    [("random", "default"), ("sink_and_recency", "strict"), _gpu_lane("retrieval_peaks", "fast"),
+     _gpu_lane("outlier_channels", "naive")],
+)  # fmt: skip
 def test_gpu_path_matches_the_reference_and_is_sound(family, preset, gen):
     cases = [make_case(family, t, 8, 2, 64, torch.float16, gen) for t in (5, 37, 130, 200)]
     cfg = load_config(preset)
@@ -247,6 +259,7 @@ def test_gpu_canary_catches_pages_that_disagree_with_their_shadow(gen):
                                      what="rung 4 on the device")  # fmt: skip
 
 
+@_cuda_only  # a tiling variant: the interpreter runs the split plan of the other tests (3 blocks per split)
 def test_split_plans_agree(gen):
     cases = [make_case("sink_and_recency", t, 6, 2, 64, torch.bfloat16, gen) for t in (100, 250)]
     cfg = load_config("default")
@@ -328,12 +341,20 @@ def _phase1_summary(R, K, G, B, nfull, kind, gen) -> tuple[Phase1, torch.Tensor]
     return ph1, lse
 
 
-@pytest.mark.parametrize("kind", ["random", "ties", "peak", "flat", "huge_delta"])
-@pytest.mark.parametrize(
-    "B,preset,window",
-    [(1, "default", 512), (7, "strict", 512), (32, "default", 512), (45, "fast", 16), (64, "paper", 16),
-     (100, "default", 8), (130, "strict", 4)],
-)  # fmt: skip
+SELECTION_KINDS = ("random", "ties", "peak", "flat", "huge_delta")
+SELECTION_SHAPES = ((1, "default", 512), (7, "strict", 512), (32, "default", 512), (45, "fast", 16),
+                    (64, "paper", 16), (100, "default", 8), (130, "strict", 4))  # fmt: skip
+
+
+def _selection_cases() -> list:
+    """Every shape × kind; the interpreter runs one kind per shape (shape i with kind i mod 5: every shape, every
+    kind, both the whole-table and the windowed path, and ``flat``/``huge_delta`` through a window), the GPU
+    lane all 35 compiled."""
+    return [(kind, *shape) if (i - j) % len(SELECTION_KINDS) == 0 else _gpu_lane(kind, *shape)
+            for i, shape in enumerate(SELECTION_SHAPES) for j, kind in enumerate(SELECTION_KINDS)]  # fmt: skip
+
+
+@pytest.mark.parametrize("kind,B,preset,window", _selection_cases())
 def test_selection_kernel_equals_the_torch_reference(kind, B, preset, window, gen):
     """``triton_kernels.select`` makes the decisions of ``select_keys``/``select_values``: the same key and
     value masks and the same rung-1 flags, block for block (K_min/K_max clamps, rung 1, value caps). A
@@ -364,12 +385,12 @@ def test_selection_kernel_equals_the_torch_reference(kind, B, preset, window, ge
 @pytest.mark.parametrize(
     "family,preset,overrides",
     [
-        ("random", "default", {}),
-        ("near_tied_blocks", "strict", {"rank_depth": 3}),
-        ("retrieval_peaks", "paper", {"exploration_rate": 0.2}),
-        ("outlier_channels", "naive", {}),
-        ("sink_and_recency", "default", {"force_fallback": "head"}),
-        ("one_hot", "fast", {"bound_tol": 1e-6}),
+        ("random", "default", {}),  # the interpreter's case: every glue kernel (prepare, selection, epilogue)
+        _gpu_lane("near_tied_blocks", "strict", {"rank_depth": 3}),
+        _gpu_lane("retrieval_peaks", "paper", {"exploration_rate": 0.2}),
+        _gpu_lane("outlier_channels", "naive", {}),
+        _gpu_lane("sink_and_recency", "default", {"force_fallback": "head"}),
+        _gpu_lane("one_hot", "fast", {"bound_tol": 1e-6}),
     ],
 )
 def test_glue_kernels_equal_the_torch_path(family, preset, overrides, gen):
