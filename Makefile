@@ -49,8 +49,9 @@ serve: model
 	$(BIN)/certvllm serve $(MODEL_DIR) --served-model-name $(SERVED_NAME) --enforce-eager \
 		--max-model-len 8192 --host $(HOST) --port $(PORT) $(SERVE_ARGS)
 
+# two pytest-xdist workers: the engine tests (tests/conftest.py, XDIST_GROUPS) on one, the single-core tests beside them
 test: install
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 --dist loadgroup
 
 test-quick: install
 	$(BIN)/python -m pytest -q -m "not slow"

@@ -1,8 +1,11 @@
-"""Shared fixtures: seeded generators and the hypothesis profile used in CI."""
+"""Shared fixtures: seeded generators, the hypothesis profile used in CI, and the session's one ``certvllm serve``."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -39,3 +42,110 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--gpu-host-memory-gb", type=float, default=None,
         help="host tier of the 131072-token engine in GiB (default: sized automatically)",
     )  # fmt: skip
+
+
+_SERVER: dict[str, Any] = {}  # the shared server while it runs: its ExitStack and process
+
+
+@pytest.fixture(scope="session")
+def certified_server(tmp_path_factory) -> Iterator[str]:
+    """The base URL of one ``certvllm serve`` (the installed console script) of the bundled model, shared by
+    every test that needs a real server: tests/vllm_plugin/test_vllm_server.py and the dashboard scrape of
+    tests/test_deploy.py (one server start instead of two: each is ~40 s of this 2-core machine's time).
+
+    ``--cert-config default --cert-bound-tol 0.001``: the default preset with a bound tolerance that sends a share
+    of the head-steps to rung 3, so that the fallback series exist for the dashboard's queries; the rest stay
+    certified (rungs 0-2), so every series of the server tests is exported too, and those tests check only
+    what holds on every rung (token accounting, the answer, freed blocks). ``PROMETHEUS_MULTIPROC_DIR`` is
+    left for ``certvllm serve`` to set. The server stops after the last test that uses it
+    (:func:`pytest_runtest_teardown`), not at the end of the session, and then no process of its group may be
+    left. Under pytest-xdist its users form one group (``XDIST_GROUPS``: "server"), so one worker runs them all.
+    """
+    from servers import SERVED_NAME, SERVER_MODEL, free_port, serving, tool
+
+    from certvllm.models import prepare_default_model
+
+    prepare_default_model(SERVER_MODEL)
+    port = free_port()
+    folder = tmp_path_factory.mktemp("server")
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1"}
+    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    cmd = [tool("certvllm"), "serve", str(SERVER_MODEL), "--served-model-name", SERVED_NAME, "--enforce-eager",
+           "--max-model-len", "2048", "--host", "127.0.0.1", "--port", str(port),
+           "--cert-config", "default", "--cert-bound-tol", "0.001"]  # fmt: skip
+    stack = contextlib.ExitStack()
+    base, proc = stack.enter_context(serving(cmd, port, env, folder / "serve.log", start_timeout=240))
+    _SERVER.update(stack=stack, proc=proc)
+    try:
+        yield base
+    finally:
+        _stop_server()
+
+
+def _stop_server() -> None:
+    stack = _SERVER.pop("stack", None)
+    if stack is None:
+        return
+    from servers import alive_in_group
+
+    stack.close()
+    assert not alive_in_group(_SERVER.pop("proc").pid), "server processes left behind"
+
+
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    """Stop the shared server once the last test that uses it (in the session's order) is done."""
+    if "stack" not in _SERVER or "certified_server" not in getattr(item, "fixturenames", ()):
+        return
+    items = item.session.items
+    later = items[items.index(item) + 1 :]
+    if not any("certified_server" in getattr(other, "fixturenames", ()) for other in later):
+        _stop_server()
+
+
+# -- pytest-xdist (make test: -n 2 --dist loadgroup) ----------------------------------------------------------
+# Tests that must run on one worker, one after the other, by node id (a module, or one test of a module):
+# ``engines``: the engine module and the evaluation smoke test each keep both cores busy with two vLLM engines,
+# and four engines at once would not fit the machine's memory; ``server``: the users of ``certified_server``
+# (one server, stopped after its last user). The groups are handed out first (longest first), then the other
+# tests module by module, so the other worker runs the single-core tests (the Triton interpreter, the
+# benchmark's engines one at a time, the fast tests) beside the engines.
+XDIST_GROUPS = {
+    "tests/vllm_plugin/test_vllm_engine.py": "engines",
+    "tests/eval/test_eval.py::test_eval_smoke_through_the_engine": "engines",
+    "tests/vllm_plugin/test_vllm_server.py": "server",
+    "tests/test_deploy.py::test_dashboard_metrics_exist_in_a_real_scrape": "server",
+}
+XDIST_GROUP_ORDER = ("engines", "server")
+
+
+def xdist_group(nodeid: str) -> str | None:
+    """The ``XDIST_GROUPS`` group of a test node id, if any."""
+    for prefix, group in XDIST_GROUPS.items():
+        if nodeid == prefix or nodeid.startswith(prefix + "::") or nodeid.startswith(prefix + "["):
+            return group
+    return None
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """``--dist loadgroup`` with the groups of ``XDIST_GROUPS``: pytest-xdist's own loadgroup finds a test's
+    ``xdist_group`` mark by renaming its node id, which pytest 9 no longer allows (the marks are silently
+    ignored), so the groups are named here by node id instead; every other test is grouped by module."""
+    if config.getoption("dist", None) != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class GroupScheduling(LoadScopeScheduling):
+        ordered = False
+
+        def _split_scope(self, nodeid: str) -> str:
+            return xdist_group(nodeid) or nodeid.split("::", 1)[0]
+
+        def _assign_work_unit(self, node: Any) -> None:
+            if not self.ordered:  # the groups first, in XDIST_GROUP_ORDER, then the modules (largest first)
+                self.ordered = True
+                for group in reversed(XDIST_GROUP_ORDER):
+                    if group in self.workqueue:
+                        self.workqueue.move_to_end(group, last=False)
+            super()._assign_work_unit(node)
+
+    return GroupScheduling(config, log)

