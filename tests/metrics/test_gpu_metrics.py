@@ -29,6 +29,9 @@ def test_a_cuda_read_lands_in_pinned_memory_behind_its_event():
     from certvllm.kv.deferred import DeferredRead
 
     x = torch.arange(6, device="cuda", dtype=torch.int64)
+    # pinned blocks of these sizes cached first: under pytest-xdist, a fresh cudaHostAlloc can wait behind
+    # other processes pinning gigabytes for longer than the sleep below
+    DeferredRead([x, (x * 0.5).view(2, 3), x > 2, x[:1].to(torch.int8)]).values()
     with no_sync():
         torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time queued before the copy
         read = DeferredRead([x, (x * 0.5).view(2, 3), x > 2, x[:1].to(torch.int8)])
