@@ -19,7 +19,9 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 settings.load_profile("ci")
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# two torch threads, or one in each pytest-xdist worker (make test runs two workers on this 2-core machine, beside
+# the engines' own workers: more threads than cores make torch's thread pools wait on each other)
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else max(1, min(2, os.cpu_count() or 1)))
 
 
 @pytest.fixture
