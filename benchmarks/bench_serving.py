@@ -669,7 +669,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-model-len", type=int, default=None, help="default: the largest context")
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--enforce-eager", action="store_true", help="no torch.compile / CUDA graphs (vLLM's default: on)")
-    ap.add_argument("--load-format", default="dummy", help="vLLM load format (dummy: random weights)")
+    ap.add_argument("--load-format", default="dummy",
+                    help="vLLM load format (dummy: random weights, flat attention; certvllm-peaked-dummy: random "
+                         "weights with peaked attention, so that certification is what is measured)")  # fmt: skip
     ap.add_argument("--dtype", default="auto", help="model dtype")
     ap.add_argument("--cert", action="append", default=[], metavar="KEY=VALUE",
                     help="additional_config['certvllm'] entry for the certified engine (repeatable)")  # fmt: skip

@@ -3,7 +3,8 @@
 ``register()`` runs in every vLLM process (API server, engine core, workers). It is idempotent and
 cheap: it makes ``--kv-cache-dtype certified`` a valid value, registers the certified backend in
 vLLM's CUSTOM slot, routes ``certified`` to it (the CPU platform otherwise ignores every backend
-choice), forces 16-token blocks, caps the block count by the host-tier budget, and runs a self-test.
+choice), forces 16-token blocks, caps the block count by the host-tier budget, registers the
+``certvllm-peaked-dummy`` load format (``peaked_dummy.py``, for benchmarks) and runs a self-test.
 An unsupported vLLM version is logged and leaves vLLM untouched.
 """
 
@@ -41,6 +42,9 @@ def register() -> None:
     from certvllm.vllm_plugin import routing
 
     routing.install()
+    from certvllm.vllm_plugin import peaked_dummy
+
+    peaked_dummy.register_loader()  # --load-format certvllm-peaked-dummy (benchmarks without real weights)
     _compat.dtype_self_test()
     routing.self_test()
     _maybe_enable_multiprocess_metrics()
