@@ -10,13 +10,10 @@ weight to 1 and redraws the query and key rows of ``qkv_proj`` uniformly with st
 ``σ_w = √(score_std / hidden_size)``. The residual stream of a dummy model stays its (normalised) token
 embeddings, so for two tokens the score ``q·k/√D`` is a sum of ``D`` products with variance
 ``(hidden_size·σ_w²)² / D`` each: its standard deviation is ``score_std``. With ``score_std`` = 6 (the
-default) a query's softmax mass sits on a few tokens of its context, as in a retrieval head: on the CPU
-reference at 2K and 8K tokens (8 query heads, 2 KV heads, D = 128, default preset) 15 of 16 heads certify
-with 70 key blocks on average and one falls back; at 4 every head certifies with about 170 blocks; at 2 half
-of them fall back. Through vLLM (CPU, the bundled SmolLM2's shapes, a 3,068-token prompt, 24 tokens): with
-``dummy`` all 6,210 certified head-steps were rung 3, with this format none (703 at rung 1, 5,507 at rung
-2). The outputs are as meaningless as the dummy model's, and as stable (the attention output enters the
-residual through the dummy ``o_proj``, ±1e-3).
+default) a query's softmax mass sits on a few tokens of its context, as in a retrieval head, and most heads
+certify; smaller spreads approach flat attention (docs/performance.md has the rung shares measured per
+spread). The outputs are as meaningless as the dummy model's, and as stable (the attention output enters
+the residual through the dummy ``o_proj``, ±1e-3).
 
 ``--model-loader-extra-config '{"score_std": 4.0}'`` sets another spread. Llama-style attention modules only
 (``qkv_proj`` with ``q_size`` and ``kv_size``); anything else is refused with the fix.
