@@ -74,6 +74,8 @@ def _encode_pages_kernel(
     koff = tl.load(k_off + pid)
     voff = tl.load(v_off + pid)
     dst = tl.load(dst_off + pid)
+    if dst < 0:  # no block here (the device write path lists every token's block, -1 where none completes)
+        return
     t = tl.arange(0, N)
     d = tl.arange(0, DP)
     dm = d < D
@@ -216,7 +218,7 @@ def encode_into(
 
     Args:
         pages: uint8 storage (any shape, contiguous) that receives the pages.
-        dst_offsets: ``[P]`` int64 byte offset of each page inside ``pages``.
+        dst_offsets: ``[P]`` int64 byte offset of each page inside ``pages``; negative: no page (skipped).
         k_src, v_src: float16/bfloat16 storage holding the originals (may be pinned host memory that the
             device reads through its unified address; on CPU under the interpreter, any tensor).
         k_offsets, v_offsets: ``[P]`` int64 element offsets of each block's keys / values (token-major

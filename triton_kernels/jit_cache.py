@@ -27,6 +27,7 @@ LAUNCHED: dict[str, tuple[str, ...]] = {
     "prefetch": ("_stage_pages_kernel", "_snapshot_tags_kernel", "_serve_record_kernel"),
     "encode": ("_encode_pages_kernel",),
     "gather": ("_gather_pages_kernel", "_fill_pool_kernel"),
+    "shadow_write": ("_scatter_kernel",),
 }
 """Every kernel the launchers launch, by module of this package."""
 GLUON_MODULES = ("phase1_gluon", "attend_gluon")

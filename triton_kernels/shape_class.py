@@ -36,9 +36,11 @@ from .common import GLUE_MAX_BLOCKS, next_pow2
 ITEM_BLOCK_MAX = 256
 """Largest ``BLK`` of the pool and step-prefetch item kernels (block columns per program)."""
 
-RUNTIME_INTS = ("num_blocks", "B", "TB_STRIDE", "S", "S2", "BPS", "nslots", "P", "CAP", "SPARSE")
-"""Int arguments whose values follow the call (table width and row stride, split plan) or the cache (its
-16-token blocks, pool slots, staging capacity and sparse threshold): never specialised (module docstring).
+RUNTIME_INTS = ("num_blocks", "B", "TB_STRIDE", "S", "S2", "BPS", "nslots", "P", "CAP", "SPARSE", "KEY_T", "KEY_H",
+                "VAL_T", "VAL_H")  # fmt: skip
+"""Int arguments whose values follow the call (table width and row stride, split plan, the written keys' and
+values' strides) or the cache (its 16-token blocks, pool slots, staging capacity and sparse threshold): never
+specialised (module docstring).
 Every kernel passes the whole tuple; Triton ignores names a kernel does not have."""
 
 CALLER_POINTERS = ("tables", "lens", "count", "tag", "tag_gen")

@@ -19,7 +19,7 @@ from certvllm.bounds.report import CertifiedOutput
 from certvllm.config import CertConfig
 from certvllm.formats.layout import BLOCK_SIZE, PageLayout
 from certvllm.kv.cache import LayerKVCache
-from certvllm.kv.cuda_pagein import CudaPageInEngine, encode_blocks_from_shadow
+from certvllm.kv.cuda_pagein import CudaPageInEngine, write_tokens_on_device
 from certvllm.kv.prefetch import StepPrefetcher
 from certvllm.kv.residency import Residency
 
@@ -40,10 +40,10 @@ def table_width(max_len: int, block_size_tokens: int) -> int:
 
 class SyntheticLayer:
     """One layer's cache of ``blocks`` 16-token blocks on ``device`` (rounded up to whole engine blocks), filled
-    with random keys and values through the CUDA write path (the shadow, then the Triton write kernel), with
-    the residency the vLLM worker gives each layer (``WorkerRuntime._residency``: a promotion pool when
-    ``promotion_cache_fraction`` > 0 and, with it, one step prefetcher shared by the ``layers`` layers when
-    ``prefetch_fraction`` > 0). All layers share the one cache.
+    with random keys and values through the CUDA write path (device stores into the shadow, then the Triton
+    write kernel), with the residency the vLLM worker gives each layer (``WorkerRuntime._residency``: a
+    promotion pool when ``promotion_cache_fraction`` > 0 and, with it, one step prefetcher shared by the
+    ``layers`` layers when the step prefetch runs). All layers share the one cache.
 
     Runs on a CUDA device, or on the CPU under Triton's interpreter (tests).
 
@@ -119,10 +119,9 @@ class SyntheticLayer:
         """Every block full of random keys and values, written as the vLLM backend's CUDA write path does."""
         cache = self.cache
         tokens = cache.num_blocks * BLOCK_SIZE
-        k = self._randn(tokens, cache.num_kv_heads, cache.layout.head_dim)
-        v = self._randn(tokens, cache.num_kv_heads, cache.layout.head_dim)
-        full = cache.write_shadow(k, v, torch.arange(tokens))
-        encode_blocks_from_shadow(cache, full.to(self.device))
+        k = self._randn(tokens, cache.num_kv_heads, cache.layout.head_dim).to(self.device)
+        v = self._randn(tokens, cache.num_kv_heads, cache.layout.head_dim).to(self.device)
+        write_tokens_on_device(cache, k, v, torch.arange(tokens, device=self.device))
 
     def tables(self, rows: int, width: int) -> torch.Tensor:
         """``[rows, width]`` int64 block ids on the device: every row walks the cache's blocks from its own

@@ -110,13 +110,15 @@ class LayerKVCache:
             self.generation = torch.zeros(self.num_blocks, dtype=torch.int64, device=self.pages.device)
         return self.generation
 
-    def bump_generation(self, block_ids: torch.Tensor) -> None:
+    def bump_generation(self, block_ids: torch.Tensor, counts: torch.Tensor | None = None) -> None:
         """Record a write to the shadow or page of 16-token blocks ``block_ids`` (any shape, any device):
-        adds 1 to their counters, on the device, without synchronising. No-op until generations are on."""
+        adds ``counts`` (same shape; default 1 each, 0 for an id that was not written) to their counters, on the
+        device, without synchronising. No-op until generations are on."""
         if self.generation is None:
             return
         ids = block_ids.reshape(-1).to(self.generation.device, torch.int64, non_blocking=True)
-        self.generation.index_add_(0, ids, torch.ones_like(ids))
+        add = torch.ones_like(ids) if counts is None else counts.reshape(-1).to(ids.device, torch.int64)
+        self.generation.index_add_(0, ids, add)
 
     # -- tier 1 ----------------------------------------------------------------------------------
     def _page_view(self) -> torch.Tensor:

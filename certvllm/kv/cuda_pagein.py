@@ -205,6 +205,32 @@ class CudaPageInEngine(PageInEngine):
         return DeferredStats(host, ("key_blocks", "value_blocks", "bytes"), DeferredRead([counts]))
 
 
+def write_tokens_on_device(cache: LayerKVCache, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
+    """The CUDA write path with no host synchronisation: this step's tokens go into the shadow by device stores
+    (``triton_kernels.shadow_write``), their blocks' write generations are bumped, and every block a token
+    completes (its offset is the last of the block) is encoded into its pages. The same shadow bytes, pages and
+    generations as ``LayerKVCache.write_shadow`` followed by :func:`encode_blocks_from_shadow` of the blocks it
+    returns, which bring the slots and the keys to the host.
+
+    Args:
+        cache: the layer's cache (token-major shadow, pages on the device).
+        key, value: ``[T, H_kv, D]`` in the shadow's dtype, on the pages' device.
+        slots: ``[T]`` token slots (16-token block · 16 + offset) on the device; negative: padding, skipped.
+    """
+    from certvllm.triton_kernels.shadow_write import scatter_into_shadow
+
+    if cache.keys_channel_major:
+        raise ValueError("the device write path needs a token-major shadow (the CPU layout is channel-major)")
+    shadow = ensure_device_readable(cache)
+    n = cache.layout.block_size
+    slots = slots.to(cache.pages.device, torch.int64)
+    scatter_into_shadow(shadow, key, value, slots, cache.sub_blocks, n)
+    written = slots >= 0
+    block = torch.where(written, slots // n, 0)
+    cache.bump_generation(block, written.to(torch.int64))
+    encode_blocks_from_shadow(cache, torch.where(written & (slots % n == n - 1), block, -1))
+
+
 def encode_blocks_from_shadow(cache: LayerKVCache, block_ids: torch.Tensor) -> None:
     """The CUDA write path: (re)encode the pages of full 16-token blocks from their shadow originals with
     the Triton write kernel, in place, for every KV head — what ``LayerKVCache.write`` does with
@@ -212,13 +238,14 @@ def encode_blocks_from_shadow(cache: LayerKVCache, block_ids: torch.Tensor) -> N
 
     Args:
         cache: the layer's cache (pages on the device).
-        block_ids: ``[n]`` int64 ids of full blocks (on the pages' device).
+        block_ids: ``[n]`` int64 ids of full blocks (on the pages' device); negative entries are skipped.
     """
     from certvllm.triton_kernels.encode import encode_into
 
     shadow = ensure_device_readable(cache)
     dev = cache.pages.device
-    ids = block_ids.reshape(-1).to(dev, torch.int64)
+    listed = block_ids.reshape(-1).to(dev, torch.int64)
+    ids = listed.clamp(min=0)
     h, m = cache.num_kv_heads, cache.sub_blocks
     n, d, pb = cache.layout.block_size, cache.layout.head_dim, cache.layout.page_bytes
     item_ids = ids.repeat_interleave(h)
@@ -231,6 +258,6 @@ def encode_blocks_from_shadow(cache: LayerKVCache, block_ids: torch.Tensor) -> N
     else:
         k_off, stride = kbase + sub * n * d, None
     v_off = kbase + run + sub * n * d
-    dst = ((e * h + heads) * m + sub) * pb
+    dst = torch.where(listed.repeat_interleave(h) >= 0, ((e * h + heads) * m + sub) * pb, -1)
     encode_into(cache.pages, dst, shadow, k_off, shadow, v_off, cache.layout, stride)
-    cache.bump_generation(ids)  # the pages changed: copies taken before are stale (promotion cache)
+    cache.bump_generation(ids, (listed >= 0).to(torch.int64))  # the pages changed: copies taken before are stale

@@ -285,12 +285,10 @@ class CertifiedAttentionImpl(AttentionImpl[CertifiedMetadata]):
             ops.cpu_attn_reshape_and_cache(key[:n], value[:n], key_cache, value_cache, slot_mapping,
                                            self._exact_runtime(kv_cache).isa)  # fmt: skip
             cache.encode_completed(slot_mapping)
-        elif cache.pages.device.type == "cuda":  # Triton write path: quantize completed blocks on the GPU
-            from certvllm.kv.cuda_pagein import encode_blocks_from_shadow
+        elif cache.pages.device.type == "cuda":  # device stores into the shadow, completed blocks encoded there
+            from certvllm.kv.cuda_pagein import write_tokens_on_device
 
-            full = cache.write_shadow(key[:n], value[:n], slot_mapping)
-            if full.numel():
-                encode_blocks_from_shadow(cache, full.to(cache.pages.device))
+            write_tokens_on_device(cache, key[:n], value[:n], slot_mapping)  # no host synchronisation
         else:
             cache.write(key[:n], value[:n], slot_mapping)
 

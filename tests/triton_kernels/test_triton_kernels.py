@@ -203,6 +203,40 @@ def test_gather_and_in_place_encode_from_the_shadow(sub, channel_major, gen):
     assert_same_pages(cache.read_pages(ids.to(DEV)).cpu(), encode_pages(src[:, :, 0], src[:, :, 1], lay), lay)
 
 
+@pytest.mark.parametrize("sub", [1, _gpu_lane(2)])
+def test_device_write_path_equals_the_host_write_path(sub, gen):
+    """``write_tokens_on_device`` (device stores into the shadow, generations, the completed blocks encoded)
+    leaves the same shadow bytes, pages and write generations as the host path it replaces
+    (``LayerKVCache.write_shadow``, then ``encode_blocks_from_shadow`` of the blocks it returns), over three
+    steps: a prefill that fills two blocks and starts a third, padding slots (−1) between real ones, decode
+    tokens in scattered blocks, one completing its block, keys and values as strided views of one tensor."""
+    from certvllm.kv.cuda_pagein import write_tokens_on_device
+
+    lay, heads, d = PageLayout(64), 3, 64
+    caches = []
+    for _ in range(2):
+        pages = torch.zeros(8, heads, sub * lay.page_bytes, dtype=torch.uint8, device=DEV)
+        shadow = torch.zeros(8, heads, 2, sub * BLOCK_SIZE, d, dtype=torch.bfloat16)
+        cache = LayerKVCache(pages, shadow, lay)
+        cache.enable_generations()
+        caches.append(cache)
+    host, device = caches
+    steps = [list(range(16, 16 + 40)), [-1, 3 * 16 + 5, -1, 70], [71, 100, 16 + 40, 3 * 16 + 6, -1]]
+    steps[2] = [16 + 47 if s == 16 + 40 else s for s in steps[2]]  # a slot at offset 15: completes block 3
+    for slots in steps:
+        kv = torch.randn(len(slots), heads, 3 * d, generator=gen).bfloat16().to(DEV)  # [T, H, k|v|other]
+        key, value = kv[..., :d], kv[..., d : 2 * d]  # strided views, as vLLM's qkv split hands them over
+        slot_t = torch.tensor(slots, dtype=torch.int64)
+        full = host.write_shadow(key, value, slot_t.to(DEV))
+        if full.numel():
+            encode_blocks_from_shadow(host, full.to(DEV))
+        write_tokens_on_device(device, key, value, slot_t.to(DEV))
+    assert torch.equal(device.shadow, host.shadow)
+    assert torch.equal(device.pages, host.pages)
+    assert torch.equal(device.generation, host.generation)
+    assert int(host.generation.sum()) > 0
+
+
 @pytest.mark.parametrize(
     "family,preset",
     [("random", "default"), ("sink_and_recency", "strict"), _gpu_lane("retrieval_peaks", "fast"),
