@@ -283,6 +283,41 @@ def test_runtime_binds_each_layer_once_per_kv_tensor():
         rt.bind("model.layers.5.self_attn.attn", torch.zeros(6, 2, 16, c + 16, dtype=torch.uint8), 64, torch.float16)
 
 
+def test_runtime_replays_graphs_only_where_a_graph_can_hold_the_call(monkeypatch):
+    """``WorkerRuntime.certified`` takes the layer's CUDA graph (``LayerCallGraphs.run``, keyed by the layer and
+    its KV tensor) unless the call has a host-side exact recompute (the CPU path's ``exact_rows``), the layer
+    runs the step prefetch (eager only), or the graphs refuse the row count; the other calls go to the op
+    directly. Checked with a stand-in for the graphs (the real ones need a GPU:
+    tests/attention/test_layer_graphs.py)."""
+    import torch
+
+    from certvllm.vllm_plugin import runtime as runtime_module
+    from certvllm.vllm_plugin.host_tier import vllm_page_layout
+
+    rt = _runtime(seed=11)
+    c = vllm_page_layout(64, 16).bytes_per_token
+    state = rt.bind("model.layers.0.self_attn.attn", torch.zeros(6, 2, 16, c, dtype=torch.uint8), 64, torch.float16)
+    calls: list[str] = []
+
+    class Graphs:
+        def handles(self, rows: int) -> bool:
+            return rows <= 2
+
+        def run(self, layer, *args, **kwargs):
+            calls.append(f"graph {layer[0]} {layer[1] == state.cache.pages.data_ptr()}")
+            return "replayed"
+
+    monkeypatch.setattr(rt, "_layer_graphs", lambda device: Graphs())
+    monkeypatch.setattr(runtime_module, "certified_attention", lambda *a, **k: calls.append("op") or "direct")
+    q, tables, lens = torch.zeros(2, 4, 64), torch.zeros(2, 1, dtype=torch.int64), torch.ones(2, dtype=torch.int64)
+    assert rt.certified(state, q, tables, lens, 0.125, None) == "replayed"
+    assert rt.certified(state, q, tables, lens, 0.125, None, exact_rows=lambda rows: None) == "direct"
+    assert rt.certified(state, torch.zeros(3, 4, 64), tables, lens, 0.125, None) == "direct"
+    state.residency.prefetcher, state.residency.pool, state.residency.prefetch_index = object(), object(), 0
+    assert rt.certified(state, q, tables, lens, 0.125, None) == "direct"
+    assert calls == ["graph model.layers.0.self_attn.attn True", "op", "op", "op"]
+
+
 def test_vllm_page_is_two_bytes_per_head_dim_whatever_the_value_group():
     """vLLM sizes its KV tensor before certvllm's settings are known: the page is 2·D bytes per token and KV
     head for every head size; g = 16 fills it, g = 32 pads it, g = 8 does not fit and is refused."""
