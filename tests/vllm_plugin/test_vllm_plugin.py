@@ -294,9 +294,9 @@ def test_runtime_replays_graphs_only_where_a_graph_can_hold_the_call(monkeypatch
     from certvllm.vllm_plugin import runtime as runtime_module
     from certvllm.vllm_plugin.host_tier import vllm_page_layout
 
-    rt = _runtime(seed=11)
+    rt = _runtime()  # the module's one runtime (a second one would register its metrics twice)
     c = vllm_page_layout(64, 16).bytes_per_token
-    state = rt.bind("model.layers.0.self_attn.attn", torch.zeros(6, 2, 16, c, dtype=torch.uint8), 64, torch.float16)
+    state = rt.bind("model.layers.9.self_attn.attn", torch.zeros(6, 2, 16, c, dtype=torch.uint8), 64, torch.float16)
     calls: list[str] = []
 
     class Graphs:
@@ -315,7 +315,7 @@ def test_runtime_replays_graphs_only_where_a_graph_can_hold_the_call(monkeypatch
     assert rt.certified(state, torch.zeros(3, 4, 64), tables, lens, 0.125, None) == "direct"
     state.residency.prefetcher, state.residency.pool, state.residency.prefetch_index = object(), object(), 0
     assert rt.certified(state, q, tables, lens, 0.125, None) == "direct"
-    assert calls == ["graph model.layers.0.self_attn.attn True", "op", "op", "op"]
+    assert calls == ["graph model.layers.9.self_attn.attn True", "op", "op", "op"]
 
 
 def test_vllm_page_is_two_bytes_per_head_dim_whatever_the_value_group():
