@@ -53,21 +53,18 @@ from certvllm.config import CertConfig
 from certvllm.kv.cache import LayerKVCache
 from certvllm.kv.cuda_pagein import CudaPageInEngine, RecordedTraffic
 from certvllm.kv.residency import Residency
+from certvllm.triton_kernels.common import next_pow2
 
 logger = logging.getLogger("certvllm")
 MAX_GRAPHS = 1024
 """Graphs a worker keeps (each holds its static inputs and outputs: ~1 MiB at 64 rows, 32 heads of 128)."""
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
-
-
 def row_bucket(rows: int) -> int:
     """Padded row count of a call of ``rows`` rows (≥ 1): powers of two to 8, then multiples of 8."""
     if rows < 1:
         raise ValueError(f"a call needs at least one row, got {rows}")
-    return _next_pow2(rows) if rows <= 8 else -(-rows // 8) * 8
+    return next_pow2(rows) if rows <= 8 else -(-rows // 8) * 8
 
 
 def width_bucket(columns: int) -> int:
@@ -75,7 +72,7 @@ def width_bucket(columns: int) -> int:
     ``next_pow2(columns) / 8`` (at least 1), so never past ``next_pow2(columns)`` (module docstring)."""
     if columns < 1:
         raise ValueError(f"a block table needs at least one column, got {columns}")
-    step = max(1, _next_pow2(columns) // 8)
+    step = max(1, next_pow2(columns) // 8)
     return -(-columns // step) * step
 
 
