@@ -10,6 +10,7 @@ plugin must see or set for its subprocesses.
 | ``CERTVLLM_EXT_DIR`` | build folder of the compiled CPU kernel | ``~/.cache/certvllm/extensions`` |
 | ``CERTVLLM_CPU_ARCH_FLAGS`` | compiler ISA flags for the CPU kernel (images built for other CPUs) | detected |
 | ``CERTVLLM_EVAL_CACHE`` | download and unpack folder of the evaluation data | ``~/.cache/certvllm/eval`` |
+| ``CERTVLLM_TRITON_CACHE`` | Triton disk cache of certvllm's kernels | ``~/.cache/certvllm/triton`` |
 | ``PROMETHEUS_MULTIPROC_DIR`` | where workers' metrics meet the API server's ``/metrics`` (set if unset) | unset |
 | ``VLLM_PLUGINS`` | vLLM's plugin allow-list (``certvllm`` is added to it when it is set) | unset |
 """
@@ -37,6 +38,7 @@ class Environment:
     ext_dir: Path
     cpu_arch_flags: tuple[str, ...] | None
     eval_cache: Path
+    triton_cache: Path
 
     @classmethod
     def read(cls) -> Environment:
@@ -46,6 +48,7 @@ class Environment:
             ext_dir=Path(os.environ.get("CERTVLLM_EXT_DIR") or home / "extensions"),
             cpu_arch_flags=None if flags is None else tuple(flags.split()),
             eval_cache=Path(os.environ.get("CERTVLLM_EVAL_CACHE") or home / "eval"),
+            triton_cache=Path(os.environ.get("CERTVLLM_TRITON_CACHE") or home / "triton"),
         )
 
 
@@ -86,3 +89,20 @@ def scoped(name: str, value: str) -> Iterator[None]:
             os.environ.pop(name, None)
         else:
             os.environ[name] = previous
+
+
+TRITON_CACHE_DIR = "TRITON_CACHE_DIR"
+
+
+@contextlib.contextmanager
+def triton_cache_scope() -> Iterator[Path]:
+    """Compile certvllm's Triton kernels into certvllm's own disk cache for the duration of the block.
+
+    vLLM points ``TRITON_CACHE_DIR`` at a folder of its torch.compile cache, named by a hash of the engine's
+    config, before the attention warm-up runs; certvllm's kernels compiled there are compiled again by every
+    engine with another config (minutes at a 128K ``max_model_len``). Their compile keys depend on nothing
+    vLLM's config adds, so one folder serves every engine."""
+    folder = environment().triton_cache
+    folder.mkdir(parents=True, exist_ok=True)
+    with scoped(TRITON_CACHE_DIR, str(folder)):
+        yield folder

@@ -29,6 +29,7 @@ import torch
 
 from certvllm.attention.synthetic import SyntheticLayer, engine_sub_blocks, table_width
 from certvllm.config import CertConfig
+from certvllm.env import triton_cache_scope
 from certvllm.formats.layout import BLOCK_SIZE
 from certvllm.triton_kernels import jit_cache
 from certvllm.triton_kernels.common import GLUE_MAX_BLOCKS
@@ -205,7 +206,16 @@ def run_classes(
 ) -> WarmupReport:
     """Build the synthetic layer with ``make_layer()``, then run each class's calls (:func:`warm_class`),
     timing and counting compilations. ``what`` names the head layout in error messages. Runs wherever the
-    layer's device runs the CUDA path (the CPU under the interpreter, for tests)."""
+    layer's device runs the CUDA path (the CPU under the interpreter, for tests). The kernels compile into
+    certvllm's own Triton cache (``certvllm.env.triton_cache_scope``), not vLLM's per-config folder, so a
+    restarted server loads them from disk."""
+    with triton_cache_scope():
+        return _run_classes(classes, max_model_len, what, make_layer)
+
+
+def _run_classes(
+    classes: list[ShapeClass], max_model_len: int, what: str, make_layer: Callable[[], SyntheticLayer]
+) -> WarmupReport:
     start = time.perf_counter()
     before = jit_cache.compilations()
     try:

@@ -118,6 +118,11 @@ class CudaPageInEngine(PageInEngine):
         else:
             main = torch.cuda.current_stream(self.device)
             self._stream.wait_stream(main)
+            # the id tensors were made on the caller's stream and are often temporaries (gather_blocks_async's
+            # are): without this, the caller's next allocations may reuse their memory before the gather reads
+            # it, and the gather then follows garbage block ids (an illegal address, or wrong pages)
+            ids.record_stream(self._stream)
+            heads.record_stream(self._stream)
             with torch.cuda.stream(self._stream):
                 out = _gather(cache, ids, heads, self.device)
                 event = torch.cuda.Event()

@@ -106,6 +106,32 @@ def test_a_failure_names_its_class():
         run_classes(classes, 1000, "H_q=8, H_kv=2, D=64, float16", Broken)
 
 
+def test_kernels_compile_into_certvllm_s_own_triton_cache(tmp_path, monkeypatch):
+    """vLLM sets TRITON_CACHE_DIR to a per-config folder before the warm-up: the warm-up's calls see
+    certvllm's folder instead (CERTVLLM_TRITON_CACHE), and vLLM's setting is back afterwards."""
+    from certvllm import env
+
+    seen = []
+
+    class Recording:
+        device = torch.device("cpu")
+        prefetcher = None
+
+        def call(self, lens, layer=0, *, begin_step=False):
+            seen.append(os.environ.get("TRITON_CACHE_DIR"))
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "vllm-per-config"))
+    monkeypatch.setenv("CERTVLLM_TRITON_CACHE", str(tmp_path / "ours"))
+    env.environment.cache_clear()
+    try:
+        classes = shape_classes(8, 2, 64, 1000, 4, load_config("default"))
+        run_classes(classes, 1000, "H_q=8, H_kv=2, D=64, float16", Recording)
+    finally:
+        env.environment.cache_clear()
+    assert seen == [str(tmp_path / "ours")] * len(classes) and (tmp_path / "ours").is_dir()
+    assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "vllm-per-config")
+
+
 def test_every_launched_kernel_is_counted_and_opts_out():
     launched = set()
     for path in sorted((ROOT / "triton_kernels").glob("*.py")):

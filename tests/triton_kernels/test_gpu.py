@@ -219,6 +219,33 @@ def test_zero_copy_gather_side_stream():
     torch.cuda.cudart().cudaHostUnregister(shadow.data_ptr())
 
 
+def test_side_stream_gather_keeps_its_temporary_ids_alive():
+    """gather_blocks_async makes its id tensors on the caller's stream and drops them before the side-stream
+    gather runs: the caller's next allocations of the same size must not reuse that memory while the gather is
+    queued. The side stream is held back by a sleep, then the caller allocates and zero-fills tensors of the
+    ids' size (block 0 and head 0 everywhere, if the memory were reused)."""
+    from certvllm.formats.layout import PageLayout
+    from certvllm.kv.cache import LayerKVCache
+    from certvllm.kv.cuda_pagein import CudaPageInEngine
+    from certvllm.kv.host import allocate_host
+
+    lay = PageLayout(64)
+    shadow = allocate_host((512, 4, 2, 16, 64), torch.float16, pin=True)
+    shadow.copy_(torch.randn(shadow.shape, dtype=torch.float16))
+    cache = LayerKVCache(torch.zeros(512, 4, lay.page_bytes, dtype=torch.uint8, device="cuda"), shadow, lay)
+    eng = CudaPageInEngine("cuda")
+    ids = torch.randint(1, 512, (3000,), device="cuda")
+    with torch.cuda.stream(eng._stream):
+        torch.cuda._sleep(100_000_000)  # the gather queued behind ~50 ms of side-stream work
+    out, event = eng.gather_blocks_async(cache, ids)
+    squatters = [torch.zeros(3000 * 4, dtype=torch.int64, device="cuda") for _ in range(4)]
+    eng.wait(event)
+    torch.cuda.synchronize()
+    assert all(int(s.abs().sum()) == 0 for s in squatters)
+    assert torch.equal(out.cpu(), cache.shadow_blocks(ids.cpu()))
+    torch.cuda.cudart().cudaHostUnregister(shadow.data_ptr())
+
+
 def test_soundness_sweep_over_families_presets_and_shapes():
     from certvllm.config import load_config
     from certvllm.testing import FAMILIES, make_case
