@@ -266,9 +266,26 @@ def cpu_binds(engines: int) -> list[str | None]:
     return [",".join(str(c) for c in cores[i * per : (i + 1) * per]) for i in range(n)]
 
 
-def _follow(proc: subprocess.Popen, progress: Path, on_phase: Callable[[dict[str, Any]], None], timeout: float) -> int:
-    """Wait for ``proc``, handing every complete line appended to ``progress`` to ``on_phase``."""
-    deadline, offset = time.monotonic() + timeout, 0
+ENGINE_DEATH = ("engine core exited unexpectedly", "EngineDeadError", "terminate called after throwing")
+"""Log lines of a dead engine core. vLLM's client can then wait forever for outputs that will not come (seen
+on the H200: an illegal memory access in the engine core left the harness blocked until the lease's timeout),
+so the run is ended :data:`DEATH_GRACE_S` after one appears."""
+DEATH_GRACE_S = 15.0
+
+
+def _engine_died(log: Path, offset: int) -> tuple[bool, int]:
+    """Whether the log past ``offset`` holds an :data:`ENGINE_DEATH` line; the new offset."""
+    with log.open("rb") as f:
+        f.seek(max(0, offset - 200))  # a marker split across two reads
+        text = f.read().decode(errors="replace")
+        return any(marker in text for marker in ENGINE_DEATH), f.tell()
+
+
+def _follow(proc: subprocess.Popen, progress: Path, on_phase: Callable[[dict[str, Any]], None], timeout: float,
+            log: Path | None = None) -> int:  # fmt: skip
+    """Wait for ``proc``, handing every complete line appended to ``progress`` to ``on_phase``; with ``log``, end
+    it once the engine core has died (:data:`ENGINE_DEATH`) and the process has not exited within the grace."""
+    deadline, offset, log_offset, died_at = time.monotonic() + timeout, 0, 0, None
 
     def drain() -> None:
         nonlocal offset
@@ -288,6 +305,12 @@ def _follow(proc: subprocess.Popen, progress: Path, on_phase: Callable[[dict[str
                 drain()
                 if time.monotonic() > deadline:
                     raise
+                if log is not None and died_at is None:
+                    died, log_offset = _engine_died(log, log_offset)
+                    died_at = time.monotonic() if died else None
+                if died_at is not None and time.monotonic() - died_at > DEATH_GRACE_S:
+                    grace = f"{DEATH_GRACE_S:.0f} s"
+                    raise RuntimeError(f"the engine core died and the run did not exit within {grace}") from None
                 continue
             drain()
             return code
@@ -320,13 +343,12 @@ def run_engine(
         # triton_kernels/ would shadow vLLM's own module; certvllm is imported as installed)
         command = [sys.executable, "-P", "-m", "certvllm.vllm_plugin.harness", str(spec_path), str(out_path)]
         with log_path.open("w") as log:
-            if on_phase is None:
-                returncode = subprocess.run(
-                    command, stdout=log, stderr=subprocess.STDOUT, timeout=timeout, start_new_session=True
-                ).returncode
-            else:
-                proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-                returncode = _follow(proc, Path(spec["progress"]), on_phase, timeout)
+            proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            try:
+                returncode = _follow(proc, Path(spec.get("progress", Path(tmp, "progress.jsonl"))),
+                                     on_phase or (lambda _: None), timeout, log_path)  # fmt: skip
+            except RuntimeError as err:
+                raise RuntimeError(f"engine run failed ({err}):\n{log_path.read_text()[-6000:]}") from None
         log_text = log_path.read_text()
         if returncode != 0 or not out_path.exists():
             raise RuntimeError(f"engine run failed (exit {returncode}):\n{log_text[-6000:]}")
