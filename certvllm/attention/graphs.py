@@ -41,6 +41,7 @@ The first call of a key runs eagerly on the padded inputs (that is its answer) a
 from __future__ import annotations
 
 import logging
+import time
 from collections import OrderedDict
 from collections.abc import Hashable
 from dataclasses import dataclass
@@ -127,6 +128,7 @@ class LayerCallGraphs:
         self.pool = torch.cuda.graph_pool_handle()
         self._graphs: OrderedDict[Hashable, _Graph] = OrderedDict()
         self.captures = 0
+        self.capture_seconds = 0.0  # wall time of the captures (their eager first runs included)
         self.replays = 0
         self.disabled: str | None = None  # why a capture failed (then every call runs eagerly)
 
@@ -182,6 +184,7 @@ class LayerCallGraphs:
             return certified_attention(inputs.q, cache, inputs.tables, inputs.lens, config, scale, pagein=pagein,
                                        generator=generator, residency=residency, backend="cuda")  # fmt: skip
 
+        started = time.perf_counter()
         answer = call()
         # captured on a side stream without torch.cuda.graph's device synchronisation and garbage collection;
         # other threads (the metrics' flusher) may go on using CUDA meanwhile
@@ -205,6 +208,10 @@ class LayerCallGraphs:
             main.wait_stream(side)
         self._graphs[key] = _Graph(graph, inputs, result, traffic)
         self.captures += 1
+        self.capture_seconds += time.perf_counter() - started
+        if self.captures & (self.captures - 1) == 0:  # the 1st, 2nd, 4th … capture: where a slow start went
+            logger.info("certvllm: %d certified layer calls captured in CUDA graphs (%.2f s, eager first runs "
+                        "included)", self.captures, self.capture_seconds)  # fmt: skip
         while len(self._graphs) > self.max_graphs:
             self._graphs.popitem(last=False)
         return _rows(answer, q.shape[0])

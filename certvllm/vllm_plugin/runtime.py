@@ -103,8 +103,10 @@ class WorkerRuntime:
         state = LayerState(name, layer_index(name), cache, self._residency(name, cache))
         self.layers[name] = state
         self.metrics.set_host_tier_bytes(self.host_bytes)
-        # startup cost, per layer: the shadow (allocated, pinned on CUDA) and the device-resident state
-        log = logger.info if len(self.layers) == 1 else logger.debug
+        # startup cost, per layer: the shadow (allocated, pinned on CUDA) and the device-resident state; at info
+        # level for the 1st, 2nd, 4th, 8th … layer, so that a slow start shows where its time went
+        n = len(self.layers)
+        log = logger.info if n & (n - 1) == 0 else logger.debug
         log("certvllm: %s bound: %.2f GiB of shadow in %.2f s, promotion pool and prefetch in %.2f s (%d layers "
             "bound, %.1f GiB of shadow)", name, cache.shadow.numel() * cache.shadow.element_size() / 2**30,
             allocated - start, time.perf_counter() - allocated, len(self.layers), self.host_bytes / 2**30)  # fmt: skip
