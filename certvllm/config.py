@@ -106,7 +106,24 @@ class CertConfig(BaseModel):
         "sdpa (torch SDPA), xformers (CUDA, when installed), or auto (SDPA, or xformers on CUDA where it is "
         "installed and measured faster and in agreement; certvllm.attention.dense_backend).",
     )
-    seed: int = Field(0, ge=0, description="Seed of the exploration draws.")
+    seed: int = Field(0, ge=0, description="Seed of the exploration draws (and, on a separate stream, of the audit's).")
+    audit_rate: float = Field(
+        0.001,
+        ge=0.0,
+        le=1.0,
+        description="Audit mode (certvllm.attention.audit, docs/reliability.md): the probability with which each "
+        "certified head-step is re-checked against exact attention over the shadow originals (float64): within "
+        "E_key + E_val for rungs 0-2, equal to exact within float rounding for rungs 3/4. 0 turns audits off; "
+        "1 audits every head-step. Draws come from their own stream seeded by seed (exploration draws are "
+        "unaffected).",
+    )
+    audit_policy: Literal["log", "fallback", "abort"] = Field(
+        "fallback",
+        description="What an audit violation does besides being counted and logged: log (nothing more), fallback "
+        "(the layer runs exact for the rest of that request; on the CPU the violating row is recomputed exactly "
+        "in the same step), abort (every layer of that request runs exact from then on and the request is "
+        "reported for abortion; vLLM 0.32 gives a worker no per-request abort, see docs/reliability.md).",
+    )
     force_fallback: Literal["none", "head", "layer"] = Field(
         "none",
         description="Testing and audits: escalate every head to rung 3 (head) or every row to rung 4 (layer) after "

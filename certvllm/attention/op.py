@@ -103,6 +103,7 @@ def certified_attention(
     backend: Backend = "auto",
     cuda_options: object | None = None,
     timings: dict | None = None,
+    force_exact: torch.Tensor | None = None,
 ) -> CertifiedOutput:
     """Certified attention for a batch of rows over one layer's paged cache.
 
@@ -120,6 +121,9 @@ def certified_attention(
         backend: the implementation (module docstring).
         cuda_options: ``gpu.CudaOptions`` (tests and benchmarks).
         timings: a dict to record CUDA events at stage boundaries in (``cuda`` only; ``gpu.stage_times``).
+        force_exact: ``[R]`` bool on the pages' device, or None: rows recomputed exactly (rung 4) whatever the
+            ladder decided (the audit's fallback, ``certvllm.attention.audit``); read without a synchronisation
+            on ``cuda``.
 
     Returns:
         ``out`` ``[R, H_q, D]`` float32 and a ``[R, H_q]`` :class:`CertReport`. For every head with rung ≤ 2,
@@ -154,6 +158,8 @@ def certified_attention(
             out, report = cpu_fused.certified_rows(call)
         else:
             out, report = reference.certified_rows(call)
+        if force_exact is not None:
+            report.rung.masked_fill_(force_exact.to(dev, torch.bool).view(R, 1), RUNG_LAYER_DENSE)
         exact = report.rung >= RUNG_HEAD_DENSE
         if rerun is not None and exact_rows is None:
             rerun.apply(exact, report.rung, out)  # on the device, no synchronisation

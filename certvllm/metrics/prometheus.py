@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -35,6 +36,10 @@ RUNG_NAMES = ("0", "1", "2", "3", "4")
 HEAD_REASONS = ("rank", "boundary", "bound_tol")
 LAYER_REASONS = ("canary", "precondition")
 KEY_PAGE_SOURCES = ("pool", "prefetch", "host")
+AUDIT_RATIO_BUCKETS = (1e-6, 1e-5, 1e-4, 1e-3, 0.01, 0.03, 0.1, 0.3, 0.5, 0.8, 1.0, 2.0, 10.0)
+"""Observed error / allowed error of audited head-steps: ≤ 1 is within the certificate, > 1 a violation."""
+AUDIT_FALLBACK_REASON = "audit"
+"""The ``reason`` of ``vllm:cert_layer_fallbacks_total`` for rows an audit violation sent to exact attention."""
 
 
 @dataclass(frozen=True)
@@ -80,6 +85,15 @@ SPECS = (
                "(prefill = no cached context; prefill_cached = prefill reading cached blocks with prefill: exact; "
                "dense_mode = mode: dense).", ("reason",)),
     MetricSpec("vllm:cert_host_tier_bytes", "gauge", "Host memory held by shadow pages (tier 2)."),
+    MetricSpec("vllm:cert_audits_total", "counter",
+               "Head-steps re-checked by audit mode against exact attention over the shadow originals, by the "
+               "rung they were served at.", ("rung",)),
+    MetricSpec("vllm:cert_audit_violations_total", "counter",
+               "Audited head-steps whose output was farther from exact attention than allowed (rungs 0-2: "
+               "E_key + E_val; rungs 3/4: float rounding), by rung.", ("rung",)),
+    MetricSpec("vllm:cert_audit_error_ratio", "histogram",
+               "Observed error / allowed error per audited head-step (> 1: a violation).",
+               buckets=AUDIT_RATIO_BUCKETS),
 )  # fmt: skip
 
 
@@ -161,6 +175,7 @@ class CertMetrics:
         self._fold_lock = threading.Lock()  # one fold at a time: flush() returns only once all is folded
         self._flush_seconds = flush_seconds
         self._flusher: threading.Thread | None = None
+        self._drains: list[Callable[[], None]] = []
 
     def _get(self) -> dict[str, object]:
         if self._metrics is None:
@@ -178,6 +193,10 @@ class CertMetrics:
             made["vllm:cert_head_fallbacks_total"].labels(**self.base, reason=reason)
         for source in KEY_PAGE_SOURCES:
             made["vllm:cert_key_pages_total"].labels(**self.base, source=source)
+        for rung in RUNG_NAMES:
+            made["vllm:cert_audits_total"].labels(**self.base, rung=rung)
+            made["vllm:cert_audit_violations_total"].labels(**self.base, rung=rung)
+        made["vllm:cert_audit_error_ratio"].labels(**self.base)
         for name in ("vllm:cert_canary_violations_total", "vllm:cert_promoted_key_blocks_total",
                      "vllm:cert_promoted_value_blocks_total", "vllm:cert_page_in_bytes_total"):  # fmt: skip
             made[name].labels(**self.base)
@@ -212,6 +231,30 @@ class CertMetrics:
         for source, n in zip(KEY_PAGE_SOURCES, (pool, prefetch, host), strict=True):
             if n:
                 self._child("vllm:cert_key_pages_total", source=source).inc(n)
+
+    def record_audit(self, rung: torch.Tensor, ratio: torch.Tensor, violated: torch.Tensor) -> None:
+        """Count audited head-steps (host tensors ``[n]``: int rung, float observed/allowed error ratio, bool
+        violated), at once: they arrive already read off the device (``certvllm.attention.audit``)."""
+        if rung.numel() == 0:
+            return
+        audits = torch.bincount(rung.long().flatten(), minlength=5).tolist()
+        bad = torch.bincount(rung.long().flatten()[violated.flatten()], minlength=5).tolist()
+        for i, (n, v) in enumerate(zip(audits, bad, strict=True)):
+            if n:
+                self._child("vllm:cert_audits_total", rung=RUNG_NAMES[i]).inc(n)
+            if v:
+                self._child("vllm:cert_audit_violations_total", rung=RUNG_NAMES[i]).inc(v)
+        self._observe_many("vllm:cert_audit_error_ratio", ratio, AUDIT_RATIO_BUCKETS)
+
+    def count_audit_fallback(self, layer: int, rows: int) -> None:
+        """Rows of one layer call sent to exact attention by an audit violation's fallback entry (rung 4)."""
+        if rows:
+            self._child("vllm:cert_layer_fallbacks_total", reason=AUDIT_FALLBACK_REASON, layer=str(layer)).inc(rows)
+
+    def add_drain(self, drain: Callable[[], None]) -> None:
+        """Run ``drain`` at the start of every :meth:`flush` (the audit's queued checks: they are read there,
+        waiting for their device values, so a flush is exact for them too)."""
+        self._drains.append(drain)
 
     def count_exact_tokens(self, reason: str, n: int) -> None:
         if n:
@@ -254,6 +297,8 @@ class CertMetrics:
         """Fold every queued call into the Prometheus series (one batch per layer). Waits for the device
         values of the queued calls (their CUDA events) and for a fold already under way, so the series are
         complete and exact for every call recorded before this one started."""
+        for drain in list(self._drains):
+            drain()
         with self._fold_lock:
             with self._pending_lock:
                 pending, self._pending = self._pending, []

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from certvllm.attention import certified_attention
+from certvllm.attention.audit import Auditor
 from certvllm.bounds.report import CertifiedOutput
 from certvllm.config import CertConfig
 from certvllm.kv.cache import LayerKVCache
@@ -60,6 +61,10 @@ class WorkerRuntime:
     def __init__(self, config: CertConfig, model_name: str, engine: str) -> None:
         self.config = config
         self.metrics = CertMetrics(model_name, engine)
+        # audit mode: sampled head-steps re-checked against exact attention (certvllm.attention.audit); its
+        # checks are read when their device values land, at the latest by the metrics' flush
+        self.audit = Auditor(config, on_outcome=self._audited, on_forced=self.metrics.count_audit_fallback)
+        self.metrics.add_drain(lambda: self.audit.resolve(wait=True))
         self.layers: dict[str, LayerState] = {}
         self.prefetcher: Any = None  # certvllm.kv.prefetch.StepPrefetcher of the CUDA layers
         self._prefetch_blocks = 0  # the 16-token blocks per layer the prefetcher was sized for
@@ -171,15 +176,28 @@ class WorkerRuntime:
                   generator: torch.Generator | None, exact_rows: Any = None) -> CertifiedOutput:  # fmt: skip
         """One layer's certified rows (``certified_attention``'s arguments): replayed from the layer's CUDA graph
         where this worker graphs its calls (``CertConfig.cuda_graphs``, CUDA, at most ``max_decode_rows`` rows,
-        rungs 3/4 on the device, no step prefetch), else the op called directly. Consume the result before the
-        next call."""
+        rungs 3/4 on the device, no step prefetch, no audit fallback active for the layer), else the op called
+        directly. Audited (``self.audit``: sampled head-steps checked against exact attention, audit fallbacks
+        applied). Consume the result before the next call."""
         pagein = self.pagein(q.device)
         graphs = self._layer_graphs(q.device) if exact_rows is None else None
-        if graphs is not None and graphs.handles(q.shape[0]) and state.residency.prefetch_slot() is None:
-            return graphs.run((state.name, state.cache.pages.data_ptr()), q, state.cache, tables, lens, self.config,
-                              scale, pagein=pagein, residency=state.residency, generator=generator)  # fmt: skip
-        return certified_attention(q, state.cache, tables, lens, self.config, scale, pagein=pagein,
-                                   generator=generator, residency=state.residency, exact_rows=exact_rows)  # fmt: skip
+
+        def call(force_exact: torch.Tensor | None) -> CertifiedOutput:
+            if (force_exact is None and graphs is not None and graphs.handles(q.shape[0])
+                    and state.residency.prefetch_slot() is None):  # fmt: skip
+                return graphs.run((state.name, state.cache.pages.data_ptr()), q, state.cache, tables, lens,
+                                  self.config, scale, pagein=pagein, residency=state.residency,
+                                  generator=generator)  # fmt: skip
+            return certified_attention(q, state.cache, tables, lens, self.config, scale, pagein=pagein,
+                                       generator=generator, residency=state.residency, exact_rows=exact_rows,
+                                       force_exact=force_exact)  # fmt: skip
+
+        return self.audit.run(state.index, q, state.cache, tables, lens, scale, call, exact_rows=exact_rows,
+                              dense_backend=self.config.dense_backend)  # fmt: skip
+
+    def _audited(self, outcome: Any) -> None:
+        """An audit outcome (``certvllm.attention.audit.AuditOutcome``) into the metrics."""
+        self.metrics.record_audit(outcome.rung, outcome.ratio, outcome.violated)
 
     def _layer_graphs(self, device: torch.device) -> Any:
         """The device's ``LayerCallGraphs`` (made on first use), or None off CUDA or with ``cuda_graphs`` off."""
