@@ -38,6 +38,13 @@ class CertConfig(BaseModel):
         "promotion, checks or fallback (a baseline; bounds are still reported); dense: exact attention.",
     )
     value_group_size: Literal[8, 16, 32] = Field(16, description="INT4 value group size g.")
+    key_selection: Literal["coverage", "budget"] = Field(
+        "coverage",
+        description="Which blocks are read with unquantized keys: 'coverage' (the paper: the top blocks covering "
+        "tau_cov of the estimated mass) or 'budget' (the fewest top blocks, at least k_min, whose estimated E_key "
+        "fits key_tol; every query head of a KV head then reads the union of its group's blocks). 'budget' needs a "
+        "finite key_tol.",
+    )
     tau_cov: float = Field(0.995, gt=0.0, le=1.0, description="Mass coverage target of the FP16-key set.")
     k_min: int = Field(2, ge=0, description="Fewest key blocks promoted per query head.")
     k_max: int = Field(128, ge=0, description="Most key blocks promoted per query head before rung 1.")
@@ -134,6 +141,9 @@ class CertConfig(BaseModel):
     def _check_relations(self) -> CertConfig:
         if self.k_min > self.k_max:
             raise ValueError(f"k_min={self.k_min} must be ≤ k_max={self.k_max}; raise k_max or lower k_min")
+        if self.key_selection == "budget" and not math.isfinite(self.key_tol):
+            raise ValueError(f"key_selection=budget selects by key_tol, which is {self.key_tol}; set a finite "
+                             "key_tol (the default preset's is 0.02) or use key_selection=coverage")  # fmt: skip
         return self
 
     @property
@@ -145,7 +155,8 @@ class CertConfig(BaseModel):
     def ladder(self) -> LadderPolicy:
         """The decision parameters of a layer call, as the kernels take them."""
         return LadderPolicy(
-            certified=self.mode == "certified", tau_cov=self.tau_cov, k_min=self.k_min, k_max=self.k_max,
+            certified=self.mode == "certified", key_selection=self.key_selection, tau_cov=self.tau_cov,
+            k_min=self.k_min, k_max=self.k_max,
             k_max_widened=math.ceil(self.rung1_multiplier * self.k_max),
             rung1_tail_threshold=self.rung1_tail_threshold, key_tol=self.key_tol, v_tol=self.v_tol,
             bound_tol=self.bound_tol, value_k_max=-1 if self.value_k_max is None else self.value_k_max,
