@@ -10,6 +10,7 @@ plugin must see or set for its subprocesses.
 | ``CERTVLLM_EXT_DIR`` | build folder of the compiled CPU kernel | ``~/.cache/certvllm/extensions`` |
 | ``CERTVLLM_CPU_ARCH_FLAGS`` | compiler ISA flags for the CPU kernel (images built for other CPUs) | detected |
 | ``CERTVLLM_EVAL_CACHE`` | download and unpack folder of the evaluation data | ``~/.cache/certvllm/eval`` |
+| ``CERTVLLM_MODEL_CACHE`` | download folder of the model wheels (``certvllm.models``) | ``~/.cache/certvllm/models`` |
 | ``CERTVLLM_TRITON_CACHE`` | Triton disk cache of certvllm's kernels | ``~/.cache/certvllm/triton`` |
 | ``PROMETHEUS_MULTIPROC_DIR`` | where workers' metrics meet the API server's ``/metrics`` (set if unset) | unset |
 | ``VLLM_PLUGINS`` | vLLM's plugin allow-list (``certvllm`` is added to it when it is set) | unset |
@@ -38,6 +39,7 @@ class Environment:
     ext_dir: Path
     cpu_arch_flags: tuple[str, ...] | None
     eval_cache: Path
+    model_cache: Path
     triton_cache: Path
 
     @classmethod
@@ -48,6 +50,7 @@ class Environment:
             ext_dir=Path(os.environ.get("CERTVLLM_EXT_DIR") or home / "extensions"),
             cpu_arch_flags=None if flags is None else tuple(flags.split()),
             eval_cache=Path(os.environ.get("CERTVLLM_EVAL_CACHE") or home / "eval"),
+            model_cache=Path(os.environ.get("CERTVLLM_MODEL_CACHE") or home / "models"),
             triton_cache=Path(os.environ.get("CERTVLLM_TRITON_CACHE") or home / "triton"),
         )
 
