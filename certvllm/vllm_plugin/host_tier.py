@@ -14,7 +14,6 @@ cannot shadow one full-length request refuses to start, naming the flag.
 from __future__ import annotations
 
 import logging
-import math
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +24,7 @@ from certvllm.formats.layout import PageLayout
 from certvllm.kv.cache import LayerKVCache
 from certvllm.kv.host import allocate_host
 from certvllm.vllm_plugin import settings
+from certvllm.vllm_plugin.preflight import StartupRefusal, gib_at_least, min_request_blocks, shadow_bytes_per_token
 
 logger = logging.getLogger("vllm.certvllm")  # under "vllm": shares vLLM's log handlers
 GIB = 1 << 30
@@ -37,7 +37,7 @@ def shadow_bytes_per_block(vllm_config: Any) -> int:
     layers = model.get_num_layers(parallel)
     heads = model.get_num_kv_heads(parallel)
     itemsize = torch.empty((), dtype=model.dtype).element_size()
-    return layers * heads * 2 * vllm_config.cache_config.block_size * model.get_head_size() * itemsize
+    return vllm_config.cache_config.block_size * shadow_bytes_per_token(layers, heads, model.get_head_size(), itemsize)
 
 
 def _cgroup_headroom() -> int | None:
@@ -66,17 +66,19 @@ def budget_bytes(cfg: CertConfig) -> int:
 
 def min_blocks(vllm_config: Any) -> int:
     """vLLM blocks one request of ``max_model_len`` tokens needs: the least useful capacity."""
-    return math.ceil(vllm_config.model_config.max_model_len / vllm_config.cache_config.block_size) + 1
+    return min_request_blocks(vllm_config.model_config.max_model_len, vllm_config.cache_config.block_size)
 
 
-def _refuse(vllm_config: Any, cfg: CertConfig, capacity: int, per_block: int) -> ValueError:
+def _refuse(vllm_config: Any, cfg: CertConfig, capacity: int, per_block: int) -> StartupRefusal:
+    """The refusal of a budget below one full-length request (``certvllm serve`` prints it as one line, exit 2)."""
     need = min_blocks(vllm_config)
-    return ValueError(
-        f"certvllm: the host tier can shadow only {capacity} blocks ({budget_bytes(cfg) / GIB:.2f} GiB at "
-        f"{per_block / 2**20:.2f} MiB per block), fewer than the {need} blocks one "
-        f"{vllm_config.model_config.max_model_len}-token request needs. Raise --cert-host-memory-gb "
-        f"(now {cfg.host_memory_gb}) to at least "
-        f"{need * per_block / GIB:.2f}, or lower --max-model-len."
+    budget = "" if cfg.host_memory_gb is None else f" {cfg.host_memory_gb:g}"
+    origin = "" if cfg.host_memory_gb is not None else " (unset: half of the host memory available at startup)"
+    return StartupRefusal(
+        f"certvllm: --cert-host-memory-gb{budget}{origin} can shadow only {capacity} blocks "
+        f"({budget_bytes(cfg) / GIB:.2f} GiB at {per_block / 2**20:.2f} MiB per block), fewer than the {need} blocks "
+        f"one {vllm_config.model_config.max_model_len}-token request needs. Use --cert-host-memory-gb "
+        f"{gib_at_least(need * per_block):.2f} or more, or a smaller --max-model-len."
     )
 
 

@@ -63,7 +63,7 @@ def _check_layer(attn_selector_config: Any, backend: Any) -> None:
         sizes = CertifiedAttentionBackend.get_supported_head_sizes()
         problems.append(f"head size {cfg.head_size} is not supported (supported: {sizes})")
     if not CertifiedAttentionBackend.supports_dtype(cfg.dtype):
-        problems.append(f"model dtype {cfg.dtype} is not supported (use --dtype bfloat16 or float16)")
+        problems.append(f"model dtype {cfg.dtype} is not supported (use --dtype bfloat16, float16 or float32)")
     if problems:
         raise ValueError(
             "--kv-cache-dtype certified cannot serve this model: "

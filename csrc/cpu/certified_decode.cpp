@@ -548,8 +548,10 @@ std::vector<torch::Tensor> certified_decode_cpu(torch::Tensor qs, torch::Tensor 
   std::vector<RowOut> rows;
   if (shadow.scalar_type() == torch::kBFloat16) {
     run<at::BFloat16>(qs, pages, shadow, channel_major, tables, seq_lens, lut, lay, k, explore, out, rep, rows);
+  } else if (shadow.scalar_type() == torch::kFloat) {  // float32 activations (CPUs without native bf16)
+    run<float>(qs, pages, shadow, channel_major, tables, seq_lens, lut, lay, k, explore, out, rep, rows);
   } else {
-    TORCH_CHECK(shadow.scalar_type() == torch::kHalf, "shadow must be float16 or bfloat16");
+    TORCH_CHECK(shadow.scalar_type() == torch::kHalf, "shadow must be float16, bfloat16 or float32");
     run<at::Half>(qs, pages, shadow, channel_major, tables, seq_lens, lut, lay, k, explore, out, rep, rows);
   }
   auto flags = torch::zeros({R, 2}, f.dtype(torch::kBool));

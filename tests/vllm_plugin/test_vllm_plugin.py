@@ -134,7 +134,7 @@ def _startup_refusal(**engine: Any) -> str:
 
 def test_host_budget_too_small_refuses_to_start_naming_the_flag():
     out = _startup_refusal(additional_config={"certvllm": {"host_memory_gb": 0.0001}})
-    assert "Raise --cert-host-memory-gb" in out
+    assert "Use --cert-host-memory-gb" in out and "certvllm: --cert-host-memory-gb 0.0001 can shadow only" in out
 
 
 def test_bad_dense_backend_fails_at_startup():
