@@ -264,16 +264,19 @@ class Auditor:
         config: ``audit_rate``, ``audit_policy`` and ``seed`` are read.
         on_outcome: called with every resolved :class:`AuditOutcome` (the runtime records the metrics there).
         on_forced: called with ``(layer, rows)`` for the rows a fallback entry forced to exact attention.
+        defer: act on a call's checks only once they are resolved later, never inside the call (None: on CUDA
+            pages only, as there the values land after the call; True on the CPU reproduces that behaviour).
     """
 
     def __init__(self, config: CertConfig, on_outcome: Callable[[AuditOutcome], None] | None = None,
-                 on_forced: Callable[[int, int], None] | None = None) -> None:  # fmt: skip
+                 on_forced: Callable[[int, int], None] | None = None, defer: bool | None = None) -> None:  # fmt: skip
         if config.audit_policy not in POLICIES:
             raise ValueError(f"audit_policy={config.audit_policy!r}: choose one of {', '.join(POLICIES)}")
         self.policy = config.audit_policy
         self.sampler = HeadStepSampler(config.audit_rate, config.seed)
         self.on_outcome = on_outcome
         self.on_forced = on_forced
+        self.defer = defer
         self.audited = 0  # head-steps audited and resolved so far
         self.violations = 0
         self._steps: dict[int, int] = {}
@@ -332,8 +335,8 @@ class Auditor:
         read = self._check(q, cache, tables, lens, scale, res, rows, heads, exact_dtype)
         with self._lock:
             self._pending.append(_Pending(layer, step, read))
-        if dev.type == "cuda":
-            return res
+        if self.defer or (self.defer is None and dev.type == "cuda"):
+            return res  # read by a later call's resolve() or by the metrics' flush
         for outcome in self.resolve():
             here = outcome.layer == layer and outcome.step == step
             if here and self.policy != "log" and bool(outcome.violated.any()):

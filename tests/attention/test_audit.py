@@ -1,0 +1,428 @@
+"""Audit mode (``certvllm.attention.audit``): real calls of the op, checked against the float64 exact reference
+(``certvllm.testing.exact_attention`` over the originals, computed here independently of the audit).
+
+Tolerances, all stated:
+
+* rungs 0–2: a head-step is a violation exactly when ‖O − O_exact‖₂ > (E_key + E_val)·(1 + 2⁻²⁰) + 2⁻³⁰·V_max
+  (``F64_SLACK``), i.e. the certificate itself with float64 evaluation slack; the tests compare the audit's
+  verdicts with the independent float64 error (its own error agrees with ours to 1e-9 relative);
+* rungs 3/4: ``exact_tolerance`` (float32 rounding of the exact path, ×2 for an unknown reduction order);
+* the sampling rate: the audited count of n head-steps lies within 5 standard deviations of n·rate
+  (binomial, √(n·rate·(1 − rate))); the draws are seeded, so each run is deterministic.
+
+Small shapes (D = 32, a few hundred tokens): every test runs in well under a few seconds on 2 cores, but the one
+Triton-interpreter test (marked slow).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+from prometheus_client import CollectorRegistry
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported (the interpreter test)
+
+from certvllm.attention.audit import (  # noqa: E402
+    ALL_LAYERS,
+    Auditor,
+    AuditOutcome,
+    HeadStepSampler,
+    exact_tolerance,
+)
+from certvllm.attention.op import certified_attention  # noqa: E402
+from certvllm.config import CertConfigError, load_config, make_config  # noqa: E402
+from certvllm.metrics import CertMetrics  # noqa: E402
+from certvllm.testing import FAMILIES, exact_attention, make_case, paged_batch  # noqa: E402
+
+HQ, HKV, D = 4, 2, 32
+LENS = (37, 160, 211)
+
+
+def cases(family: str, seed: int, lens=LENS, dtype=torch.float16):
+    gen = torch.Generator().manual_seed(seed)
+    return [make_case(family, t, HQ, HKV, D, dtype, gen) for t in lens]
+
+
+def exact64(cs, scale: float) -> torch.Tensor:
+    """``[R, H_q, D]`` float64: exact attention of every row over its originals."""
+    return torch.stack([exact_attention(c.q, c.k, c.v, scale) for c in cs])
+
+
+class Recorder:
+    """An auditor with its outcomes collected and fed to a fresh ``CertMetrics``."""
+
+    def __init__(self, cfg, defer: bool | None = None) -> None:
+        self.registry = CollectorRegistry()
+        self.metrics = CertMetrics("test", "0", registry=self.registry)
+        self.outcomes: list[AuditOutcome] = []
+        self.forced: list[tuple[int, int]] = []
+        self.auditor = Auditor(cfg, on_outcome=self._outcome, on_forced=self._forced, defer=defer)
+        self.metrics.add_drain(lambda: self.auditor.resolve(wait=True))
+
+    def _outcome(self, o: AuditOutcome) -> None:
+        self.outcomes.append(o)
+        self.metrics.record_audit(o.rung, o.ratio, o.violated)
+
+    def _forced(self, layer: int, rows: int) -> None:
+        self.forced.append((layer, rows))
+        self.metrics.count_audit_fallback(layer, rows)
+
+    def call(self, cfg, cache, q, tables, lens, scale, layer=0, backend="auto", generator=None):
+        def run(force):
+            return certified_attention(q, cache, tables, lens, cfg, scale, backend=backend, generator=generator,
+                                       force_exact=force)  # fmt: skip
+
+        return self.auditor.run(layer, q, cache, tables, lens, scale, run)
+
+    def sample(self, name: str, **labels: str) -> float:
+        value = self.registry.get_sample_value(name, {"model_name": "test", "engine": "0", **labels})
+        return 0.0 if value is None else value
+
+    def audits(self) -> float:
+        return sum(self.sample("vllm:cert_audits_total", rung=str(r)) for r in range(5))
+
+    def violations(self) -> float:
+        return sum(self.sample("vllm:cert_audit_violations_total", rung=str(r)) for r in range(5))
+
+    def last(self) -> AuditOutcome:
+        return self.outcomes[-1]
+
+
+def check_against_exact(outcome: AuditOutcome, res, ref64: torch.Tensor) -> torch.Tensor:
+    """The audit's error for each audited head-step equals the independent float64 one (1e-9 relative, 1e-12
+    of the output scale absolute); returns the independent error ``[n]``."""
+    rows, heads = outcome.rows, outcome.heads
+    ours = (res.out[rows, heads].double() - ref64[rows, heads]).norm(dim=-1)
+    scale = ref64.abs().max()
+    assert torch.allclose(outcome.error, ours, rtol=1e-9, atol=1e-12 * float(scale)), (outcome.error, ours)
+    return ours
+
+
+# ---- (a) healthy caches: no violation, every head-step counted ------------------------------------------------
+CONFIGS = {
+    "default": {},
+    "paper": {"preset": "paper"},
+    "strict": {"preset": "strict"},
+    "naive": {"preset": "naive"},
+    "rung3": {"force_fallback": "head"},
+    "rung4": {"force_fallback": "layer"},
+}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("kind", list(CONFIGS))
+def test_healthy_cache_has_no_violation_and_every_head_step_is_counted(family, kind):
+    overrides = dict(CONFIGS[kind])
+    cfg = load_config(overrides.pop("preset", "default"), audit_rate=1.0, **overrides)
+    cs = cases(family, 10 * FAMILIES.index(family) + list(CONFIGS).index(kind))
+    cache, tables, lens = paged_batch(cs, cfg.value_group_size)
+    q = torch.stack([c.q for c in cs])
+    scale = 1 / math.sqrt(D)
+    rec = Recorder(cfg)
+    res = rec.call(cfg, cache, q, tables, lens, scale)
+    o = rec.last()
+    assert len(rec.outcomes) == 1 and o.rows.numel() == len(cs) * HQ  # rate 1.0: every head-step
+    ref = exact64(cs, scale)
+    err = check_against_exact(o, res, ref)
+    bound = res.report.bound[o.rows, o.heads].double()
+    certified = o.rung <= 2
+    assert bool((err[certified] <= bound[certified] * (1 + 2**-20) + 1e-30).all())  # the certificate holds
+    assert not bool(o.violated.any()), (o.error[o.violated], o.allowed[o.violated], o.rung[o.violated])
+    assert bool((o.ratio <= 1).all())
+    assert rec.audits() == len(cs) * HQ == rec.auditor.audited
+    assert rec.violations() == 0 == rec.auditor.violations
+    count = rec.registry.get_sample_value("vllm:cert_audit_error_ratio_count", {"model_name": "test", "engine": "0"})
+    assert count == len(cs) * HQ
+    for r in range(5):
+        assert rec.sample("vllm:cert_audits_total", rung=str(r)) == int((o.rung == r).sum())
+    if kind in ("rung3", "rung4"):
+        assert bool((o.rung >= 3).all())
+
+
+@pytest.mark.parametrize("backend", ["reference", "auto"])
+def test_reference_and_compiled_paths_agree_on_the_audit(backend):
+    """The audit runs the same way over the torch reference and the compiled CPU kernel (``auto`` where built)."""
+    cfg = load_config("default", audit_rate=1.0)
+    cs = cases("retrieval_peaks", 7, lens=(300, 64), dtype=torch.bfloat16)
+    cache, tables, lens = paged_batch(cs, cfg.value_group_size)
+    q = torch.stack([c.q for c in cs])
+    rec = Recorder(cfg)
+    res = rec.call(cfg, cache, q, tables, lens, 0.2, backend=backend)
+    check_against_exact(rec.last(), res, exact64(cs, 0.2))
+    assert rec.auditor.violations == 0 and rec.auditor.audited == 2 * HQ
+
+
+def test_exact_tolerance_is_float_rounding_sized():
+    """Rungs 3/4's allowance: a few float32 ulps of V_max for float32 exact paths, the model dtype's for a
+    model-dtype kernel (the CPU plugin's vLLM kernel)."""
+    v, s = torch.tensor([2.0], dtype=torch.float64), torch.tensor([10.0], dtype=torch.float64)
+    f32 = float(exact_tolerance(v, s, 128, 4096, torch.float32)[0])
+    bf16 = float(exact_tolerance(v, s, 128, 4096, torch.bfloat16)[0])
+    u = 2.0**-24
+    gam = lambda n: n * u / (1 - n * u)  # noqa: E731
+    expected = 2.0 * (2 * gam(136) * 10 + 4 * u * 10 + 16 * u + 2 * gam(4098)) * (1 + 2**-10)
+    assert f32 / 2.0 == pytest.approx(expected, rel=1e-9) and f32 / 2.0 < 2e-3  # 1.3e-3 of V_max, γ_T dominates
+    assert bf16 / 2.0 == pytest.approx(f32 / 2.0 + 2**-8 * 23 * (1 + 2**-10), rel=1e-6)
+
+
+# ---- (b) corrupted device pages -------------------------------------------------------------------------------
+def _loose(canary: bool):
+    """A config that reads most blocks with INT8 keys / INT4 values and never escalates on its own."""
+    return load_config("paper", audit_rate=1.0, audit_policy="log", canary=canary, rank_check=False, k_min=0,
+                       k_max=1, tau_cov=0.3, rung1_tail_threshold=1.0, v_tol=10.0, exploration_rate=0.0)  # fmt: skip
+
+
+def corrupt(cache, block_ids, head: int, what: str) -> None:
+    """Flip bits in pages of ``block_ids`` × ``head`` after encoding: the INT8 key codes (bit 7), the key scale
+    codes (bit 4: σ × 2^{±1/2}), or the value scales (fp16 exponent bit 12: ×/÷ 16)."""
+    lay = cache.layout
+    n, d, g = lay.block_size, lay.head_dim, lay.groups
+    for b in block_ids.tolist():
+        page = cache.pages[b, head]
+        if what == "key_codes":
+            page[lay.k_codes : lay.k_codes + n * d] ^= 0x80
+        elif what == "key_scales":
+            page[lay.k_scale_code : lay.k_scale_code + d] ^= 0x10
+        elif what == "value_scales":
+            scales = page[lay.v_scale : lay.v_scale + 2 * n * g].view(torch.int16)
+            scales ^= 1 << 12
+        else:
+            raise ValueError(what)
+
+
+@pytest.mark.parametrize("what", ["key_codes", "key_scales", "value_scales"])
+@pytest.mark.parametrize("canary", [False, True])
+def test_corrupted_pages_are_caught_whenever_the_output_leaves_its_bound(what, canary):
+    cfg = _loose(canary)
+    cs = cases("sink_and_recency", 11, lens=(200, 211, 96))
+    cache, tables, lens = paged_batch(cs, cfg.value_group_size)
+    full = lens // 16
+    corrupt(cache, tables[0, : int(full[0])], 0, what)  # every full block of row 0, KV head 0
+    corrupt(cache, tables[1, 1:4], 1, what)  # three blocks of row 1, KV head 1
+    q = torch.stack([c.q for c in cs])
+    scale = 1 / math.sqrt(D)
+    rec = Recorder(cfg)
+    res = rec.call(cfg, cache, q, tables, lens, scale)
+    o = rec.last()
+    assert o.rows.numel() == len(cs) * HQ
+    err = check_against_exact(o, res, exact64(cs, scale))
+    bound = res.report.bound[o.rows, o.heads].double()
+    beyond = (o.rung <= 2) & (err > bound)  # outputs outside their certificate, by the independent reference
+    assert bool((o.violated | ~beyond).all()), "an output outside its certificate was not caught"
+    assert bool((~o.violated | (err > bound * (1 - 1e-6))).all()), "a violation where the certificate held"
+    assert rec.violations() == int(o.violated.sum()) == rec.auditor.violations
+    if not canary:  # nothing else can notice the corruption: it must move outputs beyond their bounds
+        assert bool(beyond.any()), f"{what}: the corruption moved no output beyond its bound (test is vacuous)"
+        assert bool(o.violated[o.rows == 2].logical_not().all())  # row 2 is healthy
+    elif what == "value_scales":  # the canary compares scores: it cannot see values, the audit must
+        assert bool(beyond.any()) and bool(o.violated.any())
+
+
+# ---- (c) the sampling rate --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("rate", [0.001, 0.01, 0.3])
+def test_fraction_audited_matches_the_rate(rate):
+    sampler = HeadStepSampler(rate, seed=3)
+    gen = torch.Generator().manual_seed(5)
+    sizes = torch.randint(1, 600, (4000,), generator=gen).tolist()
+    n = sum(sizes)
+    picked = sum(len(sampler.sample(s)) for s in sizes)
+    sd = math.sqrt(n * rate * (1 - rate))
+    assert abs(picked - n * rate) <= 5 * sd, (picked, n * rate, sd)
+
+
+def test_sampling_is_seeded_and_independent_of_call_sizes():
+    def picks(seed, sizes):
+        s = HeadStepSampler(0.05, seed)
+        out, base = [], 0
+        for n in sizes:
+            out += [base + i for i in s.sample(n)]
+            base += n
+        return out
+
+    a = picks(1, [1000])
+    assert a == picks(1, [300, 1, 699]) == picks(1, [1] * 1000)  # the same head-steps whatever the batching
+    assert a != picks(2, [1000])
+    assert HeadStepSampler(0.0, 0).sample(10**9) == [] and HeadStepSampler(1.0, 0).sample(5) == [0, 1, 2, 3, 4]
+
+
+def test_fractional_rate_end_to_end_and_the_exploration_stream_is_untouched():
+    """At rate 0.25 the audited share of 40 calls × 3 rows × 4 heads lies within 5 sd of 0.25, the counters equal
+    the audited count, and the op's exploration generator draws exactly as without audits."""
+    cfg = load_config("default", audit_rate=0.25, exploration_rate=0.3)
+    off = load_config("default", audit_rate=0.0, exploration_rate=0.3)
+    cs = cases("random", 21, lens=(100, 64, 130))
+    cache, tables, lens = paged_batch(cs, cfg.value_group_size)
+    q = torch.stack([c.q for c in cs])
+    rec, plain = Recorder(cfg), Recorder(off)
+    g1, g2 = torch.Generator().manual_seed(9), torch.Generator().manual_seed(9)
+    for _ in range(40):
+        a = rec.call(cfg, cache, q, tables, lens, 0.17, generator=g1)
+        b = plain.call(off, cache, q, tables, lens, 0.17, generator=g2)
+        assert torch.equal(a.out, b.out) and torch.equal(a.report.k_star, b.report.k_star)
+    assert torch.equal(g1.get_state(), g2.get_state())
+    n = 40 * 3 * HQ
+    sd = math.sqrt(n * 0.25 * 0.75)
+    assert abs(rec.auditor.audited - n * 0.25) <= 5 * sd
+    assert rec.audits() == rec.auditor.audited and rec.violations() == 0
+    assert plain.auditor.audited == 0 and plain.outcomes == []
+
+
+# ---- (d) policies ---------------------------------------------------------------------------------------------
+def _violating_setup(policy: str):
+    cfg = _loose(False).model_copy(update={"audit_policy": policy})
+    cs = cases("sink_and_recency", 11, lens=(200, 211))
+    cache, tables, lens = paged_batch(cs, cfg.value_group_size)
+    corrupt(cache, tables[0, :12], 0, "value_scales")  # row 0 only
+    q = torch.stack([c.q for c in cs])
+    return cfg, cs, cache, tables, lens, q
+
+
+@pytest.mark.parametrize("policy", ["log", "fallback", "abort"])
+def test_policies(policy):
+    cfg, cs, cache, tables, lens, q = _violating_setup(policy)
+    scale = 1 / math.sqrt(D)
+    ref = exact64(cs, scale)
+    rec = Recorder(cfg)
+    first = rec.call(cfg, cache, q, tables, lens, scale, layer=3)
+    o = rec.last()
+    assert bool(o.violated.any()) and set(o.rows[o.violated].tolist()) == {0}
+    if policy == "log":
+        assert bool((first.report.rung[0] <= 2).all())  # returned as computed
+        assert rec.auditor.fallback_entries() == []
+    else:  # the violating row of this very call is recomputed exactly (CPU)
+        assert bool((first.report.rung[0] == 4).all()) and float(first.report.bound[0].max()) == 0.0
+        assert float((first.out[0].double() - ref[0]).norm(dim=-1).max()) < 1e-5 * float(ref.abs().max())
+        entries = rec.auditor.fallback_entries()
+        assert len(entries) == 1 and entries[0].layer == (3 if policy == "fallback" else ALL_LAYERS)
+        assert entries[0].column == (int(lens[0]) - 1) // 16 and entries[0].block == int(tables[0, entries[0].column])
+    assert bool((first.report.rung[1] <= 2).all())  # the healthy row keeps its certificate
+
+    # the next step of the same request in the same layer (its row one token longer is the same request)
+    again = rec.call(cfg, cache, q, tables, lens, scale, layer=3)
+    other_layer = rec.call(cfg, cache, q, tables, lens, scale, layer=4)
+    if policy == "log":
+        assert bool((again.report.rung[0] <= 2).all()) and rec.forced == []
+    else:
+        assert bool((again.report.rung[0] == 4).all()) and bool((again.report.rung[1] <= 2).all())
+        layer4_forced = policy == "abort"  # a fallback entry is the layer's; an abort entry every layer's
+        assert ((4, 1) in rec.forced) == layer4_forced and (3, 1) in rec.forced
+        assert bool((other_layer.report.rung[0] == 4).all())  # forced, or its own audit's violation fixed
+        fallbacks = rec.sample("vllm:cert_layer_fallbacks_total", reason="audit", layer="3")
+        assert fallbacks == 1
+        assert not bool(rec.outcomes[-2].violated[rec.outcomes[-2].rung == 4].any())  # exact rows pass the audit
+    aborts = rec.auditor.take_aborts()
+    assert len(aborts) == (1 if policy == "abort" else 0) and rec.auditor.take_aborts() == []
+
+    # a call without that request (it ended): its entry is dropped, the next call of the row is certified again
+    rec.call(cfg, cache, q[1:], tables[1:], lens[1:], scale, layer=3)
+    rec.call(cfg, cache, q[1:], tables[1:], lens[1:], scale, layer=4)
+    assert rec.auditor.fallback_entries() == []
+
+
+def test_a_new_request_on_a_reused_block_is_not_forced():
+    """An entry matches only rows at least as long as the request was: a shorter row reusing the block is
+    another request."""
+    cfg, cs, cache, tables, lens, q = _violating_setup("fallback")
+    rec = Recorder(cfg)
+    rec.call(cfg, cache, q, tables, lens, 0.2, layer=0)
+    assert len(rec.auditor.fallback_entries()) == 1
+    assert rec.auditor.forced_rows(0, tables, lens).tolist() == [True, False]
+    assert rec.auditor.forced_rows(0, tables, lens + 5).tolist() == [True, False]  # the same request, later
+    shorter = lens.clone()
+    shorter[0] = int(lens[0]) - 1  # same block at the same column, fewer tokens: a different request
+    assert rec.auditor.forced_rows(0, tables, shorter).tolist() == [False, False]
+    assert rec.auditor.forced_rows(1, tables, lens) is None  # another layer: no entry
+
+
+def test_deferred_checks_act_on_later_calls_as_on_cuda():
+    """``defer=True`` (what CUDA pages do): nothing is read inside the call; the metrics' flush resolves the
+    check (counted, entry made) and the next call of the request's layer runs it exactly."""
+    cfg, cs, cache, tables, lens, q = _violating_setup("fallback")
+    rec = Recorder(cfg, defer=True)
+    first = rec.call(cfg, cache, q, tables, lens, 0.2, layer=0)
+    assert bool((first.report.rung[0] <= 2).all()) and rec.outcomes == [] and rec.audits() == 0
+    rec.metrics.flush()  # the flusher's drain: waits for the queued checks
+    assert rec.audits() == 2 * HQ and rec.violations() > 0 and len(rec.auditor.fallback_entries()) == 1
+    again = rec.call(cfg, cache, q, tables, lens, 0.2, layer=0)
+    assert bool((again.report.rung[0] == 4).all()) and bool((again.report.rung[1] <= 2).all())
+
+
+# ---- (e) configuration --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("value,needle", [(1.5, "less than or equal to 1"), (-0.1, "greater than or equal to 0")])
+def test_audit_rate_is_validated(value, needle):
+    with pytest.raises(CertConfigError) as info:
+        make_config(audit_rate=value)
+    msg = str(info.value)
+    assert "audit_rate" in msg and needle in msg and repr(value) in msg and "--cert-audit-rate" in msg
+
+
+def test_audit_policy_is_validated_and_defaults():
+    with pytest.raises(CertConfigError) as info:
+        make_config(audit_policy="panic")
+    msg = str(info.value)
+    assert "audit_policy" in msg and "'log', 'fallback' or 'abort'" in msg and "'panic'" in msg
+    assert "--cert-audit-policy" in msg
+    cfg = load_config()
+    assert cfg.audit_rate == 0.001 and cfg.audit_policy == "fallback"
+    assert load_config("default", audit_rate=0).audit_rate == 0.0
+    with pytest.raises(ValueError, match=r"audit_rate=2 is outside \[0, 1\]"):
+        HeadStepSampler(2, 0)
+
+
+def test_rate_zero_does_no_work():
+    cfg = load_config("default", audit_rate=0.0)
+    cs = cases("random", 1, lens=(50,))
+    cache, tables, lens = paged_batch(cs, cfg.value_group_size)
+    rec = Recorder(cfg)
+    rec.call(cfg, cache, torch.stack([c.q for c in cs]), tables, lens, 0.2)
+    assert rec.outcomes == [] and not rec.auditor.enabled and rec.audits() == 0
+
+
+# ---- the CUDA path, in Triton's interpreter ---------------------------------------------------------------------
+@pytest.mark.slow
+def test_cuda_path_audit_and_device_fallback_in_the_interpreter():
+    """The op's CUDA path (interpreted on the CPU; compiled on a GPU): the audit's checks on its outputs, the
+    fallback mask computed on the device and applied by the device rerun (``force_exact``, no ``exact_rows``)."""
+    pytest.importorskip("triton")
+    from certvllm.kv.cuda_pagein import CudaPageInEngine
+
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    cs = cases("sink_and_recency", 11, lens=(40, 37))
+    cache, tables, lens = paged_batch(cs, 16)
+    corrupt(cache, tables[0, :2], 0, "value_scales")
+    q, tables, lens = torch.stack([c.q for c in cs]).to(dev), tables.to(dev), lens.to(dev)
+    scale = 1 / math.sqrt(D)
+    ref = exact64(cs, scale).to(dev)
+    eng = CudaPageInEngine(dev)
+
+    def audited(policy: str) -> tuple[Recorder, callable]:
+        cfg = _loose(False).model_copy(update={"audit_policy": policy})
+        rec = Recorder(cfg)
+
+        def run(force):
+            return certified_attention(q, cache, tables, lens, cfg, scale, backend="cuda", pagein=eng,
+                                       force_exact=force)  # fmt: skip
+
+        return rec, lambda: rec.auditor.run(0, q, cache, tables, lens, scale, run)
+
+    rec, call = audited("log")
+    res = call()
+    rec.auditor.resolve(wait=True)  # on CUDA the checks land later; on the CPU they are read at once
+    o = rec.last()
+    check_against_exact(o, res, ref)
+    assert set(o.rows[o.violated].tolist()) == {0} and rec.auditor.fallback_entries() == []
+
+    rec, call = audited("fallback")
+    call()
+    rec.auditor.resolve(wait=True)
+    assert len(rec.auditor.fallback_entries()) == 1
+    again = call()  # the entry's mask, made on the device, goes to the op: row 0 recomputed by the device rerun
+    assert bool((again.report.rung[0] == 4).all()) and bool((again.report.rung[1] <= 2).all())
+    assert float((again.out[0].double() - ref[0]).norm(dim=-1).max()) < 1e-5 * float(ref.abs().max())
+    rec.auditor.resolve(wait=True)
+    assert not bool(rec.last().violated.any())  # the device rerun's rows pass their own audit
+    assert (0, 1) in rec.forced
