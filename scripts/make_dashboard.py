@@ -299,6 +299,36 @@ def build() -> dict:
         8,
     )
 
+    lay.row("Certification: audit mode")
+    lay.add(
+        stat(
+            "Audit violations (range)",
+            "Audited head-steps farther from exact attention than their certificate allows. Must be 0.",
+            f"sum(increase(vllm:cert_audit_violations_total{F}[$__range])) or vector(0)",
+            "short",
+            (1,),
+        ),
+        8,
+    )
+    lay.add(
+        timeseries(
+            "Audits by rung",
+            "Head-steps re-checked against exact attention over the shadow (audit_rate of the certified ones).",
+            [(f"sum by (rung) (rate(vllm:cert_audits_total{F}[{RATE}]))", "rung {{rung}}")],
+            "ops",
+        ),
+        8,
+    )
+    lay.add(
+        timeseries(
+            "Audit error / allowed quantiles",
+            "Observed error over the allowed error per audited head-step (> 1 is a violation).",
+            quantiles("vllm:cert_audit_error_ratio"),
+            "short",
+        ),
+        8,
+    )
+
     lay.row("Certification: promotions, page-ins and host tier")
     lay.add(
         timeseries(

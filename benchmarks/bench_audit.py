@@ -1,0 +1,114 @@
+"""Audit-mode overhead on the CPU: the certified layer call with its audit (``Auditor.run``, what the vLLM worker
+runs per layer and step) at ``audit_rate`` 0, 0.001 and 0.01, in one run.
+
+One "call" is one layer's decode step for ``--rows`` sequences of ``--context`` tokens (SmolLM2-135M's head layout
+by default: 9 query heads, 3 KV heads, D = 64, bfloat16). Each repeat times ``--calls`` consecutive calls per rate,
+the rates interleaved so that drift hits them alike; the table gives the median over repeats of the mean time per
+call, the overhead against rate 0, and how many head-steps were audited. A decode step of an L-layer model is L
+such calls, so the relative overhead per call is the relative overhead per decode step of the attention part (the
+rest of the model, which audits do not touch, makes the end-to-end share smaller still).
+
+    .venv/bin/python benchmarks/bench_audit.py            # prints the table, writes benchmarks/results/cpu_audit.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from certvllm.attention.audit import Auditor
+from certvllm.attention.op import certified_attention
+from certvllm.config import load_config
+from certvllm.testing import make_case, paged_batch
+
+RATES = (0.0, 0.001, 0.01)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rows", type=int, default=8)
+    p.add_argument("--context", type=int, default=2048)
+    p.add_argument("--heads", type=int, default=9)
+    p.add_argument("--kv-heads", type=int, default=3)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--calls", type=int, default=200, help="calls per rate and repeat")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--preset", default="default")
+    p.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "cpu_audit.json")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+
+    gen = torch.Generator().manual_seed(0)
+    cases = [make_case("sink_and_recency", args.context, args.heads, args.kv_heads, args.head_dim, torch.bfloat16, gen)
+             for _ in range(args.rows)]  # fmt: skip
+    cache, tables, lens = paged_batch(cases)
+    q = torch.stack([c.q for c in cases])
+    scale = 1 / math.sqrt(args.head_dim)
+    configs = {rate: load_config(args.preset, audit_rate=rate) for rate in RATES}
+    auditors = {rate: Auditor(cfg) for rate, cfg in configs.items()}
+
+    def one(rate: float) -> None:
+        cfg = configs[rate]
+
+        def call(force: torch.Tensor | None):
+            return certified_attention(q, cache, tables, lens, cfg, scale, force_exact=force)
+
+        auditors[rate].run(0, q, cache, tables, lens, scale, call)
+
+    for rate in RATES:  # warm-up: kernels loaded, allocator warm
+        for _ in range(5):
+            one(rate)
+    warm = Auditor(load_config(args.preset, audit_rate=1.0))  # the audit's first float64 SDPA call initialises
+    for _ in range(2):  # torch's dispatch (about a second): not part of the steady state being measured
+        warm.run(0, q, cache, tables, lens, scale, lambda f: certified_attention(q, cache, tables, lens, configs[0.0],
+                                                                               scale, force_exact=f))  # fmt: skip
+    start = time.perf_counter()
+    warm.run(0, q, cache, tables, lens, scale, lambda f: certified_attention(q, cache, tables, lens, configs[0.0],
+                                                                           scale, force_exact=f))  # fmt: skip
+    full_audit = time.perf_counter() - start
+    per_call: dict[float, list[float]] = {rate: [] for rate in RATES}
+    for _ in range(args.repeats):
+        for rate in RATES:
+            start = time.perf_counter()
+            for _ in range(args.calls):
+                one(rate)
+            per_call[rate].append((time.perf_counter() - start) / args.calls)
+
+    base = statistics.median(per_call[0.0])
+    head_steps = args.rows * args.heads * (args.calls * args.repeats + 5)
+    rows = []
+    for rate in RATES:
+        med = statistics.median(per_call[rate])
+        a = auditors[rate]
+        rows.append({"audit_rate": rate, "median_ms_per_call": med * 1e3, "overhead": med / base - 1.0,
+                     "runs_ms": [t * 1e3 for t in per_call[rate]], "audited_head_steps": a.audited,
+                     "audited_share": a.audited / head_steps, "violations": a.violations})  # fmt: skip
+    print(f"certified layer call, CPU, {args.rows} rows × {args.context} tokens, H_q={args.heads}, "
+          f"H_kv={args.kv_heads}, D={args.head_dim}, bf16, {args.threads} threads; median of {args.repeats} × "
+          f"{args.calls} calls")  # fmt: skip
+    print(f"one call at audit_rate 1 ({args.rows * args.heads} head-steps audited): {full_audit * 1e3:.1f} ms "
+          f"(rate 0: {base * 1e3:.1f} ms)")  # fmt: skip
+    print(f"{'audit_rate':>10} {'ms/call':>9} {'overhead':>9} {'audited':>8} {'share':>8} {'violations':>10}")
+    for r in rows:
+        print(f"{r['audit_rate']:>10g} {r['median_ms_per_call']:>9.3f} {100 * r['overhead']:>8.2f}% "
+              f"{r['audited_head_steps']:>8d} {r['audited_share']:>8.4f} {r['violations']:>10d}")  # fmt: skip
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {"rows": args.rows, "context": args.context, "heads": args.heads, "kv_heads": args.kv_heads,
+            "head_dim": args.head_dim, "calls": args.calls, "repeats": args.repeats, "threads": args.threads,
+            "preset": args.preset, "torch": torch.__version__, "machine": platform.processor() or platform.machine(),
+            "cpus": torch.get_num_threads(), "ms_per_call_at_rate_1": full_audit * 1e3}  # fmt: skip
+    args.out.write_text(json.dumps({"config": meta, "results": rows}, indent=2) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
