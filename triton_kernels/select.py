@@ -9,11 +9,12 @@ head) holds the head's ``B`` blocks in registers (``BP`` = next power of two):
    int64 keys ``bits(p̂_b) << 32 | (BP − 1 − b)`` (p̂ ≥ 0, so its float bits sort like the value, and the
    low word puts the lower block first among ties, as ``torch.argsort(stable=True)``);
 2. α̂[k] (mass left on INT8 keys after the top k) as a reverse cumulative sum (float64 accumulation, as
-   torch's CPU cumsum), Δ suffix maxima, the K* rule with the K_min/K_max clamps and rung 1, exactly the
-   reference's expressions;
+   torch's CPU cumsum), Δ suffix maxima, the K* rule (coverage or key-error budget) with the K_min/K_max
+   clamps and rung 1, exactly the reference's expressions;
 3. rung 2: ρ̄_b·η_b sorted the same way, promoted greedily until the remaining estimate meets the budget;
-4. ``bits[r, h, b] |= 1 << g`` for promoted keys and ``1 << (G + g)`` for promoted values (atomic OR:
-   the G programs of a (row, KV head) share the words).
+4. ``bits[r, h, b] |= 1 << g`` for promoted keys (``(1 << G) − 1``, every head of the group, under the
+   budget rule) and ``1 << (G + g)`` for promoted values (atomic OR: the G programs of a (row, KV head) share
+   the words).
 
 Tested against the torch reference under the interpreter (``tests/triton_kernels/test_triton_kernels.py``); the
 decisions may only differ where a comparison sits within float rounding of its threshold, and no
@@ -164,6 +165,7 @@ def _select_kernel(
     THR1,  # rung-1 tail threshold
     KEY_TOL,
     VKMAX,  # value_k_max, or −1 for no cap
+    BUDGET: tl.constexpr,  # key_selection: budget (else coverage)
     H: tl.constexpr,
     G: tl.constexpr,
     BP: tl.constexpr,
@@ -203,17 +205,26 @@ def _select_kernel(
     kmin = tl.minimum(nf, KMIN)
     kmax = tl.minimum(nf, KMAX)
     kmax1 = tl.minimum(nf, KMAX1)
-    base = _first((alpha <= TAU1) & (q < B), q, nf, BP + W)
-    base = tl.maximum(tl.minimum(base, kmax), kmin)
     abar = tail_mass_upper(alpha, delta_all, rr, GS, PRECISE)
     growth = expm1_f32(dsuf, PRECISE) + expm1_f32(2.0 * dsuf, PRECISE)
     est = tl.where(abar > 0, abar * growth, 0.0)
-    trigger = (_at(alpha, q, base) > THR1) | (_at(est, q, base) > KEY_TOL)
-    ok = (alpha <= THR1) & (est <= KEY_TOL) & (q >= base) & (q <= kmax1) & (q < B)
+    ok = (est <= KEY_TOL) & (q <= kmax1) & (q < B)
+    if BUDGET:  # the fewest blocks (≥ K_min) whose estimated E_key fits key_tol
+        base = _first((est <= KEY_TOL) & (q >= kmin) & (q < B), q, kmax, BP + W)
+        base = tl.maximum(tl.minimum(base, kmax), kmin)
+        trigger = _at(est, q, base) > KEY_TOL
+        key_bits = ((q * 0 + 1) << G) - 1  # every query head of the KV head reads the union
+    else:  # the paper's coverage rule
+        base = _first((alpha <= TAU1) & (q < B), q, nf, BP + W)
+        base = tl.maximum(tl.minimum(base, kmax), kmin)
+        trigger = (_at(alpha, q, base) > THR1) | (_at(est, q, base) > KEY_TOL)
+        ok = ok & (alpha <= THR1)
+        key_bits = (q * 0 + 1) << g
+    ok = ok & (q >= base)
     k_star = tl.where(trigger, tl.maximum(_first(ok, q, kmax1, BP + W), base), base)
     tl.store(widened + pid, (k_star > base).to(tl.int8))
     take = (q < k_star) & (order >= 0) & (order < nf) & (q < B)
-    tl.atomic_or(bits + rk * B + order, (q * 0 + 1) << g, mask=take)
+    tl.atomic_or(bits + rk * B + order, key_bits, mask=take)
 
     # ---- values: rung 2 (selection.select_values)
     if BP <= W:
@@ -275,7 +286,7 @@ def select_blocks(
     _select_kernel[(R * K * G,)](
         l8.contiguous(), lse.contiguous(), delta.contiguous(), rounding.contiguous(), nfull, eta.contiguous(),
         value_budget.contiguous(), bits, widened, scratch, B, GAMMA_SLACK, 1.0 - policy.tau_cov, policy.k_min,
-        policy.k_max, kmax1, policy.rung1_tail_threshold, policy.key_tol, policy.value_k_max,
+        policy.k_max, kmax1, policy.rung1_tail_threshold, policy.key_tol, policy.value_k_max, BUDGET=policy.key_budget,
         H=K, G=G, BP=bp, W=w, LOG2BP=width_class(B).log2bp, PRECISE=precise(), num_warps=min(16, max(4, bp // 512)),
     )  # fmt: skip
     return bits, widened.bool()

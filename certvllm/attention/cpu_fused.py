@@ -55,7 +55,7 @@ def certified_rows(call: LayerCall) -> tuple[torch.Tensor, CertReport]:
     ]  # fmt: skip
     policy = [
         int(lad.certified), int(lad.rank_check), int(lad.canary), lad.k_min, lad.k_max, lad.k_max_widened,
-        lad.value_k_max, lad.rank_depth, 0,
+        lad.value_k_max, lad.rank_depth, 0, int(lad.key_budget),
     ]  # fmt: skip
     explore = torch.zeros(0, dtype=torch.uint8)
     if lad.certified and lad.exploration_rate > 0:  # Bernoulli draws as in selection.select_keys

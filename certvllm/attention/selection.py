@@ -73,6 +73,13 @@ def select_keys(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-K* key promotion with K_min/K_max clamps, then rung 1 (widen coverage).
 
+    ``key_selection: coverage`` (the paper): K* is the fewest top blocks whose estimated mass covers
+    ``tau_cov``; rung 1 widens up to ``rung1_multiplier·k_max`` when the tail mass or the estimated E_key is
+    still over its threshold. ``key_selection: budget``: K* is the fewest top blocks (at least ``k_min``)
+    whose estimated E_key (:func:`key_tail_estimate`) fits ``key_tol``, rung 1 the same search past
+    ``k_max``; then each query head reads the union of its KV head's blocks (they are fetched for the group
+    anyway, and every extra unquantized key only tightens a head's certificate: docs/certification.md §6).
+
     Returns:
         ``key_mask`` ``[R, K, G, B]`` bool and ``widened`` ``[R, K, G]`` bool (rung 1 used).
     """
@@ -88,24 +95,29 @@ def select_keys(
     nfull = ph1.num_full.expand(mass.shape[:-1])
     kmin = torch.clamp(nfull, max=cfg.k_min)
     kmax = torch.clamp(nfull, max=cfg.k_max)
-    base = _first_true(alpha_hat <= (1.0 - cfg.tau_cov), nfull)
+    est = key_tail_estimate(ph1, alpha_hat, delta_suffix)
+    ks = torch.arange(alpha_hat.shape[-1], device=mass.device)
+    budget = cfg.key_selection == "budget"
+    if budget:
+        base = _first_true((est <= cfg.key_tol) & (ks >= kmin.unsqueeze(-1)), kmax)
+    else:
+        base = _first_true(alpha_hat <= (1.0 - cfg.tau_cov), nfull)
     base = torch.maximum(torch.minimum(base, kmax), kmin)
 
-    est = key_tail_estimate(ph1, alpha_hat, delta_suffix)
-    base_alpha = alpha_hat.gather(-1, base.unsqueeze(-1)).squeeze(-1)
     base_est = est.gather(-1, base.unsqueeze(-1)).squeeze(-1)
-    trigger = (base_alpha > cfg.rung1_tail_threshold) | (base_est > cfg.key_tol)
     kmax1 = torch.clamp(nfull, max=math.ceil(cfg.rung1_multiplier * cfg.k_max))
-    ks = torch.arange(alpha_hat.shape[-1], device=mass.device)
-    ok = (
-        (alpha_hat <= cfg.rung1_tail_threshold)
-        & (est <= cfg.key_tol)
-        & (ks >= base.unsqueeze(-1))
-        & (ks <= kmax1.unsqueeze(-1))
-    )
+    ok = (est <= cfg.key_tol) & (ks >= base.unsqueeze(-1)) & (ks <= kmax1.unsqueeze(-1))
+    if budget:
+        trigger = base_est > cfg.key_tol
+    else:
+        base_alpha = alpha_hat.gather(-1, base.unsqueeze(-1)).squeeze(-1)
+        trigger = (base_alpha > cfg.rung1_tail_threshold) | (base_est > cfg.key_tol)
+        ok = ok & (alpha_hat <= cfg.rung1_tail_threshold)
     widened_k = _first_true(ok, kmax1)
     k_star = torch.where(trigger, torch.maximum(widened_k, base), base)
     key_mask = _mask_from_order(order, k_star) & ph1.valid
+    if budget:  # the union over the query heads of each KV head
+        key_mask = key_mask.any(dim=2, keepdim=True).expand_as(key_mask) & ph1.valid
     if cfg.exploration_rate > 0:
         draw = torch.rand(key_mask.shape, generator=generator, device="cpu").to(mass.device)
         key_mask = key_mask | ((draw < cfg.exploration_rate) & ph1.valid)

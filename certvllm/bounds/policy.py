@@ -20,7 +20,10 @@ class LadderPolicy:
 
     Attributes:
         certified: the full ladder (``False``: naive mode, no promotion, checks or fallback).
-        tau_cov: mass coverage target of the unquantized-key set.
+        key_selection: ``coverage`` (the paper's rule: the top blocks covering ``tau_cov`` of the estimated
+            mass) or ``budget`` (the fewest top blocks whose estimated E_key fits ``key_tol``, and every query
+            head of a KV head reads the union of its group's blocks with unquantized keys).
+        tau_cov: mass coverage target of the unquantized-key set (``coverage`` only).
         k_min, k_max: clamp on the promoted key blocks per query head before rung 1.
         k_max_widened: the clamp after rung 1 (``ceil(rung1_multiplier · k_max)``).
         rung1_tail_threshold: rung 1 fires when the estimated tail mass exceeds it.
@@ -33,6 +36,7 @@ class LadderPolicy:
     """
 
     certified: bool
+    key_selection: str
     tau_cov: float
     k_min: int
     k_max: int
@@ -58,3 +62,8 @@ class LadderPolicy:
     def checks_canary(self) -> bool:
         """Whether the canary runs."""
         return self.certified and self.canary
+
+    @property
+    def key_budget(self) -> bool:
+        """Whether keys are selected by the key-error budget (with the union over each KV head's group)."""
+        return self.key_selection == "budget"

@@ -41,6 +41,7 @@ struct Consts {
   bool certified, rank_check, canary;
   double tau_cov, rung1_tail, key_tol, v_tol, bound_tol, eps_guard;
   int64_t k_min, k_max, k_max1, value_k_max, rank_depth, force_rung;
+  bool key_budget;  // key_selection: budget (fewest blocks whose estimated E_key fits key_tol; group union)
 };
 
 inline float half_to_float(uint16_t h) { return c10::detail::fp16_ieee_to_fp32_value(h); }
@@ -245,22 +246,22 @@ void certify_row_head(int64_t r, int64_t kh, const float* qs, int64_t G, int64_t
         est[i] = abar > 0 ? abar * growth : 0.0;
       }
       int64_t kmin = std::min<int64_t>(k.k_min, B), kmax = std::min<int64_t>(k.k_max, B);
-      int64_t base = B;
-      for (int64_t i = 0; i <= B; ++i)
-        if (alpha_hat[i] <= 1.0 - k.tau_cov) { base = i; break; }
+      int64_t base = k.key_budget ? kmax : B;
+      for (int64_t i = k.key_budget ? kmin : 0; i <= B; ++i)
+        if (k.key_budget ? est[i] <= k.key_tol : alpha_hat[i] <= 1.0 - k.tau_cov) { base = i; break; }
       base = std::max(std::min(base, kmax), kmin);
-      bool trigger = alpha_hat[base] > k.rung1_tail || est[base] > k.key_tol;
+      bool trigger = est[base] > k.key_tol || (!k.key_budget && alpha_hat[base] > k.rung1_tail);
       int64_t kmax1 = std::min<int64_t>(k.k_max1, B);
       int64_t kstar = base;
       if (trigger) {
         int64_t wide = kmax1;
         for (int64_t i = base; i <= kmax1; ++i)
-          if (alpha_hat[i] <= k.rung1_tail && est[i] <= k.key_tol) { wide = i; break; }
+          if (est[i] <= k.key_tol && (k.key_budget || alpha_hat[i] <= k.rung1_tail)) { wide = i; break; }
         kstar = std::max(wide, base);
       }
       widened[g] = kstar > base;
       for (int64_t i = 0; i < kstar; ++i) key_mask[g * B + order[i]] = 1;
-      if (explore != nullptr)  // exploration: extra promoted key blocks drawn by the caller
+      if (explore != nullptr && !k.key_budget)  // exploration: extra promoted key blocks drawn by the caller
         for (int64_t b = 0; b < B; ++b) key_mask[g * B + b] |= explore[g * explore_stride + b];
 
       // rung 2: greedy by ρ̄_b·η_b until the rest is within v_tol·V_max (1 % margin)
@@ -277,6 +278,16 @@ void certify_row_head(int64_t r, int64_t kh, const float* qs, int64_t G, int64_t
         if (rem[i] <= budget) { count = i; break; }
       if (k.value_k_max >= 0) count = std::min(count, k.value_k_max);
       for (int64_t i = 0; i < count; ++i) value_mask[g * B + order[i]] = 1;
+    }
+    if (k.key_budget) {  // every query head of the KV head reads the union of the group's blocks, then explores
+      for (int64_t b = 0; b < B; ++b) {
+        uint8_t any = 0;
+        for (int64_t g = 0; g < G; ++g) any |= key_mask[g * B + b];
+        for (int64_t g = 0; g < G; ++g) key_mask[g * B + b] = any;
+      }
+      if (explore != nullptr)
+        for (int64_t g = 0; g < G; ++g)
+          for (int64_t b = 0; b < B; ++b) key_mask[g * B + b] |= explore[g * explore_stride + b];
     }
   }
 
@@ -526,7 +537,7 @@ std::vector<torch::Tensor> certified_decode_cpu(torch::Tensor qs, torch::Tensor 
   TORCH_CHECK(pages.is_contiguous() && pages.scalar_type() == torch::kByte, "pages: contiguous uint8");
   TORCH_CHECK(shadow.is_contiguous() && shadow.dim() == 5, "shadow: contiguous [E, H, 2, m*16, D]");
   TORCH_CHECK(tables.scalar_type() == torch::kLong && seq_lens.scalar_type() == torch::kLong, "int64 tables");
-  TORCH_CHECK(layout.size() == 8 && consts.size() == 16 && policy.size() == 9, "bad constant vectors");
+  TORCH_CHECK(layout.size() == 8 && consts.size() == 16 && policy.size() == 10, "bad constant vectors");
   tables = tables.contiguous();
   explore = explore.contiguous();
   TORCH_CHECK(explore.numel() == 0 || (explore.scalar_type() == torch::kByte && explore.dim() == 4),
@@ -534,7 +545,8 @@ std::vector<torch::Tensor> certified_decode_cpu(torch::Tensor qs, torch::Tensor 
   Layout lay{layout[0], layout[1], layout[2], layout[3], layout[4], layout[5], layout[6], layout[7]};
   Consts k{consts[0], consts[1], consts[2], consts[3], consts[4], consts[5], consts[6], consts[7], consts[8],
            consts[9], policy[0] != 0, policy[1] != 0, policy[2] != 0, consts[10], consts[11], consts[12],
-           consts[13], consts[14], consts[15], policy[3], policy[4], policy[5], policy[6], policy[7], policy[8]};
+           consts[13], consts[14], consts[15], policy[3], policy[4], policy[5], policy[6], policy[7], policy[8],
+           policy[9] != 0};
   const int64_t R = qs.size(0), K = qs.size(1), G = qs.size(2), D = qs.size(3);
   auto out = torch::zeros({R, K * G, D}, torch::kFloat);
   auto f = torch::TensorOptions();

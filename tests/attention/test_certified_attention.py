@@ -44,7 +44,7 @@ from certvllm.testing import (
 )
 
 ROOT = Path(__file__).resolve().parents[2]
-PRESETS = ("default", "paper", "strict", "fast", "naive")
+PRESETS = ("default", "paper", "strict", "fast", "naive", "budget")
 DTYPES = (torch.float16, torch.bfloat16)
 
 
@@ -222,8 +222,8 @@ def test_input_validation_messages():
         certified_decode(q, k, k)
     with pytest.raises(ValueError, match="Invalid shapes"):
         certified_decode(q, k[:, :, :32], k)
-    with pytest.raises(ValueError, match="float16 or bfloat16"):
-        certified_decode(torch.randn(4, 64), k.float(), k.float())
+    with pytest.raises(ValueError, match="float16, bfloat16 or float32"):  # float32: the CPU activation dtype
+        certified_decode(torch.randn(4, 64), k.double(), k.double())
 
 
 @pytest.mark.parametrize("t", [10, 40, 200])
@@ -265,7 +265,8 @@ def test_both_cpu_paths_are_sound(cpu_path, family, preset, gen):
     assert res.violations == 0 and res.dense_mismatch == 0
 
 
-def test_fused_kernel_matches_the_reference(gen):
+@pytest.mark.parametrize("preset", ["default", "budget"])
+def test_fused_kernel_matches_the_reference(preset, gen):
     from certvllm.attention import cpu_fused
 
     assert cpu_fused.cpu_kernel.available()
@@ -274,7 +275,7 @@ def test_fused_kernel_matches_the_reference(gen):
         cases = [make_case(family, t, 8, 2, 128, torch.float16, gen) for t in (20, 200, 650)]
         cache, tables, lens = paged_batch(cases)
         q = torch.stack([c.q for c in cases])
-        cfg = load_config("default")
+        cfg = load_config(preset)
         fused = certified_attention(q, cache, tables, lens, cfg, backend="cpu")
         ref = certified_attention(q, cache, tables, lens, cfg, backend="reference")
         same = fused.report.rung == ref.report.rung

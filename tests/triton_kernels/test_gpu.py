@@ -45,7 +45,7 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 
-PRESETS = ("default", "paper", "strict", "fast", "naive")
+PRESETS = ("default", "paper", "strict", "fast", "naive", "budget")
 SHAPES = ((32, 8, 128), (8, 8, 64), (24, 3, 64), (16, 2, 128), (12, 4, 64))
 FACTOR = 2.0  # FlashAttention's rule: at most twice the float32 implementation's error to float64
 ULP = 2.0**-23  # the rule's atol per unit of max|v|

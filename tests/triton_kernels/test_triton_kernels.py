@@ -376,8 +376,8 @@ def _phase1_summary(R, K, G, B, nfull, kind, gen) -> tuple[Phase1, torch.Tensor]
 
 
 SELECTION_KINDS = ("random", "ties", "peak", "flat", "huge_delta")
-SELECTION_SHAPES = ((1, "default", 512), (7, "strict", 512), (32, "default", 512), (45, "fast", 16),
-                    (64, "paper", 16), (100, "default", 8), (130, "strict", 4))  # fmt: skip
+SELECTION_SHAPES = ((1, "default", 512), (7, "strict", 512), (32, "budget", 512), (45, "fast", 16),
+                    (64, "paper", 16), (100, "budget", 8), (130, "strict", 4))  # fmt: skip
 
 
 def _selection_cases() -> list:
