@@ -309,17 +309,14 @@ void certify_row_head(int64_t r, int64_t kh, const float* qs, int64_t G, int64_t
       anyv |= value_mask[g * B + b];
     }
     any = anyk || anyv;
+    row.key_pages += anyk;  // (block, KV head) pages: the union over the group, as the other paths count
+    row.value_pages += anyv;
     if (!any) continue;
     has16[b] = 1;
     row.pagein_pages += 1;
     shadow.load(table[b], kh, 0, kN, k16.get() + slot16[b] * kN * D);
     shadow.load(table[b], kh, 1, kN, v16.get() + slot16[b] * kN * D);
   }
-  for (int64_t g = 0; g < G; ++g)
-    for (int64_t b = 0; b < B; ++b) {
-      row.key_pages += key_mask[g * B + b];
-      row.value_pages += value_mask[g * B + b];
-    }
 
   // dequantized values of the blocks some head reads as INT4, decoded once per block
   std::unique_ptr<float[]> vhat(new float[std::max<int64_t>(B, 1) * kN * D]);
