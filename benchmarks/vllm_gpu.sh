@@ -4,18 +4,25 @@
 # machine that keeps /tmp between runs the stages follow each other:
 #
 #   bash benchmarks/vllm_gpu.sh part .bundle/h200-vllm0.26.0/part-000      # one run per carried part
+#   bash benchmarks/vllm_gpu.sh model .device/smollm2/part-000             # one run per model part (below)
 #   bash benchmarks/vllm_gpu.sh tests [PYTEST ARGS...]                     # pytest -m gpu, through vLLM
 #   bash benchmarks/vllm_gpu.sh bench [bench_serving.py ARGS...]           # certified vs auto vs fp8
 #
 # The run that carries the last part may go on to another stage in the same command:
 #   bash benchmarks/vllm_gpu.sh part .bundle/h200-vllm0.26.0/part-003 && bash benchmarks/vllm_gpu.sh tests
+# A model folder with real weights travels the same way: on this side (once)
+#   bash benchmarks/vllm_gpu.sh pack-model models/smollm2-135m-instruct .device/smollm2
+# writes an xz-compressed tar of the folder in parts of at most 58 MiB with their checksums (SmolLM2-135M:
+# 269 MB of bf16 weights, 3 parts); the run carrying the last part unpacks it to $MODELS/<folder name>
+# (default /tmp/models), which the GPU tests take as --smollm2-dir.
 # Logs and results go to $OUT (default runs/). The model folder for the 8B-shaped runs is .device/llama8b-dummy
 # (python -m certvllm.models dummy .device/llama8b-dummy builds it; carry it with the run).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-runs}"
 mkdir -p "$OUT"
-export KIT="${KIT:-/tmp/kit}" SITE="${SITE:-/tmp/site}"
+export KIT="${KIT:-/tmp/kit}" SITE="${SITE:-/tmp/site}" MODELS="${MODELS:-/tmp/models}"
+PART_BYTES=$((58 * 1024 * 1024))
 stage="${1:-}"
 shift || true
 case "$stage" in
@@ -24,6 +31,34 @@ case "$stage" in
     for part in "$@"; do cp "$part" "$KIT/"; done
     cp "$(dirname "${1:?a part to copy}")/install.sh" "$KIT/"
     bash "$KIT/install.sh" "$KIT" "$SITE" >/dev/null
+    ;;
+  pack-model)
+    src="${1:?the model folder}" dst="${2:?the output folder}"
+    rm -rf "$dst" && mkdir -p "$dst"
+    basename "$src" >"$dst/NAME"
+    # deterministic: names sorted, owners and times fixed
+    tar -c --sort=name --mtime=@0 --owner=0 --group=0 --numeric-owner -C "$src" . \
+      | xz -9 -T2 | split -b "$PART_BYTES" -d -a 3 - "$dst/part-"
+    (cd "$dst" && sha256sum part-* >SHA256SUMS)
+    ls -l "$dst"
+    ;;
+  model)
+    kit="$MODELS/.parts"
+    mkdir -p "$kit"
+    for part in "$@"; do cp "$part" "$kit/"; done
+    from="$(dirname "${1:?a part to copy}")"
+    cp "$from/SHA256SUMS" "$from/NAME" "$kit/"
+    name="$(cat "$kit/NAME")"
+    missing=$(cd "$kit" && awk '{print $2}' SHA256SUMS | while read -r p; do [ -f "$p" ] || echo "$p"; done)
+    if [ -n "$missing" ]; then
+      echo "model: $name still lacks" $missing >&2
+      exit 0
+    fi
+    (cd "$kit" && sha256sum -c --quiet SHA256SUMS) || { echo "model: a part is corrupt: copy it again" >&2; exit 1; }
+    rm -rf "${MODELS:?}/$name" && mkdir -p "$MODELS/$name"
+    cat "$kit"/part-* | xz -d | tar -x -C "$MODELS/$name"
+    rm -rf "$kit"
+    echo "model: $name unpacked to $MODELS/$name" >&2
     ;;
   tests)
     # shellcheck source=benchmarks/gpu_env.sh
@@ -42,7 +77,7 @@ case "$stage" in
     exit "${PIPESTATUS[0]}"
     ;;
   *)
-    echo "usage: $0 part PART... | tests [PYTEST ARGS] | bench [BENCH ARGS]" >&2
+    echo "usage: $0 part PART... | pack-model DIR OUT | model PART... | tests [PYTEST ARGS] | bench [BENCH ARGS]" >&2
     exit 2
     ;;
 esac
