@@ -70,8 +70,9 @@ def certified_rows(call: LayerCall) -> tuple[torch.Tensor, CertReport]:
     rank, boundary, bound, flags, counters = res[10:]
     precondition = flags[:, 0:1].expand(R, Hq).clone()
     canary = flags[:, 1:2].expand(R, Hq).clone()
-    pages_in, key_pages, value_pages = counters.tolist()
+    pages_in, key_pages, value_pages, read_ns, threads = counters.tolist()
     pagein.stats.bytes += pages_in * 2 * n * D * cache.shadow.element_size()
+    pagein.stats.seconds += read_ns / max(1, min(threads, R * K)) * 1e-9  # the reads ran on that many threads
     pagein.count_promotions(key_pages, value_pages)
     if not lad.certified:
         canary = torch.zeros_like(canary)

@@ -16,6 +16,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -93,7 +94,13 @@ struct Shadow {
 struct RowOut {
   bool precondition = false, canary = false;
   int64_t pagein_pages = 0, key_pages = 0, value_pages = 0;
+  int64_t pagein_ns = 0;  // time in shadow reads (the partial block and the page-in union), this thread's
 };
+
+// Nanoseconds since ``start`` on the monotonic clock.
+inline int64_t ns_since(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count();
+}
 
 template <typename scalar_t>
 void certify_row_head(int64_t r, int64_t kh, const float* qs, int64_t G, int64_t D, const uint8_t* pages,
@@ -166,8 +173,10 @@ void certify_row_head(int64_t r, int64_t kh, const float* qs, int64_t G, int64_t
   int64_t tail_bid = nt > 0 ? table[nf] : -1;
   double tail_vnorm = 0;
   if (nt > 0) {
+    auto t0 = std::chrono::steady_clock::now();
     shadow.load(tail_bid, kh, 0, nt, kt.data());
     shadow.load(tail_bid, kh, 1, nt, vt.data());
+    row.pagein_ns += ns_since(t0);
   }
   for (int64_t t = 0; t < nt; ++t) {
     double nrm = 0;
@@ -302,6 +311,7 @@ void certify_row_head(int64_t r, int64_t kh, const float* qs, int64_t G, int64_t
   }
   std::unique_ptr<float[]> k16(new float[std::max<int64_t>(n_union, 1) * kN * D]);
   std::unique_ptr<float[]> v16(new float[std::max<int64_t>(n_union, 1) * kN * D]);
+  auto union_start = std::chrono::steady_clock::now();
   for (int64_t b = 0; b < B; ++b) {
     bool any = false, anyk = false, anyv = false;
     for (int64_t g = 0; g < G; ++g) {
@@ -317,6 +327,7 @@ void certify_row_head(int64_t r, int64_t kh, const float* qs, int64_t G, int64_t
     shadow.load(table[b], kh, 0, kN, k16.get() + slot16[b] * kN * D);
     shadow.load(table[b], kh, 1, kN, v16.get() + slot16[b] * kN * D);
   }
+  if (n_union > 0) row.pagein_ns += ns_since(union_start);
 
   // dequantized values of the blocks some head reads as INT4, decoded once per block
   std::unique_ptr<float[]> vhat(new float[std::max<int64_t>(B, 1) * kN * D]);
@@ -519,12 +530,14 @@ void run(const torch::Tensor& qs, const torch::Tensor& pages, const torch::Tenso
     dst.pagein_pages += per[i].pagein_pages;
     dst.key_pages += per[i].key_pages;
     dst.value_pages += per[i].value_pages;
+    dst.pagein_ns += per[i].pagein_ns;
   }
 }
 
 }  // namespace
 
-// Returns (out [R, Hq, D] float32, report tensors..., row flags [R, 2] bool, counters [3] int64).
+// Returns (out [R, Hq, D] float32, report tensors..., row flags [R, 2] bool, counters [5] int64: pages read,
+// key and value pages promoted, nanoseconds in shadow reads summed over threads, threads).
 std::vector<torch::Tensor> certified_decode_cpu(torch::Tensor qs, torch::Tensor pages, torch::Tensor shadow,
                                                 bool channel_major, torch::Tensor tables, torch::Tensor seq_lens,
                                                 torch::Tensor lut, std::vector<int64_t> layout,
@@ -564,18 +577,21 @@ std::vector<torch::Tensor> certified_decode_cpu(torch::Tensor qs, torch::Tensor 
     run<at::Half>(qs, pages, shadow, channel_major, tables, seq_lens, lut, lay, k, explore, out, rep, rows);
   }
   auto flags = torch::zeros({R, 2}, f.dtype(torch::kBool));
-  auto counters = torch::zeros({3}, f.dtype(torch::kLong));
-  int64_t pages_in = 0, kp = 0, vp = 0;
+  auto counters = torch::zeros({5}, f.dtype(torch::kLong));
+  int64_t pages_in = 0, kp = 0, vp = 0, ns = 0;
   for (int64_t r = 0; r < R; ++r) {
     flags[r][0] = rows[r].precondition;
     flags[r][1] = rows[r].canary;
     pages_in += rows[r].pagein_pages;
     kp += rows[r].key_pages;
     vp += rows[r].value_pages;
+    ns += rows[r].pagein_ns;
   }
   counters[0] = pages_in;
   counters[1] = kp;
   counters[2] = vp;
+  counters[3] = ns;                          // summed over the threads that read
+  counters[4] = at::get_num_threads();       // that ran them: ns / threads ≈ wall time of the reads
   rep.insert(rep.begin(), out);
   rep.push_back(flags);
   rep.push_back(counters);

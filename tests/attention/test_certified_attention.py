@@ -265,6 +265,25 @@ def test_both_cpu_paths_are_sound(cpu_path, family, preset, gen):
     assert res.violations == 0 and res.dense_mismatch == 0
 
 
+def test_cpu_kernel_times_its_shadow_reads(gen):
+    """The compiled CPU kernel reads promoted pages (and partial blocks) from the shadow in place: the page-in
+    engine's seconds (``vllm:cert_page_in_seconds``) grow whenever its bytes do, and stay 0 when nothing is
+    read (naive mode over whole blocks)."""
+    from certvllm.attention import cpu_fused
+    from certvllm.kv.pagein import PageInEngine
+
+    assert cpu_fused.cpu_kernel.available()
+    for preset, lengths, reads in (("default", (600, 1700), True), ("naive", (608, 1712), False)):
+        cases = [make_case("random", t, 8, 2, 64, torch.bfloat16, gen) for t in lengths]
+        cache, tables, lens = paged_batch(cases)
+        q = torch.stack([c.q for c in cases])
+        pagein = PageInEngine()
+        certified_attention(q, cache, tables, lens, load_config(preset), pagein=pagein, backend="cpu")
+        stats = pagein.take_stats()
+        assert (stats.bytes > 0) == reads and (stats.seconds > 0) == reads, (preset, stats)
+        assert stats.seconds < 10.0
+
+
 @pytest.mark.parametrize("preset", ["default", "budget"])
 def test_fused_kernel_matches_the_reference(preset, gen):
     from certvllm.attention import cpu_fused
