@@ -40,6 +40,17 @@ def shadow_bytes_per_block(vllm_config: Any) -> int:
     return vllm_config.cache_config.block_size * shadow_bytes_per_token(layers, heads, model.get_head_size(), itemsize)
 
 
+def node_ranks(vllm_config: Any) -> int:
+    """Tensor-parallel ranks of this engine: each shadows its own KV heads of every block, all from the one
+    node's budget (``--cert-host-memory-gb`` is per node)."""
+    return max(1, int(getattr(vllm_config.parallel_config, "tensor_parallel_size", 1) or 1))
+
+
+def node_bytes_per_block(vllm_config: Any) -> int:
+    """Host bytes one vLLM block's shadow pages take on this node: every layer, every rank."""
+    return shadow_bytes_per_block(vllm_config) * node_ranks(vllm_config)
+
+
 def _cgroup_headroom() -> int | None:
     """Bytes left under this container's cgroup-v2 memory limit, if one is set."""
     try:
@@ -51,8 +62,8 @@ def _cgroup_headroom() -> int | None:
 
 
 def budget_bytes(cfg: CertConfig) -> int:
-    """The host tier's budget: ``host_memory_gb``, or half of the memory available now (the smaller of
-    the machine's and the container's headroom). With tensor parallelism each rank takes this budget."""
+    """The host tier's budget on this node: ``host_memory_gb``, or half of the memory available now (the smaller
+    of the machine's and the container's headroom). Tensor-parallel ranks share it (:func:`node_bytes_per_block`)."""
     if cfg.host_memory_gb is not None:
         return int(cfg.host_memory_gb * GIB)
     import psutil
@@ -86,7 +97,7 @@ def check_minimum(vllm_config: Any, cfg: CertConfig) -> None:
     """Startup check (before any memory is touched) of an explicit budget."""
     if cfg.host_memory_gb is None:
         return
-    per_block = shadow_bytes_per_block(vllm_config)
+    per_block = node_bytes_per_block(vllm_config)
     capacity = budget_bytes(cfg) // per_block
     if capacity < min_blocks(vllm_config):
         raise _refuse(vllm_config, cfg, capacity, per_block)
@@ -95,7 +106,7 @@ def check_minimum(vllm_config: Any, cfg: CertConfig) -> None:
 def cap_blocks(vllm_config: Any, num_blocks: int) -> int:
     """The KV planner's block count, capped by the host budget (engine-core process)."""
     cfg = settings.cert_config(vllm_config)
-    per_block = shadow_bytes_per_block(vllm_config)
+    per_block = node_bytes_per_block(vllm_config)
     capacity = budget_bytes(cfg) // per_block
     if capacity < min_blocks(vllm_config):
         raise _refuse(vllm_config, cfg, capacity, per_block)
@@ -107,9 +118,12 @@ def cap_blocks(vllm_config: Any, num_blocks: int) -> int:
             num_blocks,
         )  # fmt: skip
         num_blocks = capacity
+    ranks = node_ranks(vllm_config)
     logger.info(
-        "certvllm: host tier shadows %d blocks = %.2f GiB (%.1f KiB per token, all layers)",
+        "certvllm: host tier shadows %d blocks = %.2f GiB (%.1f KiB per token, all layers%s)",
         num_blocks, num_blocks * per_block / GIB, per_block / vllm_config.cache_config.block_size / 1024,
+        f"; split across {ranks} tensor-parallel ranks, {num_blocks * per_block / ranks / GIB:.2f} GiB each"
+        if ranks > 1 else "",
     )  # fmt: skip
     return num_blocks
 

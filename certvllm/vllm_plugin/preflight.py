@@ -142,7 +142,8 @@ def config_dtype(config: dict[str, Any]) -> str | None:
 
 @dataclass(frozen=True)
 class ShadowGeometry:
-    """What the host shadow of one rank holds per token, and the request length it must hold once."""
+    """What the host shadow of one rank holds per token, and the request length it must hold once; ``ranks``
+    tensor-parallel ranks share the node's budget (each shadows its own KV heads of the same blocks)."""
 
     layers: int
     kv_heads: int
@@ -150,6 +151,7 @@ class ShadowGeometry:
     itemsize: int
     max_model_len: int
     block_size: int
+    ranks: int = 1
 
     @property
     def per_token(self) -> int:
@@ -161,7 +163,8 @@ class ShadowGeometry:
 
     @property
     def min_bytes(self) -> int:
-        return self.blocks * self.block_size * self.per_token
+        """Host bytes of one full-length request on this node (all ranks)."""
+        return self.blocks * self.block_size * self.per_token * self.ranks
 
 
 def shadow_geometry(args: list[str], config: dict[str, Any]) -> ShadowGeometry | None:
@@ -192,7 +195,7 @@ def shadow_geometry(args: list[str], config: dict[str, Any]) -> ShadowGeometry |
     if not max_len or max_len <= 0 or not block:
         return None
     itemsize = 4 if (option(args, "--dtype") or "auto").lower() in FLOAT32_NAMES else 2
-    return ShadowGeometry(layers, max(1, kv_heads // tp), head_dim, itemsize, max_len, block)
+    return ShadowGeometry(layers, max(1, kv_heads // tp), head_dim, itemsize, max_len, block, tp)
 
 
 def host_tier_refusal(args: list[str], host_memory_gb: float | None) -> StartupRefusal | None:
@@ -209,11 +212,12 @@ def host_tier_refusal(args: list[str], host_memory_gb: float | None) -> StartupR
     if budget >= geometry.min_bytes:
         return None
     g = geometry
+    ranks = f", x {g.ranks} tensor-parallel ranks sharing the node's budget" if g.ranks > 1 else ""
     return StartupRefusal(
         f"--cert-host-memory-gb {host_memory_gb:g} cannot hold the host shadow of one {g.max_model_len}-token "
         f"request of {model}: that needs at least {gib_at_least(g.min_bytes):.2f} GiB ({g.blocks} blocks of "
         f"{g.block_size} tokens x {g.per_token / 1024:.1f} KiB per token = {g.layers} layers x {g.kv_heads} KV heads x "
-        f"2 x {g.head_dim} x {g.itemsize} bytes). Use --cert-host-memory-gb {gib_at_least(g.min_bytes):.2f} or "
+        f"2 x {g.head_dim} x {g.itemsize} bytes{ranks}). Use --cert-host-memory-gb {gib_at_least(g.min_bytes):.2f} or "
         "more, or a smaller --max-model-len."
     )
 

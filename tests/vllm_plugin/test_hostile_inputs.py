@@ -31,24 +31,29 @@ PER_TOKEN_BF16 = 30 * 3 * 2 * 64 * 2
 
 
 # -- 1. the host tier's minimum ---------------------------------------------------------------------------------
-def _fake_vllm_config(max_model_len: int, block_size: int, itemsize_dtype: torch.dtype) -> Any:
+def _fake_vllm_config(max_model_len: int, block_size: int, itemsize_dtype: torch.dtype, tp: int = 1) -> Any:
     model = SimpleNamespace(max_model_len=max_model_len, dtype=itemsize_dtype, get_num_layers=lambda p: 30,
-                            get_num_kv_heads=lambda p: 3, get_head_size=lambda: 64)  # fmt: skip
+                            get_num_kv_heads=lambda p: 3 // tp, get_head_size=lambda: 64)  # fmt: skip
     return SimpleNamespace(
-        model_config=model, parallel_config=None, cache_config=SimpleNamespace(block_size=block_size)
+        model_config=model,
+        parallel_config=None if tp == 1 else SimpleNamespace(tensor_parallel_size=tp),
+        cache_config=SimpleNamespace(block_size=block_size),
     )
 
 
+@pytest.mark.parametrize("tp", [1, 3])
 @pytest.mark.parametrize(("dtype_flag", "torch_dtype"), [([], torch.bfloat16), (["--dtype", "float32"], torch.float32)])
-def test_the_early_minimum_is_the_one_vllms_check_applies(dtype_flag, torch_dtype):
+def test_the_early_minimum_is_the_one_vllms_check_applies(dtype_flag, torch_dtype, tp):
+    """Also with tensor parallelism: each rank shadows its KV heads, the node's budget holds every rank's."""
     from certvllm.vllm_plugin import host_tier
 
-    args = [MODEL, "--max-model-len", "8192", *dtype_flag]
+    args = [MODEL, "--max-model-len", "8192", *dtype_flag] + (["--tensor-parallel-size", str(tp)] if tp > 1 else [])
     geometry = preflight.shadow_geometry(args, preflight.read_model_config(MODEL, args))
-    vllm_config = _fake_vllm_config(8192, 16, torch_dtype)
-    per_block = host_tier.shadow_bytes_per_block(vllm_config)
+    vllm_config = _fake_vllm_config(8192, 16, torch_dtype, tp)
+    per_block = host_tier.node_bytes_per_block(vllm_config)
+    assert per_block == host_tier.shadow_bytes_per_block(vllm_config) * tp
     assert geometry.min_bytes == host_tier.min_blocks(vllm_config) * per_block
-    assert geometry.per_token == PER_TOKEN_BF16 * (2 if torch_dtype == torch.float32 else 1)
+    assert geometry.per_token * tp == PER_TOKEN_BF16 * (2 if torch_dtype == torch.float32 else 1)
     # exactly the minimum passes both checks, one byte's worth less is refused by both
     gb = geometry.min_bytes / preflight.GIB
     assert preflight.host_tier_refusal(args, gb) is None
