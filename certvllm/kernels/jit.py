@@ -1,11 +1,15 @@
 """Build-once loading of certvllm's C++ extensions (torch's C++ extension tools).
 
-Each extension compiles into ``$CERTVLLM_EXT_DIR/<name>`` (default ``~/.cache/certvllm/extensions``)
-on first use; a failure is remembered and reported once, and callers fall back to a slower path.
+Each extension compiles into ``$CERTVLLM_EXT_DIR/<name>-<digest>`` (default ``~/.cache/certvllm/extensions``)
+on first use; a failure is remembered and reported once, and callers fall back to a slower path. The digest
+covers the sources' bytes and the build arguments, so two checkouts or versions never rebuild one folder
+under each other (a build that changed a running server's module in place, or loaded one with another
+interface, was seen with a test run and a server from two trees).
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 from importlib import resources
@@ -36,8 +40,16 @@ class JitExtension:
         self._failed: str | None = None
 
     @property
+    def digest(self) -> str:
+        """12 hex digits of the sources' bytes and the build arguments."""
+        h = hashlib.sha256(repr(sorted(self.build_args.items())).encode())
+        for source in self.sources:
+            h.update(Path(source).read_bytes())
+        return h.hexdigest()[:12]
+
+    @property
     def build_dir(self) -> Path:
-        path = extensions_root() / self.name
+        path = extensions_root() / f"{self.name}-{self.digest}"
         path.mkdir(parents=True, exist_ok=True)
         return path
 
