@@ -68,7 +68,7 @@ def test_register_is_idempotent_and_routes_certified():
         ({"use_mla": True}, "MLA attention"),
         ({"has_sliding_window": True}, "sliding-window layers"),
         ({"head_size": 48}, "head size 48 is not supported"),
-        ({"dtype": torch.float32}, "use --dtype bfloat16 or float16"),
+        ({"dtype": torch.float64}, "use --dtype bfloat16, float16 or float32"),
         ({"has_sink": True}, "attention sinks"),
     ],
 )
