@@ -58,7 +58,7 @@ from certvllm.bounds.rounding import GAMMA_SLACK, UNIT_ROUNDOFF, gamma
 from certvllm.config import CertConfig
 from certvllm.kv.cache import LayerKVCache
 from certvllm.kv.deferred import DeferredRead
-from certvllm.kv.pagein import PageInEngine
+from certvllm.kv.pagein import PageInEngine, engine_for
 
 logger = logging.getLogger("vllm.certvllm")  # under "vllm": shares vLLM's log handlers in a worker
 
@@ -370,12 +370,7 @@ class Auditor:
     def _pagein(self, device: torch.device) -> PageInEngine:
         """The audit's own page-in engine (its traffic is not the call's: it is not exported)."""
         if device not in self._pageins:
-            if device.type == "cuda":
-                from certvllm.kv.cuda_pagein import CudaPageInEngine
-
-                self._pageins[device] = CudaPageInEngine(device)
-            else:
-                self._pageins[device] = PageInEngine(device)
+            self._pageins[device] = engine_for(device)
         return self._pageins[device]
 
     # -- results ------------------------------------------------------------------------------------------

@@ -77,3 +77,13 @@ class PageInEngine:
     def _count(self, out: torch.Tensor, start: float) -> None:
         self.stats.bytes += out.numel() * out.element_size()
         self.stats.seconds += time.perf_counter() - start
+
+
+def engine_for(device: torch.device) -> PageInEngine:
+    """A new page-in engine for ``device``: zero-copy gathers on a side stream on CUDA
+    (``certvllm.kv.cuda_pagein.CudaPageInEngine``), host gathers elsewhere."""
+    if device.type == "cuda":
+        from certvllm.kv.cuda_pagein import CudaPageInEngine
+
+        return CudaPageInEngine(device)
+    return PageInEngine(device)

@@ -22,7 +22,7 @@ from certvllm.attention.audit import Auditor
 from certvllm.bounds.report import CertifiedOutput
 from certvllm.config import CertConfig
 from certvllm.kv.cache import LayerKVCache
-from certvllm.kv.pagein import PageInEngine
+from certvllm.kv.pagein import PageInEngine, engine_for
 from certvllm.kv.residency import Residency
 from certvllm.metrics import CertMetrics
 from certvllm.vllm_plugin import settings
@@ -215,12 +215,7 @@ class WorkerRuntime:
     def pagein(self, device: torch.device) -> PageInEngine:
         """The page-in engine of ``device`` (zero-copy gathers on a side stream on CUDA)."""
         if device not in self._pageins:
-            if device.type == "cuda":
-                from certvllm.kv.cuda_pagein import CudaPageInEngine
-
-                self._pageins[device] = CudaPageInEngine(device)
-            else:
-                self._pageins[device] = PageInEngine(device)
+            self._pageins[device] = engine_for(device)
         return self._pageins[device]
 
     def begin_step(self) -> None:
