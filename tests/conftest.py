@@ -52,8 +52,9 @@ _SERVER: dict[str, Any] = {}  # the shared server while it runs: its ExitStack a
 @pytest.fixture(scope="session")
 def certified_server(tmp_path_factory) -> Iterator[str]:
     """The base URL of one ``certvllm serve`` (the installed console script) of the bundled model, shared by
-    every test that needs a real server: tests/vllm_plugin/test_vllm_server.py and the dashboard scrape of
-    tests/test_deploy.py (one server start instead of two: each is ~40 s of this 2-core machine's time).
+    every test that needs a real server: tests/vllm_plugin/test_vllm_server.py, the dashboard scrape of
+    tests/test_deploy.py and the short soak of tests/test_soak.py (one server start instead of three: each is
+    ~40 s of this 2-core machine's time).
 
     ``--cert-config default --cert-bound-tol 0.001``: the default preset with a bound tolerance that sends a share
     of the head-steps to rung 3, so that the fallback series exist for the dashboard's queries; the rest stay
@@ -63,18 +64,16 @@ def certified_server(tmp_path_factory) -> Iterator[str]:
     (:func:`pytest_runtest_teardown`), not at the end of the session, and then no process of its group may be
     left. Under pytest-xdist its users form one group (``XDIST_GROUPS``: "server"), so one worker runs them all.
     """
-    from servers import SERVED_NAME, SERVER_MODEL, free_port, serving, tool
+    from servers import SERVER_MODEL, certified_serve_command, free_port, serve_env, serving
 
     from certvllm.models import prepare_default_model
 
     prepare_default_model(SERVER_MODEL)
     port = free_port()
     folder = tmp_path_factory.mktemp("server")
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1"}
-    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
-    cmd = [tool("certvllm"), "serve", str(SERVER_MODEL), "--served-model-name", SERVED_NAME, "--enforce-eager",
-           "--max-model-len", "2048", "--host", "127.0.0.1", "--port", str(port),
-           "--cert-config", "default", "--cert-bound-tol", "0.001"]  # fmt: skip
+    env = serve_env(kv_cache_gib=1)
+    cmd = certified_serve_command(port, max_model_len=2048,
+                                  cert_args=("--cert-config", "default", "--cert-bound-tol", "0.001"))  # fmt: skip
     stack = contextlib.ExitStack()
     base, proc = stack.enter_context(serving(cmd, port, env, folder / "serve.log", start_timeout=240))
     _SERVER.update(stack=stack, proc=proc)
@@ -116,6 +115,7 @@ XDIST_GROUPS = {
     "tests/eval/test_eval.py::test_eval_smoke_through_the_engine": "engines",
     "tests/vllm_plugin/test_vllm_server.py": "server",
     "tests/test_deploy.py::test_dashboard_metrics_exist_in_a_real_scrape": "server",
+    "tests/test_soak.py::test_short_soak_against_the_shared_server": "server",
 }
 XDIST_GROUP_ORDER = ("engines", "server")
 

