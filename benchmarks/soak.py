@@ -326,11 +326,22 @@ def counters(m: dict[str, float]) -> dict[str, float]:
 def settle(base: str, timeout: float) -> tuple[dict[str, float], float, bool]:
     """Scrape until no request runs or waits, no KV block is in use, and two scrapes 1 s apart agree on every
     counter (the workers fold their metrics every 0.25 s); the last scrape, the seconds waited, and whether it
-    settled before ``timeout``."""
+    settled before ``timeout``. A scrape that fails or times out (a server starved of CPU can take longer than
+    the scrape's 10 s) is retried until ``timeout``; only when none succeeded does it raise."""
     start = time.monotonic()
     previous: dict[str, float] | None = None
+    m: dict[str, float] | None = None
     while True:
-        m = scrape(base)
+        try:
+            m = scrape(base)
+        except OSError as exc:  # URLError, timeouts, refused connections
+            if time.monotonic() - start > timeout:
+                if m is None:
+                    raise RuntimeError(f"no /metrics scrape succeeded within {timeout:.0f} s: {exc}") from exc
+                return m, time.monotonic() - start, False
+            previous = None
+            time.sleep(1.0)
+            continue
         idle = (m.get("vllm:num_requests_running", 0) == 0 and m.get("vllm:num_requests_waiting", 0) == 0
                 and m.get("vllm:kv_cache_usage_perc", 0) == 0)  # fmt: skip
         if idle and previous is not None and counters(previous) == counters(m):
