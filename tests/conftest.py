@@ -116,6 +116,7 @@ XDIST_GROUPS = {
     "tests/vllm_plugin/test_vllm_server.py": "server",
     "tests/test_deploy.py::test_dashboard_metrics_exist_in_a_real_scrape": "server",
     "tests/test_soak.py::test_short_soak_against_the_shared_server": "server",
+    "tests/vllm_plugin/test_bad_requests.py": "server",
 }
 XDIST_GROUP_ORDER = ("engines", "server")
 
