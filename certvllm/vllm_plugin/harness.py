@@ -321,6 +321,16 @@ def _follow(proc: subprocess.Popen, progress: Path, on_phase: Callable[[dict[str
         raise
 
 
+def first_errors(log_text: str, lines: int = 40) -> str:
+    """The log from its first error line on (``lines`` lines), for a failure whose tail shows only the
+    shutdown it caused (a worker that died first leaves its reason far above the engine core's teardown)."""
+    log = log_text.splitlines()
+    first = next((i for i, line in enumerate(log) if "Traceback" in line or " ERROR " in line), None)
+    if first is None or len("\n".join(log[first:])) <= 6000:
+        return ""
+    return "first error lines:\n" + "\n".join(log[first : first + lines]) + "\n...\nlog tail:\n"
+
+
 def run_engine(
     spec: dict[str, Any], timeout: float = 900.0, env: dict[str, str] | None = None,
     on_phase: Callable[[dict[str, Any]], None] | None = None,
@@ -351,7 +361,7 @@ def run_engine(
                 raise RuntimeError(f"engine run failed ({err}):\n{log_path.read_text()[-6000:]}") from None
         log_text = log_path.read_text()
         if returncode != 0 or not out_path.exists():
-            raise RuntimeError(f"engine run failed (exit {returncode}):\n{log_text[-6000:]}")
+            raise RuntimeError(f"engine run failed (exit {returncode}):\n{first_errors(log_text)}{log_text[-6000:]}")
         result = json.loads(out_path.read_text())
         result["log"] = log_text
         capacity = re.search(r"KV cache size: ([\d,]+) tokens", log_text)

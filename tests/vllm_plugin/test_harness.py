@@ -36,3 +36,11 @@ def test_a_healthy_run_is_followed_to_its_exit(tmp_path):
         proc = subprocess.Popen([sys.executable, "-c", script], stdout=out, stderr=subprocess.STDOUT)
         assert harness._follow(proc, progress, phases.append, 60.0, log) == 0
     assert phases == [{"phase": 1}]
+
+
+def test_a_failure_report_starts_at_the_first_error_when_the_tail_is_only_teardown():
+    teardown = ["INFO teardown " + "x" * 80] * 200
+    log = "\n".join(["INFO start"] * 5 + ["(Worker pid=1) ERROR boom: the real reason", *teardown])
+    report = harness.first_errors(log)
+    assert report.startswith("first error lines:") and "the real reason" in report
+    assert harness.first_errors("INFO fine\n(Worker) ERROR short log") == ""  # the tail shows it already
