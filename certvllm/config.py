@@ -100,6 +100,15 @@ class CertConfig(BaseModel):
         "whole model (0.25 with 32 layers: 0.008 of the FP16 cache). 0 disables it. Served only under the "
         "block's current write generation, as the promotion cache.",
     )
+    decode_pass: Literal["two_pass", "resident"] = Field(
+        "two_pass",
+        description="CUDA path only: how a decode call is computed. two_pass: phase 1 scores every block, selection "
+        "picks the promoted blocks, phase 2 pages their keys in and attends (the paper's order). resident: one pass "
+        "with the promoted set F taken from the keys the promotion pool already holds, and a top-up (selection, "
+        "page-in and the pass again) only for the KV-head groups it leaves outside key_tol, v_tol or the rung-3 "
+        "checks (certvllm.attention.resident). Both certify the same bound for whatever they promoted. The CPU "
+        "path ignores it.",
+    )
     cuda_graphs: bool = Field(
         True,
         description="CUDA path only: each layer's decode call replays a CUDA graph captured per (row bucket, "

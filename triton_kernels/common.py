@@ -21,7 +21,7 @@ __all__ = [
     "GLUE_MAX_BLOCKS",
     "GluonGate",
     "as_mask",
-    "copy_key_page",
+    "copy_page",
     "device_arg",
     "expm1_f32",
     "head_program",
@@ -378,11 +378,11 @@ def load_shadow_tile(src, bid, h, kv, H: tl.constexpr, M: tl.constexpr, D: tl.co
 
 
 @triton.jit
-def copy_key_page(src, e, dst, slot, H: tl.constexpr, M: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
-                  CHANNEL_MAJOR: tl.constexpr):  # fmt: skip
-    """Copy the keys of shadow page ``e = block·H + head`` of ``src`` (:func:`load_shadow_tile`) to slot
-    ``slot`` of ``dst`` ``[P, 16, D]`` (token-major)."""
-    x = load_shadow_tile(src, e // H, e % H, 0, H, M, D, DP, CHANNEL_MAJOR)
+def copy_page(src, e, kv, dst, slot, H: tl.constexpr, M: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+              CHANNEL_MAJOR: tl.constexpr):  # fmt: skip
+    """Copy the keys (``kv`` = 0) or values (1) of shadow page ``e = block·H + head`` of ``src``
+    (:func:`load_shadow_tile`) to slot ``slot`` of ``dst`` ``[P, 16, D]`` (token-major)."""
+    x = load_shadow_tile(src, e // H, e % H, kv, H, M, D, DP, CHANNEL_MAJOR)
     store_page_tile(dst + slot * (16 * D), x, D, DP)
 
 

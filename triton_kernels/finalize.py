@@ -77,9 +77,23 @@ def _finite(x):
 
 
 @triton.jit
-def _combine(acc, den_p, s_tail, tail_v, m, pid, rk, g, S, G: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
-             PRECISE: tl.constexpr):  # fmt: skip
+def _split_scale(msplit, pid, s, S, mm, PER_SPLIT: tl.constexpr):
+    """Factor that brings split ``s``'s sums to the row's maximum ``mm``: exp(m_s − mm) in float64 when the splits
+    carry their own maxima (the resident pass; 0 for a split without blocks, exactly 1 when m_s = mm), else 1."""
+    if PER_SPLIT:
+        ms = tl.load(msplit + pid * S + s)
+        return tl.where(ms > float("-inf"), tl.exp((ms - mm).to(tl.float64)), 0.0)
+    else:
+        return 1.0
+
+
+@triton.jit
+def _combine(acc, den_p, s_tail, tail_v, m, msplit, pid, rk, g, S, G: tl.constexpr, D: tl.constexpr,
+             DP: tl.constexpr, PER_SPLIT: tl.constexpr, PRECISE: tl.constexpr):  # fmt: skip
     """Σ_splits num + the partial block's Σ w·v (float32, then float64), and the same for the denominator.
+
+    The maximum m is the attend pass's global one, or (``PER_SPLIT``) the largest of the splits' maxima and the
+    partial block's scores, each split's float64 sums rescaled to it (``_split_scale``).
 
     Returns ``(num [DP] float64, den [1] float64, den_t float32, s_tail row [N], m)``."""
     N: tl.constexpr = 16
@@ -88,12 +102,18 @@ def _combine(acc, den_p, s_tail, tail_v, m, pid, rk, g, S, G: tl.constexpr, D: t
     num = tl.zeros([DP], tl.float64)
     den = tl.zeros([1], tl.float64)
     one = tl.arange(0, 1)
+    st = tl.load(s_tail + pid * N + nn)
+    if PER_SPLIT:
+        mm = tl.max(st, 0)
+        for s in range(0, S):
+            mm = tl.maximum(mm, tl.load(msplit + pid * S + s))
+    else:
+        mm = tl.load(m + pid)
     for s in range(0, S):
         ps = (rk * S + s) * G + g
-        num += tl.load(acc + ps * D + dd, mask=dd < D, other=0.0)
-        den += tl.load(den_p + ps + one)
-    mm = tl.load(m + pid)
-    st = tl.load(s_tail + pid * N + nn)
+        f = _split_scale(msplit, pid, s, S, mm, PER_SPLIT)
+        num += tl.load(acc + ps * D + dd, mask=dd < D, other=0.0) * f
+        den += tl.load(den_p + ps + one) * f
     w = exp_f32(st - mm, PRECISE)  # [N]
     den_t = tl.sum(w, 0)
     tv = tl.load(tail_v + (rk * N + nn[:, None]) * D + dd[None, :], mask=dd[None, :] < D, other=0.0)
@@ -104,15 +124,15 @@ def _combine(acc, den_p, s_tail, tail_v, m, pid, rk, g, S, G: tl.constexpr, D: t
 
 @triton.jit(**JIT_OPTIONS)
 def _combine_exact_kernel(
-    acc, den_p, s_tail, tail_v, m, rung, out, S, G: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
-    PRECISE: tl.constexpr,
+    acc, den_p, s_tail, tail_v, m, msplit, rung, out, S, G: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+    PER_SPLIT: tl.constexpr, PRECISE: tl.constexpr,
 ):  # fmt: skip
     """Rungs 3/4 on the device: overwrite ``out`` with the exact re-run's combination where rung ≥ 3."""
     pid = tl.program_id(0).to(tl.int64)
     if tl.load(rung + pid) >= _HEAD:
         dd = tl.arange(0, DP)
-        num, den, _, _, _ = _combine(acc, den_p, s_tail, tail_v, m, pid, pid // G, (pid % G).to(tl.int32), S, G,
-                                     D, DP, PRECISE)  # fmt: skip
+        num, den, _, _, _ = _combine(acc, den_p, s_tail, tail_v, m, msplit, pid, pid // G, (pid % G).to(tl.int32),
+                                     S, G, D, DP, PER_SPLIT, PRECISE)  # fmt: skip
         tl.store(out + pid * D + dd, (num / den).to(tl.float32), mask=dd < D)
 
 
@@ -125,7 +145,8 @@ def _finalize_kernel(
     s_tail,  # [R, H, G, N] float32 exact scores of the trailing partial block (−inf past its tokens)
     tail_v,  # [R, H, N, D] float32 its values (0 past its tokens)
     l_tail,  # [R, H, G] float32 logsumexp of s_tail
-    m,  # [R, H, G] float32 the global max used by the attend pass
+    m,  # [R, H, G] float32 the global max used by the attend pass (not PER_SPLIT)
+    msplit,  # [R, H, G, S] float32 each split's own max (PER_SPLIT: the resident pass)
     sabs,  # [R, H, G, S2] float32 max |s| of the promotion pass
     score_abs1,  # [R, H, G] float32 max |s| of phase 1 and the tail
     base_round,  # [R, H, G] float32 R without the exp term
@@ -164,6 +185,7 @@ def _finalize_kernel(
     DEPTH: tl.constexpr,
     CERTIFIED: tl.constexpr,
     RANK: tl.constexpr,
+    PER_SPLIT: tl.constexpr,
     PRECISE: tl.constexpr,
 ):
     N: tl.constexpr = 16
@@ -175,15 +197,17 @@ def _finalize_kernel(
     VINF = tl.load(f64c + 1)
 
     # ---- output: split-K parts + the trailing partial block (float64 combination, as the reference)
-    num, den, den_t, st, mm = _combine(acc, den_p, s_tail, tail_v, m, pid, rk, g, S, G, D, DP, PRECISE)
+    num, den, den_t, st, mm = _combine(acc, den_p, s_tail, tail_v, m, msplit, pid, rk, g, S, G, D, DP, PER_SPLIT,
+                                       PRECISE)  # fmt: skip
     tl.store(out + pid * D + dd, (num / den).to(tl.float32), mask=dd < D)
     aval = tl.zeros([1], tl.float64)
     atail = tl.zeros([1], tl.float64)
     one = tl.arange(0, 1)
     for s in range(0, S):
         ps = (rk * S + s) * G + g
-        aval += tl.load(aval_p + ps + one)
-        atail += tl.load(atail_p + ps + one)
+        f = _split_scale(msplit, pid, s, S, mm, PER_SPLIT)
+        aval += tl.load(aval_p + ps + one) * f
+        atail += tl.load(atail_p + ps + one) * f
 
     # ---- certificate terms
     e_val = tl.sum((((aval / den) * 1.0) * VINF).to(tl.float32), 0) * VOUT
@@ -307,9 +331,11 @@ def finalize(
     canary: torch.Tensor,
     bad_page: torch.Tensor,
     policy: LadderPolicy,
+    msplit: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, CertReport]:
     """Output ``[R, H_q, D]`` float32 and the report of a layer call (shapes in ``_finalize_kernel``'s
-    argument comments; ``v_max``/``eta_max`` may carry a trailing 1, ``widened`` is bool)."""
+    argument comments; ``v_max``/``eta_max`` may carry a trailing 1, ``widened`` is bool). ``msplit``: the
+    splits' own maxima of a resident pass (``m`` is then not read)."""
     launch_device_ok(l8)
     R, K, G, B = l8.shape
     D = tail_v.shape[-1]
@@ -324,12 +350,13 @@ def finalize(
     c1, c0 = exp_factors()
     _finalize_kernel[(rhg,)](
         parts.acc, parts.den, parts.aval, parts.atail, s_tail.contiguous(), tail_v.contiguous(),
-        l_tail.contiguous(), m.contiguous(), sabs.contiguous(), score_abs1.contiguous(), base_round.contiguous(),
+        l_tail.contiguous(), m.contiguous(), (m if msplit is None else msplit).contiguous(), sabs.contiguous(), score_abs1.contiguous(), base_round.contiguous(),
         v_max.contiguous(), eta_max.contiguous(), bits, l8.contiguous(), exact_lm, delta.contiguous(), nfull,
         lens, widened.contiguous().view(torch.int8), canary, bad_page.contiguous().view(torch.int8), out, f_out,
         i_out, b_out, _f64_constants(dev), B, parts.den.shape[2], sabs.shape[-1], GAMMA_SLACK, 1 + 2.0**-20, c1, c0, round_factor(16), policy.bound_tol, policy.eps_guard, policy.forced_rung,
         H=K, G=G, D=D, DP=next_pow2(D), BP=width_class(B).bp, DEPTH=policy.rank_depth, CERTIFIED=policy.certified,
-        RANK=policy.checks_rank, PRECISE=precise(), num_warps=4, enable_fp_fusion=False,
+        RANK=policy.checks_rank, PER_SPLIT=msplit is not None, PRECISE=precise(), num_warps=4,
+        enable_fp_fusion=False,
     )  # fmt: skip
     shape = (R, K * G)
     f = [t.view(shape) for t in f_out]
@@ -343,12 +370,14 @@ def finalize(
 
 
 def combine_exact(parts, s_tail: torch.Tensor, tail_v: torch.Tensor, m: torch.Tensor, rung: torch.Tensor,
-                  out: torch.Tensor) -> None:  # fmt: skip
+                  out: torch.Tensor, msplit: torch.Tensor | None = None) -> None:  # fmt: skip
     """Overwrite ``out`` ``[R, H_q, D]`` in place with the exact re-run's output (attend ``parts`` over
-    unquantized blocks, plus the partial block) on the heads whose ``rung`` ``[R, H_q]`` is ≥ 3."""
+    unquantized blocks, plus the partial block) on the heads whose ``rung`` ``[R, H_q]`` is ≥ 3. ``msplit``: the
+    splits' own maxima (a resident pass; ``m`` is then not read)."""
     R, K, G, _ = s_tail.shape
     D = tail_v.shape[-1]
     _combine_exact_kernel[(R * K * G,)](
-        parts.acc, parts.den, s_tail.contiguous(), tail_v.contiguous(), m.contiguous(), rung.contiguous(), out,
-        parts.den.shape[2], G=G, D=D, DP=next_pow2(D), PRECISE=precise(), num_warps=4, enable_fp_fusion=False,
+        parts.acc, parts.den, s_tail.contiguous(), tail_v.contiguous(), m.contiguous(),
+        (m if msplit is None else msplit).contiguous(), rung.contiguous(), out, parts.den.shape[2], G=G, D=D,
+        DP=next_pow2(D), PER_SPLIT=msplit is not None, PRECISE=precise(), num_warps=4, enable_fp_fusion=False,
     )  # fmt: skip

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import copy_key_page, device_arg, launch_device_ok, load_shadow_tile, next_pow2, store_page_tile
+from .common import copy_page, device_arg, launch_device_ok, load_shadow_tile, next_pow2, store_page_tile
 from .shape_class import JIT_OPTIONS
 
 
@@ -69,17 +69,21 @@ def gather_pages(
 def _fill_pool_kernel(
     src,  # shadow storage [E, H, 2, m*N, D] (float16/bfloat16), host-pinned or device
     pool,  # [P, N, D] promotion-cache key pages (same dtype), device
+    vpool,  # [P, N, D] its value pages (VALUES)
     fill_page,  # [P] int64: page id e = block·H + head to copy into slot p, or −1 (leave the slot)
     H: tl.constexpr,  # KV heads of the shadow
     M: tl.constexpr,  # 16-token blocks per engine block (m)
     D: tl.constexpr,  # head dim
     DP: tl.constexpr,  # next power of two ≥ D
     CHANNEL_MAJOR: tl.constexpr,  # keys stored [D, m*N] per (engine block, head)
+    VALUES: tl.constexpr,  # the pool holds value pages too
 ):
     p = tl.program_id(0).to(tl.int64)
     e = tl.load(fill_page + p)
     if e >= 0:
-        copy_key_page(src, e, pool, p, H, M, D, DP, CHANNEL_MAJOR)
+        copy_page(src, e, 0, pool, p, H, M, D, DP, CHANNEL_MAJOR)
+        if VALUES:
+            copy_page(src, e, 1, vpool, p, H, M, D, DP, CHANNEL_MAJOR)
 
 
 def fill_pool(
@@ -89,8 +93,9 @@ def fill_pool(
     num_kv_heads: int,
     sub_blocks: int,
     channel_major: bool = False,
+    values: torch.Tensor | None = None,
 ) -> None:
-    """Copy the unquantized keys of page ``fill_page[p]`` (``block·H_kv + head``) into promotion-cache slot
+    """Copy the unquantized keys (and, with ``values``, the values) of page ``fill_page[p]`` (``block·H_kv + head``) into promotion-cache slot
     ``p`` (token-major ``[N, D]``), for every ``p`` with ``fill_page[p] ≥ 0``; zero-copy from the pinned
     shadow, one program per slot, no host synchronisation.
 
@@ -100,12 +105,14 @@ def fill_pool(
         fill_page: ``[P]`` int64 on the pool's device.
         num_kv_heads, sub_blocks: ``H_kv`` and ``m`` of the shadow.
         channel_major: keys are stored ``[D, m·N]`` per (engine block, head).
+        values: the pool's ``[P, N, D]`` value pages, or None (a keys-only pool).
     """
     p, n, d = pool.shape
     if p == 0:
         return
     launch_device_ok(pool)
     _fill_pool_kernel[(p,)](
-        device_arg(shadow), pool, fill_page,
-        H=num_kv_heads, M=sub_blocks, D=d, DP=next_pow2(d), CHANNEL_MAJOR=channel_major, num_warps=4,
+        device_arg(shadow), pool, pool if values is None else values, fill_page,
+        H=num_kv_heads, M=sub_blocks, D=d, DP=next_pow2(d), CHANNEL_MAJOR=channel_major, VALUES=values is not None,
+        num_warps=4,
     )  # fmt: skip

@@ -25,7 +25,7 @@ import triton.language as tl
 
 from certvllm.formats.pool_slots import CLAIM_HIT, HASH_MUL
 
-from .common import copy_key_page, device_arg, launch_device_ok, next_pow2
+from .common import copy_page, device_arg, launch_device_ok, next_pow2
 from .shape_class import JIT_OPTIONS, width_class
 
 _HASH_MUL = tl.constexpr(HASH_MUL)  # the two slots and the claim encoding: ``certvllm.formats.pool_slots``
@@ -95,9 +95,9 @@ def _claim3(tables, TB_STRIDE, nfull, bits, B, need_mask, num_blocks, P, claim2,
 
 
 @triton.jit(**JIT_OPTIONS)
-def _fill(src, pool, claim, claim2, gen, tag, tag_gen, step, P,
+def _fill(src, pool, vpool, claim, claim2, gen, tag, tag_gen, step, P,
           H: tl.constexpr, M: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, CHANNEL_MAJOR: tl.constexpr,
-          SPP: tl.constexpr):  # fmt: skip
+          SPP: tl.constexpr, VALUES: tl.constexpr):  # fmt: skip
     ps = tl.program_id(0).to(tl.int64) * SPP + tl.arange(0, SPP)
     pm = ps < P
     c1 = tl.load(claim + ps, mask=pm, other=-1)
@@ -114,7 +114,9 @@ def _fill(src, pool, claim, claim2, gen, tag, tag_gen, step, P,
             e1 = tl.load(claim + p)
             e = tl.where(e1 >= 0, e1, tl.load(claim2 + p))
             if (e >= 0) & (e < _CLAIM_HIT):
-                copy_key_page(src, e, pool, p, H, M, D, DP, CHANNEL_MAJOR)
+                copy_page(src, e, 0, pool, p, H, M, D, DP, CHANNEL_MAJOR)
+                if VALUES:
+                    copy_page(src, e, 1, vpool, p, H, M, D, DP, CHANNEL_MAJOR)
 
 
 def pool_lookup(
@@ -130,11 +132,13 @@ def pool_lookup(
     num_blocks: int,
     sub_blocks: int,
     channel_major: bool,
+    values: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The whole lookup (see the module docstring).
 
     Args:
         pool, tag, tag_gen: the cache's ``[P, N, D]`` pages and ``[P]`` int64 tags (updated in place).
+        values: the ``[P, N, D]`` value pages of a pool that holds values too (filled with the keys), or None.
         generation: ``[num_blocks]`` int64 write generations.
         shadow: ``[E, H_kv, 2, m·N, D]`` originals (pinned host or device).
         tables: ``[R, ≥B]`` int64 block ids; nfull ``[R]`` int64; bits ``[R, H_kv, B]`` int32 promotion masks.
@@ -165,7 +169,9 @@ def pool_lookup(
     spp = 16
     d = pool.shape[2]
     _fill[(triton.cdiv(P, spp),)](
-        device_arg(shadow), pool, claims[0], claims[1], generation, tag, tag_gen, step, P,
-        H=H, M=sub_blocks, D=d, DP=next_pow2(d), CHANNEL_MAJOR=channel_major, SPP=spp, num_warps=4,
+        device_arg(shadow), pool, pool if values is None else values, claims[0], claims[1], generation, tag,
+        tag_gen, step, P,
+        H=H, M=sub_blocks, D=d, DP=next_pow2(d), CHANNEL_MAJOR=channel_major, SPP=spp,
+        VALUES=values is not None, num_warps=4,
     )  # fmt: skip
     return state, step

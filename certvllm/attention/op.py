@@ -152,8 +152,13 @@ def certified_attention(
             from certvllm.attention import gpu
 
             res = residency or Residency()
-            out, report, rerun = gpu.certified_rows(call, res.pool, res.prefetch_slot(),
-                                                    cuda_options or gpu.DEFAULT_OPTIONS, timings)  # fmt: skip
+            options = cuda_options or gpu.DEFAULT_OPTIONS
+            if config.decode_pass == "resident":
+                from certvllm.attention.resident import resident_rows
+
+                out, report, rerun = resident_rows(call, res.pool, options, timings)
+            else:
+                out, report, rerun = gpu.certified_rows(call, res.pool, res.prefetch_slot(), options, timings)
         elif chosen == "cpu":
             out, report = cpu_fused.certified_rows(call)
         else:

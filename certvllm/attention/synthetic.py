@@ -21,7 +21,7 @@ from certvllm.formats.layout import BLOCK_SIZE, PageLayout
 from certvllm.kv.cache import LayerKVCache
 from certvllm.kv.cuda_pagein import CudaPageInEngine, write_tokens_on_device
 from certvllm.kv.prefetch import StepPrefetcher
-from certvllm.kv.residency import Residency
+from certvllm.kv.residency import Residency, pool_values
 
 
 def engine_sub_blocks(block_size_tokens: int) -> int:
@@ -105,7 +105,7 @@ class SyntheticLayer:
         cfg = self.config
         if cfg.promotion_cache_fraction <= 0:
             return Residency()
-        res = Residency.for_layer(self.cache, cfg.promotion_cache_fraction)
+        res = Residency.for_layer(self.cache, cfg.promotion_cache_fraction, pool_values(cfg.decode_pass))
         if cfg.step_prefetch_fraction > 0:
             if self._prefetcher is None:
                 self._prefetcher = StepPrefetcher.for_cache(self.cache, cfg.step_prefetch_fraction)

@@ -38,8 +38,10 @@ to the shadow happens after a synchronisation (``write_shadow`` copies its token
 generation bump is queued behind it, so a fill that raced with the host write carries the old generation
 and is never served.
 
-Only keys are pooled: value pages are promoted for about one block per head (rung 2) and are still read
-zero-copy by the attend pass.
+A pool made with ``values=True`` (the resident decode pass, ``CertConfig.decode_pass``) also holds each slot's
+value page, filled and tagged with its keys: the resident pass reads a hit's values unquantized too. The
+two-pass path reads keys only from the pool (values are promoted for about one block per head and read
+zero-copy by the attend pass), so it makes a keys-only pool.
 """
 
 from __future__ import annotations
@@ -63,9 +65,9 @@ def pool_slots(cache: LayerKVCache, fraction: float) -> int:
     return max(1, math.ceil(fraction * cache.num_blocks * cache.num_kv_heads))
 
 
-def bytes_per_slot(cache: LayerKVCache) -> int:
-    """Device bytes of one slot: the key page and its two int64 tags."""
-    return cache.layout.block_size * cache.layout.head_dim * cache.shadow.element_size() + 16
+def bytes_per_slot(cache: LayerKVCache, values: bool = False) -> int:
+    """Device bytes of one slot: the key page (and the value page), and its two int64 tags."""
+    return (2 if values else 1) * cache.layout.block_size * cache.layout.head_dim * cache.shadow.element_size() + 16
 
 
 class PromotionCache:
@@ -74,9 +76,10 @@ class PromotionCache:
     Args:
         cache: the layer's cache; its write generations are switched on here.
         slots: number of pool slots (≥ 1).
+        values: the slots hold value pages too (module docstring).
     """
 
-    def __init__(self, cache: LayerKVCache, slots: int) -> None:
+    def __init__(self, cache: LayerKVCache, slots: int, values: bool = False) -> None:
         if slots < 1:
             raise ValueError(f"a promotion cache needs at least one slot, got {slots}")
         dev = cache.pages.device
@@ -85,11 +88,12 @@ class PromotionCache:
         self.num_kv_heads = cache.num_kv_heads
         self.generation = cache.enable_generations()
         self.pool = torch.zeros(self.slots, n, d, dtype=cache.shadow.dtype, device=dev)
+        self.values = torch.zeros(self.slots, n, d, dtype=cache.shadow.dtype, device=dev) if values else None
         self.tag = torch.full((self.slots,), -1, dtype=torch.int64, device=dev)  # page id e, −1 empty
         self.tag_gen = torch.full((self.slots,), -1, dtype=torch.int64, device=dev)  # its generation
         # cumulative, on the device: pages looked up, hits, slots filled, pages read from the shadow (bypass)
         self.counts = torch.zeros(4, dtype=torch.int64, device=dev)
-        self.nbytes = self.slots * bytes_per_slot(cache)
+        self.nbytes = self.slots * bytes_per_slot(cache, values)
 
     # -- the per-call lookup -------------------------------------------------------------------------
     def slots_of(self, page: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -160,7 +164,7 @@ class PromotionCache:
         shadow = ensure_device_readable(cache)
         slot_map, step = pool_lookup(self.pool, self.tag, self.tag_gen, self.generation, shadow, tables, nfull,
                                      bits, need_mask, cache.num_blocks, cache.sub_blocks,
-                                     cache.keys_channel_major)  # fmt: skip
+                                     cache.keys_channel_major, self.values)  # fmt: skip
         return self._count(slot_map, step)
 
     def lookup_reference(
@@ -182,7 +186,8 @@ class PromotionCache:
         fill_bid = fill_page.clamp(min=0) // self.num_kv_heads
         self.tag_gen.copy_(torch.where(fill, self.generation.index_select(0, fill_bid), self.tag_gen))
         self.tag.copy_(torch.where(fill, claim, self.tag))
-        fill_pool(self.pool, shadow, fill_page, self.num_kv_heads, cache.sub_blocks, cache.keys_channel_major)
+        fill_pool(self.pool, shadow, fill_page, self.num_kv_heads, cache.sub_blocks, cache.keys_channel_major,
+                  self.values)  # fmt: skip
         looked = need.sum()
         return self._count(slot_map, torch.stack((looked, hit.sum(), fill.sum(), looked - (slot_map >= 0).sum())))
 

@@ -21,6 +21,12 @@ if TYPE_CHECKING:
     from certvllm.kv.promotion_cache import PromotionCache
 
 
+def pool_values(decode_pass: str) -> bool:
+    """Whether a layer's promotion pool holds value pages: for the resident decode pass, which reads a hit's
+    values unquantized (``CertConfig.decode_pass``)."""
+    return decode_pass == "resident"
+
+
 @dataclass
 class Residency:
     """One layer's promotion pool and step-prefetch slot (either may be absent)."""
@@ -30,14 +36,15 @@ class Residency:
     prefetch_index: int = -1
 
     @classmethod
-    def for_layer(cls, cache: LayerKVCache, pool_fraction: float) -> Residency:
+    def for_layer(cls, cache: LayerKVCache, pool_fraction: float, values: bool = False) -> Residency:
         """A residency with a new promotion pool of ``pool_fraction`` of the cache's (block, KV head) pages
-        (none when the fraction is 0). The pool lives on the pages' device; only the CUDA path reads it."""
+        (none when the fraction is 0), holding value pages too when ``values`` (the resident decode pass:
+        :func:`pool_values`). The pool lives on the pages' device; only the CUDA path reads it."""
         from certvllm.kv.promotion_cache import PromotionCache, pool_slots
 
         if pool_fraction <= 0:
             return cls()
-        return cls(pool=PromotionCache(cache, pool_slots(cache, pool_fraction)))
+        return cls(pool=PromotionCache(cache, pool_slots(cache, pool_fraction), values))
 
     def prefetch_slot(self) -> tuple[Any, int] | None:
         """``(prefetcher, layer index)`` when the layer takes part in a step prefetch, else None."""

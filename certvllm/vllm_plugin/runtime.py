@@ -23,7 +23,7 @@ from certvllm.bounds.report import CertifiedOutput
 from certvllm.config import CertConfig
 from certvllm.kv.cache import LayerKVCache
 from certvllm.kv.pagein import PageInEngine, engine_for
-from certvllm.kv.residency import Residency
+from certvllm.kv.residency import Residency, pool_values
 from certvllm.metrics import CertMetrics
 from certvllm.vllm_plugin import settings
 from certvllm.vllm_plugin.host_tier import layer_cache
@@ -130,7 +130,7 @@ class WorkerRuntime:
         fraction = self.config.promotion_cache_fraction
         if cache.pages.device.type != "cuda" or fraction <= 0 or torch.cuda.is_current_stream_capturing():
             return Residency()
-        residency = Residency.for_layer(cache, fraction)
+        residency = Residency.for_layer(cache, fraction, pool_values(self.config.decode_pass))
         logger.debug("certvllm: %s promotion cache %d slots, %.1f MiB", name, residency.pool.slots,
                      residency.pool.nbytes / 2**20)  # fmt: skip
         if self.config.step_prefetch_fraction > 0:

@@ -1,0 +1,196 @@
+"""Certified attention on CUDA with the promoted set F taken from what is resident: one pass in the common case.
+
+``decode_pass: resident`` (``CertConfig``). A layer call runs
+
+1. **the resident pass** (``triton_kernels.fused``): every full block scored from its tier-1 page, the blocks
+   whose unquantized keys the layer's promotion pool holds (under their current write generation) scored
+   exactly, INT4 values, softmax and the bound accumulators, in one kernel over split-K programs; then the
+   partial block and the per-head summary (``triton_kernels.prepare``) and the certificate and checks
+   (``triton_kernels.finalize``), exactly as after the two-pass pipeline. The certificate holds for any F
+   (docs/certification.md §6), so a stale or partial F only loosens a bound, never breaks it.
+2. **the top-up**, for the (row, KV head) groups where some query head of the resident pass missed a target:
+   rung 3 (rank, boundary or ``bound_tol``), E_key > ``key_tol``·V_max, E_val > ``v_tol``·V_max, or (coverage
+   selection) a tail-mass bound ᾱ_T > ``rung1_tail_threshold``. For those groups only: selection from the
+   resident pass's per-block terms (``triton_kernels.select``, rungs 1–2), the pool lookup that pages the
+   chosen keys in (they are resident at the next step), and the resident pass again with those promotions
+   (keys from the pool or zero-copy from the shadow, promoted values zero-copy). Its results replace the
+   first pass's for those groups.
+3. **rungs 3/4** (:class:`ResidentRerun`): the resident pass with every block of the escalated groups read
+   unquantized, i.e. float32 attention over the originals.
+
+Every step is queued on the stream without a host synchronisation: groups that need nothing make the later
+kernels exit at once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+from certvllm.attention.call import LayerCall
+from certvllm.attention.gpu import DEFAULT_OPTIONS, CudaOptions, _Call, check_group, mark
+from certvllm.attention.selection import VALUE_BUDGET_MARGIN
+from certvllm.bounds import delta_factor, rounding_factor
+from certvllm.bounds.report import RUNG_HEAD_DENSE, RUNG_LAYER_DENSE, CertReport
+from certvllm.bounds.summary import Phase1Summary
+from certvllm.config import CertConfig
+from certvllm.kv.cuda_pagein import CudaPageInEngine, ensure_device_readable
+from certvllm.kv.promotion_cache import PromotionCache
+from certvllm.triton_kernels.common import split_plan
+from certvllm.triton_kernels.finalize import combine_exact, finalize
+from certvllm.triton_kernels.fused import FusedGeometry, FusedOut, fused_pass
+from certvllm.triton_kernels.prepare import prepare
+from certvllm.triton_kernels.select import select_blocks
+
+
+def _pool_args(pool: PromotionCache | None):
+    return None if pool is None else (pool.pool, pool.values, pool.tag, pool.tag_gen, pool.generation)
+
+
+@dataclass
+class _Pass:
+    """One layer call's shared state between the resident pass, the top-up and the re-run."""
+
+    call: _Call
+    geo: FusedGeometry
+    pool: PromotionCache | None
+    summary: Phase1Summary
+    bad_page: torch.Tensor  # [R] bool
+
+    def run(self, bits: torch.Tensor | None = None, active: torch.Tensor | None = None,
+            run_canary: bool = True) -> FusedOut:  # fmt: skip
+        c = self.call
+        D = c.qs.shape[-1]
+        return fused_pass(self.geo, c.qs, c.cache.pages, c.cache.shadow, c.tables, c.nfull, delta_factor(D),
+                          rounding_factor(D), pool=_pool_args(self.pool), bits=bits, active=active,
+                          run_canary=run_canary)  # fmt: skip
+
+    def certify(self, p: FusedOut, widened: torch.Tensor, canary: torch.Tensor) -> tuple[torch.Tensor, CertReport]:
+        c, s = self.call, self.summary
+        return finalize(p, s.s_tail, s.tail_v, s.l_tail, p.msplit, p.sabs, s.score_abs1, s.base_round, s.v_max,
+                        s.eta_max, p.fbits, p.l8, p.exact_lm, p.delta, c.nfull, c.lens, widened, canary,
+                        self.bad_page, c.cfg.ladder, msplit=p.msplit)  # fmt: skip
+
+
+def _where_report(mask: torch.Tensor, new: CertReport, old: CertReport) -> CertReport:
+    """``new`` on the heads where ``mask`` ``[R, H_q]`` holds, ``old`` elsewhere."""
+    return CertReport(**{f.name: torch.where(mask, getattr(new, f.name), getattr(old, f.name))
+                         for f in fields(CertReport)})  # fmt: skip
+
+
+def needs_top_up(report: CertReport, cfg: CertConfig) -> torch.Tensor:
+    """``[R, H_q]`` bool: the heads whose resident pass missed a target (module docstring, step 2)."""
+    lad = cfg.ladder
+    vmax = report.v_max
+    need = (report.rung == RUNG_HEAD_DENSE) | (report.e_key > lad.key_tol * vmax) | (report.e_val > lad.v_tol * vmax)
+    if not lad.key_budget:
+        need |= report.alpha_tail > lad.rung1_tail_threshold
+    return need & (report.rung < RUNG_LAYER_DENSE)
+
+
+def resident_rows(
+    layer_call: LayerCall,
+    pool: PromotionCache | None,
+    options: CudaOptions = DEFAULT_OPTIONS,
+    timings: dict | None = None,
+) -> tuple[torch.Tensor, CertReport, ResidentRerun]:
+    """The call's rows → ``(out [R, H_q, D] float32, report, rerun)`` (module docstring); rungs 3/4 are left to
+    ``rerun.apply``. Runs on CPU tensors under ``TRITON_INTERPRET=1``."""
+    q, cache, cfg, pagein = layer_call.q, layer_call.cache, layer_call.cfg, layer_call.pagein
+    check_group(q.shape[1], cache.num_kv_heads)
+    dev = cache.pages.device
+    ensure_device_readable(cache)
+    mark(timings, "start")
+    tables = layer_call.tables.to(dev, torch.int64).contiguous()
+    lens = layer_call.lens.to(dev, torch.int64)
+    nfull = lens // cache.layout.block_size
+    B = tables.shape[1]
+    call = _Call(cache, cfg, (q.to(dev).float() * layer_call.scale).contiguous(), tables, lens, nfull,
+                 torch.arange(B, device=dev) < nfull.unsqueeze(1), True)  # fmt: skip
+    R, K, G, B, D = call.shape
+
+    tail_ids = tables.gather(1, nfull.clamp(max=B - 1).unsqueeze(1)).squeeze(1).clamp(0, cache.num_blocks - 1)
+    if isinstance(pagein, CudaPageInEngine):
+        tail_raw, tail_event = pagein.gather_blocks_async(cache, tail_ids)
+    else:
+        tail_raw, tail_event = pagein.gather_blocks(cache, tail_ids.cpu()).to(dev), None
+    splits, bps = split_plan(B, R * K, options.blocks_per_split, tuning=options.tuning)
+    geo = FusedGeometry(cache.layout, K, G, cache.sub_blocks, cache.num_blocks, splits, bps,
+                        cache.keys_channel_major, blk=options.tuning.attend_blk,
+                        warps=options.tuning.attend_warps)  # fmt: skip
+    certified = cfg.mode == "certified"
+    run_canary = cfg.ladder.checks_canary
+    state = _Pass(call, geo, pool if certified else None, None, None)  # type: ignore[arg-type]
+    first = state.run(run_canary=run_canary)
+    mark(timings, "resident")
+    CudaPageInEngine.wait(tail_event)
+    state.summary = prepare(call.qs, tail_raw, lens, first)
+    state.bad_page = first.bad.amax(dim=(1, 2)) > 0
+    no_widen = torch.zeros(R, K, G, dtype=torch.bool, device=dev)
+    out, report = state.certify(first, no_widen, first.canary)
+    mark(timings, "certify")
+    fbits, paged = first.fbits, torch.zeros((), dtype=torch.int64, device=dev)
+    if certified and cfg.ladder.forced_rung == 0:
+        out, report, fbits, paged = _top_up(state, first, out, report, layer_call.generator)
+        mark(timings, "top_up")
+    if isinstance(pagein, CudaPageInEngine):
+        values = ((fbits >> G) != 0).sum()
+        page_half = cache.layout.block_size * D * cache.shadow.element_size()
+        pagein.add_device_counts(((fbits & ((1 << G) - 1)) != 0).sum(), values, (paged + values) * page_half)
+    return out, report, ResidentRerun(state)
+
+
+def _top_up(
+    state: _Pass, first: FusedOut, out: torch.Tensor, report: CertReport, generator: torch.Generator | None
+) -> tuple[torch.Tensor, CertReport, torch.Tensor, torch.Tensor]:
+    """Step 2 of the module docstring for the groups that need it; the first pass's results elsewhere.
+
+    Returns ``(out, report, fbits, paged)``: the merged results, the ``[R, K, B]`` bitmask of what was read
+    exactly and the 0-dim count of key pages read over PCIe (pool fills and pages left to the shadow)."""
+    call, cfg, s = state.call, state.call.cfg, state.summary
+    R, K, G, B, _ = call.shape
+    dev = call.qs.device
+    need = needs_top_up(report, cfg).view(R, K, G).any(dim=-1)  # [R, K]
+    budget = (cfg.v_tol * s.v_max.squeeze(-1)) / VALUE_BUDGET_MARGIN
+    bits, widened = select_blocks(first.l8, s.lse, first.delta, s.round1, call.nfull, first.eta, budget, cfg.ladder)
+    if cfg.exploration_rate > 0:
+        gen = generator if generator is not None and generator.device.type == dev.type else None
+        draw = torch.rand((R, K, G, B), generator=gen, device=dev)
+        shifts = torch.arange(G, device=dev, dtype=torch.int32).view(1, 1, G, 1)
+        explore = (draw < cfg.exploration_rate) & call.bvalid[:, None, None, :]
+        bits |= (explore.to(torch.int32) << shifts).sum(dim=2, dtype=torch.int32)
+    bits = torch.where(need.unsqueeze(-1), bits, 0).contiguous()
+    if state.pool is not None:  # page the chosen keys in: served from the pool from this call on
+        _, paged = state.pool.lookup(call.cache, call.tables, call.nfull, bits, (1 << G) - 1)
+    else:
+        paged = ((bits & ((1 << G) - 1)) != 0).sum()
+    second = state.run(bits=bits, active=need.to(torch.int32).contiguous(), run_canary=cfg.ladder.checks_canary)
+    canary = torch.maximum(first.canary, second.canary)
+    out2, report2 = state.certify(second, widened.view(R, K, G), canary)
+    heads = need.unsqueeze(-1).expand(R, K, G).reshape(R, K * G)
+    out = torch.where(heads.unsqueeze(-1), out2, out)
+    report = _where_report(heads, report2, report)
+    row_canary = (canary > 0).view(R, 1)  # a canary failure sends every head of its row to rung 4
+    report.canary_fail |= row_canary
+    report.rung = torch.where(row_canary, RUNG_LAYER_DENSE, report.rung).to(torch.int8)
+    fbits = torch.where(need.unsqueeze(-1), second.fbits, first.fbits)
+    return out, report, fbits, paged
+
+
+@dataclass
+class ResidentRerun:
+    """Rungs 3/4 of a resident call: the escalated groups' heads recomputed over the originals."""
+
+    state: _Pass
+
+    def apply(self, exact: torch.Tensor, rung: torch.Tensor, out: torch.Tensor) -> None:
+        """Overwrite ``out`` ``[R, H_q, D]`` on the heads where ``exact`` ``[R, H_q]`` is set with float32 attention
+        over the originals (every block read unquantized). No host synchronisation."""
+        call, s = self.state.call, self.state.summary
+        R, K, G, _, _ = call.shape
+        active = exact.view(R, K, G).any(dim=-1)
+        full = (1 << (2 * G)) - 1
+        bits = torch.where(active[:, :, None] & call.bvalid[:, None, :], full, 0).to(torch.int32).contiguous()
+        p = self.state.run(bits=bits, active=active.to(torch.int32).contiguous(), run_canary=False)
+        combine_exact(p, s.s_tail, s.tail_v, p.msplit, rung, out, msplit=p.msplit)
