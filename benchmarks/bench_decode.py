@@ -35,7 +35,26 @@ import torch
 import torch.nn.functional as F
 
 HQ, HKV, D = 32, 8, 128
-PRESETS = ("naive", "paper", "default")
+PRESETS = ("naive", "paper", "default", "default+resident", "budget+resident")
+"""Methods: a preset name, ``+resident`` for ``decode_pass: resident`` (certvllm.attention.resident)."""
+MULTISTEP = ("default", "default+resident", "budget+resident")
+
+
+def method_config(name: str):
+    """The ``CertConfig`` of a method of :data:`PRESETS`."""
+    from certvllm.config import load_config
+
+    preset, _, variant = name.partition("+")
+    return load_config(preset, decode_pass="resident" if variant == "resident" else "two_pass")
+
+
+def method_residency(cache, cfg):
+    """A fresh residency (promotion pool) for a method's config; none outside certified mode."""
+    from certvllm.kv.residency import Residency, pool_values
+
+    if cfg.mode != "certified":
+        return Residency()
+    return Residency.for_layer(cache, cfg.promotion_cache_fraction, pool_values(cfg.decode_pass))
 
 
 def _tuning():
@@ -215,7 +234,6 @@ def run_point(batch: int, ctx: int, args, results: list[dict]) -> None:
     from certvllm.attention import certified_attention
     from certvllm.attention.gpu import stage_times
     from certvllm.attention.graphs import LayerCallGraphs
-    from certvllm.config import load_config
     from certvllm.kv.cuda_pagein import CudaPageInEngine
     from certvllm.kv.residency import Residency
 
@@ -247,11 +265,11 @@ def run_point(batch: int, ctx: int, args, results: list[dict]) -> None:
           f"(eager {rec['dense_eager_ms']:.3f})", flush=True)  # fmt: skip
 
     default_pool = None
-    for preset in PRESETS:
-        cfg = load_config(preset)
+    for preset in args.methods:
+        cfg = method_config(preset)
         eng = CudaPageInEngine(dev)
         certified = cfg.mode == "certified"
-        residency = Residency.for_layer(cache, cfg.promotion_cache_fraction if certified else 0.0)
+        residency = method_residency(cache, cfg)
 
         def call(cfg=cfg, eng=eng, residency=residency):  # what the vLLM backend calls
             return certified_attention(q, cache, tables, seq_lens, cfg, scale, pagein=eng, residency=residency)
@@ -280,7 +298,10 @@ def run_point(batch: int, ctx: int, args, results: list[dict]) -> None:
             r["served_ms"] = time_eager(lambda cfg=cfg, eng=eng, graphs=graphs, served=served: graphs.run(
                 "bench", q, cache, tables, seq_lens, cfg, scale, pagein=eng, residency=served), args.iters)  # fmt: skip
             del graphs
-        if pool is not None:
+        if pool is not None and cfg.decode_pass == "resident":
+            st = pool.take_stats()
+            r["pool_topup_lookups_per_call"] = st["lookups"] / max(1, args.iters)
+        elif pool is not None:
             st = pool.take_stats()
             r["pool_repeat_hit_rate"] = st["hits"] / max(1, st["lookups"])
             off = cfg.model_copy(update={"promotion_cache_fraction": 0.0})
@@ -331,7 +352,7 @@ def run_point(batch: int, ctx: int, args, results: list[dict]) -> None:
             rec["pipeline"] = pipeline(cache, tables, q, k, v, lens, args)
 
     # zero-copy gather rate for as many pages as the default preset promoted (at least 4096)
-    npages = max(4096, rec["default"]["pagein_bytes"] // (2 * 16 * D * 2))
+    npages = max(4096, rec.get("default", {}).get("pagein_bytes", 0) // (2 * 16 * D * 2))
     ids = torch.randint(1, cache.num_blocks, (npages,), device=dev)
     heads = torch.randint(0, HKV, (npages,), device=dev)
     out = torch.empty(npages, 2, 16, D, dtype=cache.shadow.dtype, device=dev)
@@ -443,7 +464,6 @@ def multistep(cache, tables, q, k, v, lens, args) -> dict:
     from certvllm.config import load_config
     from certvllm.kv.cache import LayerKVCache
     from certvllm.kv.cuda_pagein import CudaPageInEngine
-    from certvllm.kv.residency import Residency
 
     dev = q.device
     batch = q.shape[0]
@@ -452,18 +472,23 @@ def multistep(cache, tables, q, k, v, lens, args) -> dict:
     base = load_config("default")
     out: dict = {"steps": args.steps, "start_len": start[0], "fraction": base.promotion_cache_fraction}
     g = HQ // HKV
+    variants = [("default", 0.0)] + [(m, base.promotion_cache_fraction) for m in MULTISTEP if m in args.methods]
     for regime in ("walk", "fresh"):
-        for fraction in (0.0, base.promotion_cache_fraction):
-            cfg = base.model_copy(update={"promotion_cache_fraction": fraction})
+        for method, fraction in variants:
+            cfg = method_config(method).model_copy(update={"promotion_cache_fraction": fraction})
             view = LayerKVCache(cache.pages, cache.shadow, cache.layout)  # a fresh pool, its own generations
             seq = torch.tensor(start, device=dev, dtype=torch.int64)
             gen = torch.Generator(device=dev).manual_seed(1)
             static_q = q.clone()
             eng = CudaPageInEngine(dev)
-            residency = Residency.for_layer(view, fraction)
+            residency = method_residency(view, cfg)
+            rungs = torch.zeros(5, dtype=torch.int64)
+            held: dict = {}  # the captured call's output tensors, rewritten by every replay
 
-            def call(view=view, cfg=cfg, seq=seq, static_q=static_q, eng=eng, residency=residency):
-                return certified_attention(static_q, view, tables, seq, cfg, scale, pagein=eng, residency=residency)
+            def call(view=view, cfg=cfg, seq=seq, static_q=static_q, eng=eng, residency=residency, held=held):
+                held["res"] = certified_attention(static_q, view, tables, seq, cfg, scale, pagein=eng,
+                                                  residency=residency)  # fmt: skip
+                return held["res"]
 
             graph = capture_graph(call)
             pool = residency.pool
@@ -488,19 +513,23 @@ def multistep(cache, tables, q, k, v, lens, args) -> dict:
                 e1.record()
                 e1.synchronize()
                 times.append(e0.elapsed_time(e1))
+                rungs += torch.bincount(held["res"].report.rung.flatten().long().cpu(), minlength=5)
                 if pool is not None:
                     st = pool.take_stats()
                     hits, looks = hits + st["hits"], looks + st["lookups"]
                     fills, bypass = fills + st["fills"], bypass + st["bypass"]
             del graph
             key = f"{regime}_{'pool' if fraction > 0 else 'nocache'}"
-            out[key] = {"median_ms": statistics.median(times), "first_ms": times[0], "ms": times}
+            if "+" in method:
+                key = f"{regime}_{method}"
+            out[key] = {"median_ms": statistics.median(times), "first_ms": times[0], "ms": times,
+                        "rung_histogram": [int(x) for x in rungs]}  # fmt: skip
             if pool is not None:
                 out[key].update(hit_rate=hits / max(1, looks), lookups_per_step=looks / args.steps,
                                 fills_per_step=fills / args.steps, bypass_per_step=bypass / args.steps)  # fmt: skip
             msg = f"hit rate {hits / max(1, looks):.3f}, {looks / args.steps:.0f} pages/step" if pool else ""
-            print(f"    multi-step {key:14s} median {out[key]['median_ms']:.3f} ms (first {times[0]:.3f}) {msg}",
-                  flush=True)  # fmt: skip
+            print(f"    multi-step {key:22s} median {out[key]['median_ms']:.3f} ms (first {times[0]:.3f}) {msg} "
+                  f"rungs {out[key]['rung_histogram']}", flush=True)  # fmt: skip
     return out
 
 
@@ -512,6 +541,7 @@ def main() -> None:
     ap.add_argument("--diffuse-mass", type=float, default=0.02)
     ap.add_argument("--steps", type=int, default=16, help="multi-step case: decode steps per regime (0: skip)")
     ap.add_argument("--layers", type=int, default=8, help="whole-step case: layers per step (0: skip)")
+    ap.add_argument("--methods", nargs="+", default=list(PRESETS), choices=PRESETS)
     ap.add_argument("--out", type=Path, default=Path("runs/decode.json"))
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -538,14 +568,13 @@ def main() -> None:
     except ImportError:
         pass
     args.out.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
-    print("\n| batch | context | dense ms | naive ms (×) | paper ms (×) | default ms (×) | default K* | rungs 0-4 "
-          "(default) | page-in MB | gather GB/s |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    heads = " | ".join(f"{m} ms (×)" for m in args.methods)
+    print(f"\n| batch | context | dense ms | {heads} | rungs 0-4 per method |")
+    print("|---|---|---|" + "---|" * len(args.methods) + "---|")
     for r in results:
-        cells = [f"{r[p]['ms']:.3f} ({r[p]['ratio_to_dense']:.2f}×)" for p in PRESETS]
-        print(f"| {r['batch']} | {r['context'] // 1024}K | {r['dense_ms']:.3f} | {' | '.join(cells)} | "
-              f"{r['default']['k_star_mean']:.0f} | {r['default']['rung_histogram']} | "
-              f"{r['default']['pagein_bytes'] / 1e6:.1f} | {r['zero_copy_gather_GBps']:.1f} |")  # fmt: skip
+        cells = [f"{r[p]['ms']:.3f} ({r[p]['ratio_to_dense']:.2f}×)" for p in args.methods]
+        hist = "; ".join(f"{p}: {r[p]['rung_histogram']}" for p in args.methods)
+        print(f"| {r['batch']} | {r['context'] // 1024}K | {r['dense_ms']:.3f} | {' | '.join(cells)} | {hist} |")
     print("\nPromotion cache, default preset (ms per layer call, ×dense; hit rates of the pool):")
     print("| batch | context | no cache | cold (pool emptied) | warm (same step) | walk: no cache / pool (hits) | "
           "fresh: no cache / pool (hits) | VRAM/FP16 with pool |")  # fmt: skip

@@ -368,8 +368,9 @@ def run_with_exact(call, q: torch.Tensor, cache, block_tables: torch.Tensor, seq
 
     The selection is read where the path makes it: ``select_values`` in ``reference.py`` (its key mask
     argument and its value mask result, per chunk of rows) and ``gpu._select`` (the promotion bitmask).
-    A call in a mode without selection (naive) promotes nothing. The compiled CPU kernel keeps its
-    selection inside (a call that promoted blocks the spies did not see raises): use the reference's
+    The resident pass (``resident._read_exactly``) reports what it read unquantized: resident pool pages and
+    the top-up's promotions. A call in a mode without selection (naive) promotes nothing. The compiled CPU
+    kernel keeps its selection inside (a call that promoted blocks the spies did not see raises): use the reference's
     (``backend="reference"``), on the heads where the two agree."""
     import certvllm.attention.reference as ref_mod
 
@@ -389,12 +390,23 @@ def run_with_exact(call, q: torch.Tensor, cache, block_tables: torch.Tensor, seq
         seen.append((((b >> shifts) & 1).bool(), ((b >> (shifts + G)) & 1).bool()))
         return bits, widened
 
+    def spy_read(first, second, need):
+        bits = orig_read(first, second, need)
+        G = q.shape[1] // cache.num_kv_heads
+        shifts = torch.arange(G, dtype=torch.int32).view(1, 1, G, 1)
+        b = bits.cpu().unsqueeze(2)
+        seen.append((((b >> shifts) & 1).bool(), ((b >> (shifts + G)) & 1).bool()))
+        return bits
+
     patches = [(ref_mod, "select_values", orig_values, spy_values)]
     try:
         import certvllm.attention.gpu as gpu_mod
+        import certvllm.attention.resident as resident_mod
 
         orig_select = gpu_mod._select
+        orig_read = resident_mod._read_exactly
         patches.append((gpu_mod, "_select", orig_select, spy_select))
+        patches.append((resident_mod, "_read_exactly", orig_read, spy_read))
     except ImportError:  # no Triton: only the reference path can run
         pass
     for module, name, _, spy in patches:

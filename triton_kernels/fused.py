@@ -320,9 +320,8 @@ def _fused_kernel(
         m0 = tl.where(m_new == float("-inf"), 0.0, m_new)
         lm = tl.where(den_all > 0, m0 + log_f32(tl.where(den_all > 0, den_all, 1.0), PRECISE), float("-inf"))
         tl.store(exact_lm + orow, lm, mask=om & fk)
-    if CANARY:
-        if tl.max(tl.max(tl.max(viol, axis=2), axis=1), axis=0) > 0:
-            tl.atomic_max(canary + r, 1)
+    if CANARY:  # one atomic per program (0 or 1)
+        tl.atomic_max(canary + r, tl.max(tl.max(tl.max(viol, axis=2), axis=1), axis=0))
     gq2 = tl.arange(0, GP)[:, None]
     orow2 = (rk * S + split) * G + gq2  # [GP, 1]
     om2 = gq2 < G

@@ -155,6 +155,7 @@ def _select_kernel(
     budget,  # [R, H] float32 v_tol·V_max / VALUE_BUDGET_MARGIN
     bits,  # in/out [R, H, B] int32 promotion bitmask (zeroed by the caller)
     widened,  # out [R, H, G] int8 rung 1 used
+    active,  # [R, H] int32: 0 = select nothing for this group (USE_ACTIVE)
     scratch,  # [R·H·G, 2, W] int64 (the windowed path's compaction buffers)
     B,
     GS,  # GAMMA_SLACK
@@ -171,75 +172,80 @@ def _select_kernel(
     BP: tl.constexpr,
     W: tl.constexpr,  # window of the sorted order (BP ≤ W: sort everything)
     LOG2BP: tl.constexpr,
+    USE_ACTIVE: tl.constexpr,
     PRECISE: tl.constexpr,
 ):
     pid, rk, g, r = head_program(G, H)
-    pos = tl.arange(0, BP)
-    nf = tl.load(nfull + r).to(tl.int32)
-    valid = pos < nf
-    row = pid * B
-    lg = tl.load(l8 + row + pos, mask=pos < B, other=float("-inf"))
-    p_hat = exp_f32(lg - tl.load(lse + pid), PRECISE)
-    mass = tl.where(valid, p_hat, 0.0)
-    dl = tl.load(delta + row + pos, mask=pos < B, other=0.0)
-    rr = tl.load(rounding + pid)
-    delta_all = tl.max(dl, 0)
-    xi = delta_all + 3.0 * rr
-    rho = tail_mass_upper(p_hat, xi, 0.0, GS, PRECISE)
-    err = tl.where(valid, rho * tl.load(eta + rk * B + pos, mask=pos < B, other=0.0), 0.0)
-    vbudget = tl.load(budget + rk)
+    n_go = 1
+    if USE_ACTIVE:  # an inactive group's heads select nothing (bits and widened stay the caller's zeros)
+        n_go = tl.load(active + rk)
+    for _ in range(0, n_go):
+        pos = tl.arange(0, BP)
+        nf = tl.load(nfull + r).to(tl.int32)
+        valid = pos < nf
+        row = pid * B
+        lg = tl.load(l8 + row + pos, mask=pos < B, other=float("-inf"))
+        p_hat = exp_f32(lg - tl.load(lse + pid), PRECISE)
+        mass = tl.where(valid, p_hat, 0.0)
+        dl = tl.load(delta + row + pos, mask=pos < B, other=0.0)
+        rr = tl.load(rounding + pid)
+        delta_all = tl.max(dl, 0)
+        xi = delta_all + 3.0 * rr
+        rho = tail_mass_upper(p_hat, xi, 0.0, GS, PRECISE)
+        err = tl.where(valid, rho * tl.load(eta + rk * B + pos, mask=pos < B, other=0.0), 0.0)
+        vbudget = tl.load(budget + rk)
 
-    # ---- keys: top-K*, rung 1 (selection.select_keys); positions q of the descending order
-    if BP <= W:
-        q = pos
-        smass, order = _sorted_desc(mass, pos, B, BP)
-        alpha = _suffix_sum(smass)
-        dsuf = tl.associative_scan(tl.load(delta + row + order, mask=q < B, other=0.0), 0, _max, reverse=True)
-    else:  # only the first W positions can matter: K* ≤ ``policy.k_max_widened`` < W
-        q = tl.arange(0, W)
-        smass, order, sel, _ = _top_window(mass, pos, B, scratch + pid * 2 * W, W, BP, LOG2BP)
-        rest = tl.sum(tl.where(sel, 0.0, mass).to(tl.float64), 0)
-        alpha = (tl.cumsum(smass.to(tl.float64), 0, reverse=True) + rest).to(tl.float32)
-        wdelta = tl.load(delta + row + order, mask=order >= 0, other=0.0)
-        dsuf = tl.maximum(tl.associative_scan(wdelta, 0, _max, reverse=True), tl.max(tl.where(sel, 0.0, dl), 0))
-    kmin = tl.minimum(nf, KMIN)
-    kmax = tl.minimum(nf, KMAX)
-    kmax1 = tl.minimum(nf, KMAX1)
-    abar = tail_mass_upper(alpha, delta_all, rr, GS, PRECISE)
-    growth = expm1_f32(dsuf, PRECISE) + expm1_f32(2.0 * dsuf, PRECISE)
-    est = tl.where(abar > 0, abar * growth, 0.0)
-    ok = (est <= KEY_TOL) & (q <= kmax1) & (q < B)
-    if BUDGET:  # the fewest blocks (≥ K_min) whose estimated E_key fits key_tol
-        base = _first((est <= KEY_TOL) & (q >= kmin) & (q < B), q, kmax, BP + W)
-        base = tl.maximum(tl.minimum(base, kmax), kmin)
-        trigger = _at(est, q, base) > KEY_TOL
-        key_bits = ((q * 0 + 1) << G) - 1  # every query head of the KV head reads the union
-    else:  # the paper's coverage rule
-        base = _first((alpha <= TAU1) & (q < B), q, nf, BP + W)
-        base = tl.maximum(tl.minimum(base, kmax), kmin)
-        trigger = (_at(alpha, q, base) > THR1) | (_at(est, q, base) > KEY_TOL)
-        ok = ok & (alpha <= THR1)
-        key_bits = (q * 0 + 1) << g
-    ok = ok & (q >= base)
-    k_star = tl.where(trigger, tl.maximum(_first(ok, q, kmax1, BP + W), base), base)
-    tl.store(widened + pid, (k_star > base).to(tl.int8))
-    take = (q < k_star) & (order >= 0) & (order < nf) & (q < B)
-    tl.atomic_or(bits + rk * B + order, key_bits, mask=take)
+        # ---- keys: top-K*, rung 1 (selection.select_keys); positions q of the descending order
+        if BP <= W:
+            q = pos
+            smass, order = _sorted_desc(mass, pos, B, BP)
+            alpha = _suffix_sum(smass)
+            dsuf = tl.associative_scan(tl.load(delta + row + order, mask=q < B, other=0.0), 0, _max, reverse=True)
+        else:  # only the first W positions can matter: K* ≤ ``policy.k_max_widened`` < W
+            q = tl.arange(0, W)
+            smass, order, sel, _ = _top_window(mass, pos, B, scratch + pid * 2 * W, W, BP, LOG2BP)
+            rest = tl.sum(tl.where(sel, 0.0, mass).to(tl.float64), 0)
+            alpha = (tl.cumsum(smass.to(tl.float64), 0, reverse=True) + rest).to(tl.float32)
+            wdelta = tl.load(delta + row + order, mask=order >= 0, other=0.0)
+            dsuf = tl.maximum(tl.associative_scan(wdelta, 0, _max, reverse=True), tl.max(tl.where(sel, 0.0, dl), 0))
+        kmin = tl.minimum(nf, KMIN)
+        kmax = tl.minimum(nf, KMAX)
+        kmax1 = tl.minimum(nf, KMAX1)
+        abar = tail_mass_upper(alpha, delta_all, rr, GS, PRECISE)
+        growth = expm1_f32(dsuf, PRECISE) + expm1_f32(2.0 * dsuf, PRECISE)
+        est = tl.where(abar > 0, abar * growth, 0.0)
+        ok = (est <= KEY_TOL) & (q <= kmax1) & (q < B)
+        if BUDGET:  # the fewest blocks (≥ K_min) whose estimated E_key fits key_tol
+            base = _first((est <= KEY_TOL) & (q >= kmin) & (q < B), q, kmax, BP + W)
+            base = tl.maximum(tl.minimum(base, kmax), kmin)
+            trigger = _at(est, q, base) > KEY_TOL
+            key_bits = ((q * 0 + 1) << G) - 1  # every query head of the KV head reads the union
+        else:  # the paper's coverage rule
+            base = _first((alpha <= TAU1) & (q < B), q, nf, BP + W)
+            base = tl.maximum(tl.minimum(base, kmax), kmin)
+            trigger = (_at(alpha, q, base) > THR1) | (_at(est, q, base) > KEY_TOL)
+            ok = ok & (alpha <= THR1)
+            key_bits = (q * 0 + 1) << g
+        ok = ok & (q >= base)
+        k_star = tl.where(trigger, tl.maximum(_first(ok, q, kmax1, BP + W), base), base)
+        tl.store(widened + pid, (k_star > base).to(tl.int8))
+        take = (q < k_star) & (order >= 0) & (order < nf) & (q < B)
+        tl.atomic_or(bits + rk * B + order, key_bits, mask=take)
 
-    # ---- values: rung 2 (selection.select_values)
-    if BP <= W:
-        _promote_values_full(err, pos, B, nf, vbudget, VKMAX, bits + rk * B, G + g, BP)
-    else:
-        serr, vorder, vsel, _ = _top_window(err, pos, B, scratch + (pid * 2 + 1) * W, W, BP, LOG2BP)
-        vrest = tl.sum(tl.where(vsel, 0.0, err).to(tl.float64), 0)
-        remaining = (tl.cumsum(serr.to(tl.float64), 0, reverse=True) + vrest).to(tl.float32)
-        count = _first((remaining <= vbudget) & (q < B), q, -1, W)
-        if count >= 0:
-            count = tl.where(VKMAX >= 0, tl.minimum(count, VKMAX), count)
-            take_v = (q < count) & (vorder >= 0) & (vorder < nf)
-            tl.atomic_or(bits + rk * B + vorder, (q * 0 + 1) << (G + g), mask=take_v)
-        else:  # the greedy runs past the window (many blocks with large ρ̄·η): the full order, as the reference
+        # ---- values: rung 2 (selection.select_values)
+        if BP <= W:
             _promote_values_full(err, pos, B, nf, vbudget, VKMAX, bits + rk * B, G + g, BP)
+        else:
+            serr, vorder, vsel, _ = _top_window(err, pos, B, scratch + (pid * 2 + 1) * W, W, BP, LOG2BP)
+            vrest = tl.sum(tl.where(vsel, 0.0, err).to(tl.float64), 0)
+            remaining = (tl.cumsum(serr.to(tl.float64), 0, reverse=True) + vrest).to(tl.float32)
+            count = _first((remaining <= vbudget) & (q < B), q, -1, W)
+            if count >= 0:
+                count = tl.where(VKMAX >= 0, tl.minimum(count, VKMAX), count)
+                take_v = (q < count) & (vorder >= 0) & (vorder < nf)
+                tl.atomic_or(bits + rk * B + vorder, (q * 0 + 1) << (G + g), mask=take_v)
+            else:  # the greedy runs past the window (many blocks with large ρ̄·η): the full order, as the reference
+                _promote_values_full(err, pos, B, nf, vbudget, VKMAX, bits + rk * B, G + g, BP)
 
 
 def select_blocks(
@@ -252,6 +258,7 @@ def select_blocks(
     value_budget: torch.Tensor,
     policy: LadderPolicy,
     window: int = WINDOW,
+    active: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rungs 0–2 selection for a layer call.
 
@@ -266,6 +273,7 @@ def select_blocks(
         window: how much of each sorted order is materialised when the table is wider (raised to the next
             power of two above ``policy.k_max_widened``); the greedy value promotion falls back to the
             full order inside the kernel if it needs more.
+        active: ``[R, K]`` int32: the groups to select for (the others get no bits and no rung 1), or None (all).
 
     Returns:
         ``bits`` ``[R, K, B]`` int32 (bit g: keys of block b promoted for query head g; bit G + g: its
@@ -281,12 +289,12 @@ def select_blocks(
     kmax1 = policy.k_max_widened
     w = max(next_pow2(window), next_pow2(kmax1 + 1))
     bits = torch.zeros(R, K, B, dtype=torch.int32, device=l8.device)
-    widened = torch.empty(R, K, G, dtype=torch.int8, device=l8.device)
+    widened = (torch.empty if active is None else torch.zeros)(R, K, G, dtype=torch.int8, device=l8.device)
     scratch = torch.empty(R * K * G * 2 * w if bp > w else 1, dtype=torch.int64, device=l8.device)
     _select_kernel[(R * K * G,)](
         l8.contiguous(), lse.contiguous(), delta.contiguous(), rounding.contiguous(), nfull, eta.contiguous(),
-        value_budget.contiguous(), bits, widened, scratch, B, GAMMA_SLACK, 1.0 - policy.tau_cov, policy.k_min,
+        value_budget.contiguous(), bits, widened, widened if active is None else active, scratch, B, GAMMA_SLACK, 1.0 - policy.tau_cov, policy.k_min,
         policy.k_max, kmax1, policy.rung1_tail_threshold, policy.key_tol, policy.value_k_max, BUDGET=policy.key_budget,
-        H=K, G=G, BP=bp, W=w, LOG2BP=width_class(B).log2bp, PRECISE=precise(), num_warps=min(16, max(4, bp // 512)),
+        H=K, G=G, BP=bp, W=w, LOG2BP=width_class(B).log2bp, USE_ACTIVE=active is not None, PRECISE=precise(), num_warps=min(16, max(4, bp // 512)),
     )  # fmt: skip
     return bits, widened.bool()

@@ -130,10 +130,12 @@ def resident_rows(
     no_widen = torch.zeros(R, K, G, dtype=torch.bool, device=dev)
     out, report = state.certify(first, no_widen, first.canary)
     mark(timings, "certify")
-    fbits, paged = first.fbits, torch.zeros((), dtype=torch.int64, device=dev)
+    fbits, paged = None, torch.zeros((), dtype=torch.int64, device=dev)
     if certified and cfg.ladder.forced_rung == 0:
         out, report, fbits, paged = _top_up(state, first, out, report, layer_call.generator)
         mark(timings, "top_up")
+    else:
+        fbits = _read_exactly(first.fbits, None, None)
     if isinstance(pagein, CudaPageInEngine):
         values = ((fbits >> G) != 0).sum()
         page_half = cache.layout.block_size * D * cache.shadow.element_size()
@@ -152,8 +154,10 @@ def _top_up(
     R, K, G, B, _ = call.shape
     dev = call.qs.device
     need = needs_top_up(report, cfg).view(R, K, G).any(dim=-1)  # [R, K]
+    active = need.to(torch.int32).contiguous()
     budget = (cfg.v_tol * s.v_max.squeeze(-1)) / VALUE_BUDGET_MARGIN
-    bits, widened = select_blocks(first.l8, s.lse, first.delta, s.round1, call.nfull, first.eta, budget, cfg.ladder)
+    bits, widened = select_blocks(first.l8, s.lse, first.delta, s.round1, call.nfull, first.eta, budget, cfg.ladder,
+                                  active=active)  # fmt: skip
     if cfg.exploration_rate > 0:
         gen = generator if generator is not None and generator.device.type == dev.type else None
         draw = torch.rand((R, K, G, B), generator=gen, device=dev)
@@ -165,7 +169,7 @@ def _top_up(
         _, paged = state.pool.lookup(call.cache, call.tables, call.nfull, bits, (1 << G) - 1)
     else:
         paged = ((bits & ((1 << G) - 1)) != 0).sum()
-    second = state.run(bits=bits, active=need.to(torch.int32).contiguous(), run_canary=cfg.ladder.checks_canary)
+    second = state.run(bits=bits, active=active, run_canary=cfg.ladder.checks_canary)
     canary = torch.maximum(first.canary, second.canary)
     out2, report2 = state.certify(second, widened.view(R, K, G), canary)
     heads = need.unsqueeze(-1).expand(R, K, G).reshape(R, K * G)
@@ -174,8 +178,16 @@ def _top_up(
     row_canary = (canary > 0).view(R, 1)  # a canary failure sends every head of its row to rung 4
     report.canary_fail |= row_canary
     report.rung = torch.where(row_canary, RUNG_LAYER_DENSE, report.rung).to(torch.int8)
-    fbits = torch.where(need.unsqueeze(-1), second.fbits, first.fbits)
-    return out, report, fbits, paged
+    return out, report, _read_exactly(first.fbits, second.fbits, need), paged
+
+
+def _read_exactly(first: torch.Tensor, second: torch.Tensor | None, need: torch.Tensor | None) -> torch.Tensor:
+    """The call's ``[R, K, B]`` bitmask of what its output read unquantized (bit g keys of query head g, bit
+    G + g its values): the top-up pass's where it ran, else the first pass's. (``testing.run_with_exact`` reads
+    the selection here.)"""
+    if second is None:
+        return first
+    return torch.where(need.unsqueeze(-1), second, first)
 
 
 @dataclass

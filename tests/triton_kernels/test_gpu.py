@@ -81,10 +81,14 @@ def cuda_call(q, cache, tables, lens, cfg, residency=None, **kw):
 
 
 def pooled(cache, cfg):
-    """The layer's residency as the vLLM runtime makes it: a promotion pool when the config has one."""
-    from certvllm.kv.residency import Residency
+    """The layer's residency as the vLLM runtime makes it: a promotion pool when the config has one (holding
+    value pages too for the resident decode pass)."""
+    from certvllm.kv.residency import Residency, pool_values
 
-    return Residency.for_layer(cache, cfg.promotion_cache_fraction)
+    return Residency.for_layer(cache, cfg.promotion_cache_fraction, pool_values(cfg.decode_pass))
+
+
+DECODE_PASSES = ("two_pass", "resident")
 
 
 def check(cases, cfg, fallback="sdpa"):
@@ -246,7 +250,8 @@ def test_side_stream_gather_keeps_its_temporary_ids_alive():
     torch.cuda.cudart().cudaHostUnregister(shadow.data_ptr())
 
 
-def test_soundness_sweep_over_families_presets_and_shapes():
+@pytest.mark.parametrize("decode_pass", DECODE_PASSES)
+def test_soundness_sweep_over_families_presets_and_shapes(decode_pass):
     from certvllm.config import load_config
     from certvllm.testing import FAMILIES, make_case
 
@@ -259,7 +264,8 @@ def test_soundness_sweep_over_families_presets_and_shapes():
             dtype = (torch.float16, torch.bfloat16)[it % 2]
             lengths = torch.randint(1, 3000, (6,), generator=gen).tolist() + [16, 15]
             cases = [make_case(family, t, hq, hkv, d, dtype, gen) for t in lengths]
-            _, v, m, n = check(cases, load_config(preset), fallback="sdpa" if it % 3 else "device")
+            cfg = load_config(preset, decode_pass=decode_pass)
+            _, v, m, n = check(cases, cfg, fallback="sdpa" if it % 3 else "device")
             total, violations, mismatches = total + n, violations + v, mismatches + m
             it += 1
     print(f"head-steps {total}, violations {violations}, dense mismatches {mismatches}")
@@ -328,7 +334,8 @@ def test_llama_shapes_at_128k(preset):
     bench.release_cache(cache)
 
 
-def test_device_fallback_is_sync_free_and_graph_capturable():
+@pytest.mark.parametrize("decode_pass", DECODE_PASSES)
+def test_device_fallback_is_sync_free_and_graph_capturable(decode_pass):
     from certvllm.config import make_config
     from certvllm.kv.cuda_pagein import CudaPageInEngine
     from certvllm.testing import make_case
@@ -337,7 +344,7 @@ def test_device_fallback_is_sync_free_and_graph_capturable():
     cases = [make_case("sink_and_recency", t, 32, 8, 128, torch.bfloat16, gen) for t in (3000, 900, 77)]
     cache, tables, lens, _ = cuda_batch(cases)
     q = torch.stack([c.q for c in cases]).cuda()
-    cfg = make_config(bound_tol=0.02)  # some heads escalate, so the exact re-run is exercised
+    cfg = make_config(bound_tol=0.02, decode_pass=decode_pass)  # some heads escalate: the exact re-run runs
     eng = CudaPageInEngine("cuda")
     residency = pooled(cache, cfg)
 
@@ -358,11 +365,17 @@ def test_device_fallback_is_sync_free_and_graph_capturable():
     torch.cuda.synchronize()
     assert torch.equal(captured.out, eager.out) and torch.equal(captured.report.rung, eager.report.rung)
     assert bool((eager.report.rung == 3).any())
-    # the default config runs the promotion cache: filled by the first (eager) call, used by the others
-    assert cfg.promotion_cache_fraction > 0 and residency.pool.take_stats()["hits"] > 0
+    # the default config runs the promotion cache: filled by the first (eager) call, used by the others (the
+    # resident pass reads its hits without a lookup: the slots are filled)
+    assert cfg.promotion_cache_fraction > 0
+    if decode_pass == "resident":
+        assert bool((residency.pool.tag >= 0).any())
+    else:
+        assert residency.pool.take_stats()["hits"] > 0
 
 
-def test_gpu_canary_catches_corrupted_pages():
+@pytest.mark.parametrize("decode_pass", DECODE_PASSES)
+def test_gpu_canary_catches_corrupted_pages(decode_pass):
     from certvllm.attention import certified_attention, dense_decode
     from certvllm.attention.op import dense_rows
     from certvllm.config import load_config
@@ -378,7 +391,7 @@ def test_gpu_canary_catches_corrupted_pages():
     pages[..., lay.k_codes : lay.k_codes + BLOCK_SIZE * lay.head_dim] = 255
     cache.write_pages(tables[0, :40], pages)
     q = torch.stack([c.q for c in cases]).cuda()
-    cfg = load_config("default")
+    cfg = load_config("default", decode_pass=decode_pass)
     c = cases[0]
     dense = dense_decode(c.q.cuda(), c.k.cuda(), c.v.cuda(), 1 / math.sqrt(128))
     eng = CudaPageInEngine("cuda")
@@ -719,20 +732,22 @@ def test_step_prefetch_at_llama_shapes_in_graph_replays():
     bench.release_cache(cache)
 
 
-def test_soundness_with_a_warm_promotion_cache():
+@pytest.mark.parametrize("decode_pass", DECODE_PASSES)
+def test_soundness_with_a_warm_promotion_cache(decode_pass):
     """The soundness property over the families with the pool warm: several steps per cache, the queries
-    drifting between them."""
+    drifting between them (for the resident pass: F is the previous steps' promotions, stale for the query)."""
     from certvllm.config import load_config
     from certvllm.testing import FAMILIES, exact_attention, make_case
 
     gen = torch.Generator().manual_seed(99)
-    total = violations = hits = 0
+    total = violations = hits = resident_only = 0
     for i, family in enumerate(FAMILIES):
         hq, hkv, d = SHAPES[i % len(SHAPES)]
         lengths = torch.randint(200, 3000, (4,), generator=gen).tolist()
         cases = [make_case(family, t, hq, hkv, d, torch.float16, gen) for t in lengths]
         cache, tables, lens, _ = cuda_batch(cases)
-        cfg = load_config(("default", "paper", "strict")[i % 3], promotion_cache_fraction=0.25)
+        cfg = load_config(("default", "paper", "strict", "budget")[i % 4], promotion_cache_fraction=0.25,
+                          decode_pass=decode_pass)  # fmt: skip
         q = torch.stack([c.q for c in cases])
         residency = pooled(cache, cfg)
         for _ in range(3):
@@ -743,10 +758,13 @@ def test_soundness_with_a_warm_promotion_cache():
                 cert = res.report.rung[j] <= 2
                 violations += int((cert & ~(err <= res.report.bound[j].double())).sum())
                 total += int(cert.sum())
+                # served by the resident pass alone: rung 0 with resident blocks read exactly
+                resident_only += int(((res.report.rung[j] == 0) & (res.report.k_star[j] > 0)).sum())
             q = (q.float() + 0.1 * torch.randn(q.shape, generator=gen)).to(q.dtype)
         hits += residency.pool.take_stats()["hits"]
-    print(f"certified head-steps {total}, violations {violations}, pool hits {hits}")
-    assert violations == 0 and hits > 0
+    print(f"certified head-steps {total}, violations {violations}, pool hits {hits}, resident rung 0 {resident_only}")
+    assert violations == 0
+    assert (resident_only if decode_pass == "resident" else hits) > 0
 
 
 def test_pool_lookup_kernels_equal_the_torch_reference_at_full_shape():

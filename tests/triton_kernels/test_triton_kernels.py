@@ -269,6 +269,32 @@ def test_gpu_rungs_3_and_4_are_exact(fallback, gen):
     assert res.report.precondition[1].all() and (res.report.bound == 0).all()
 
 
+@pytest.mark.parametrize(
+    "family,preset",
+    [("retrieval_peaks", "budget"), _gpu_lane("random", "default"), _gpu_lane("near_tied_blocks", "paper"),
+     _gpu_lane("outlier_channels", "naive"), _gpu_lane("sink_and_recency", "strict")],
+)  # fmt: skip
+def test_resident_pass_is_sound_and_exact_on_rungs_3_and_4(family, preset, gen):
+    """``decode_pass: resident`` (no pool here: F is what the top-up promotes) over split-K programs with their own
+    maxima: every certified head within its bound, rungs 3/4 equal to dense (host) or exact (device)."""
+    cases = [make_case(family, t, 8, 2, 64, torch.float16, gen) for t in (5, 37, 130, 200)]
+    cfg = load_config(preset, decode_pass="resident")
+    for fallback in ("sdpa", "device"):
+        res, _, _ = _check(cases, cfg, fallback=fallback, blocks_per_split=3)
+    if cfg.mode == "certified":
+        assert (res.report.k_star > 0).any()  # the top-up promoted keys
+
+
+@_cuda_only  # a tiling variant: the interpreter runs the split plan of the test above
+def test_resident_split_plans_agree(gen):
+    cases = [make_case("sink_and_recency", t, 6, 2, 64, torch.bfloat16, gen) for t in (100, 250)]
+    cfg = load_config("budget", decode_pass="resident")
+    one, (cache, tables, lens, q), one64 = _check(cases, cfg, blocks_per_split=1)
+    many, _, many64 = _check(cases, cfg, blocks_per_split=64)
+    assert torch.equal(one.report.rung, many.report.rung) and torch.equal(one64, many64)
+    torch.testing.assert_close(one.out, many.out, rtol=1e-6, atol=1e-7)
+
+
 def test_gpu_canary_catches_pages_that_disagree_with_their_shadow(gen):
     cases = [make_case("random", 10 * BLOCK_SIZE, 4, 2, 64, torch.float16, gen) for _ in range(2)]
     cache, tables, lens = paged_batch(cases)
