@@ -191,47 +191,7 @@ def _fused_kernel(
             res = valid & (bid < 0)
             slot = bid
         fk = valid & (res | ((bb & key_bits) != 0))  # [BLK, 1, 1]
-        any_f = tl.max(tl.max(tl.max(fk.to(tl.int32), axis=2), axis=1), axis=0) > 0
-        kx = tl.zeros([BLK, N, DP], tl.float32)
-        if any_f:
-            kbase = (((bid // M) * H + h) * 2) * (M * N * D)
-            if CHANNEL_MAJOR:
-                koffs = dv * (M * N) + (bid % M) * N + nv
-            else:
-                koffs = ((bid % M) * N + nv) * D + dv
-            kx = tl.load(shadow + kbase + koffs, mask=fk & ~res & dmv, other=0.0).to(tl.float32)
-            if USE_POOL:
-                kp = tl.load(pool + slot * (N * D) + nv * D + dv, mask=res & dmv, other=0.0).to(tl.float32)
-                kx = tl.where(res, kp, kx)
-        # ---- values: scales and zeros per group, expanded to channel pairs; unquantized where promoted
-        gi = tl.arange(0, NG)[None, None, :]
-        gm_ = valid & (gi < NG)
-        vsc = tl.load(pages_f16 + (base + V_SCALE) // 2 + nv * NG + gi, mask=gm_, other=0.0).to(tl.float32)
-        vze = tl.load(pages_f16 + (base + V_ZERO) // 2 + nv * NG + gi, mask=gm_, other=0.0).to(tl.float32)
-        vsc = tl.reshape(tl.broadcast_to(vsc[:, :, :, None], [BLK, N, NG, GRP // 2]), [BLK, N, DH])
-        vze = tl.reshape(tl.broadcast_to(vze[:, :, :, None], [BLK, N, NG, GRP // 2]), [BLK, N, DH])
-        vpro = (bb >> G) & key_bits
-        if POOL_VALUES:
-            res_v = res
-        else:
-            res_v = valid & (bid < 0)
-        anyv = tl.max(tl.max(tl.max(((vpro != 0) | res_v).to(tl.int32), axis=2), axis=1), axis=0) != 0
-        f_e = tl.zeros([BLK, N, DH], tl.float32)
-        f_o = tl.zeros([BLK, N, DH], tl.float32)
-        if anyv:
-            vbase = (((bid // M) * H + h) * 2 + 1) * (M * N * D) + (bid % M) * (N * D)
-            vrow = shadow + vbase + nv * D + 2 * kv
-            vsel = valid & (vpro != 0) & ~res_v & km
-            f_e = tl.load(vrow, mask=vsel, other=0.0).to(tl.float32)
-            f_o = tl.load(vrow + 1, mask=vsel, other=0.0).to(tl.float32)
-            if POOL_VALUES:
-                prow = vpool + slot * (N * D) + nv * D + 2 * kv
-                f_e = tl.where(res_v, tl.load(prow, mask=res_v & km, other=0.0).to(tl.float32), f_e)
-                f_o = tl.where(res_v, tl.load(prow + 1, mask=res_v & km, other=0.0).to(tl.float32), f_o)
-        byte = tl.load((pages_u8 + base + V_CODES) + (nv * (D // 2) + kv), mask=valid & km, other=0).to(tl.int32)
-        v_e = vze + (byte & 15).to(tl.float32) * vsc  # [BLK, N, DH] channels 2k
-        v_o = vze + (byte >> 4).to(tl.float32) * vsc  # channels 2k + 1
-        # ---- scores per query head (the key codes last: their layout decides the arithmetic's)
+        # ---- INT8 scores and the per-block terms of every head (k̂ dies after this loop)
         codes = tl.load((pages_u8 + base) + (nv * D + dv), mask=vm, other=0)
         khat = off + codes.to(tl.float32) * sigma  # [BLK, N, DP]
         s_all = tl.zeros([BLK, N, GP], tl.float32)
@@ -247,25 +207,64 @@ def _fused_kernel(
             fin = tl.abs(mb) < float("inf")
             mref = tl.where(fin, mb, 0.0)
             lb = tl.where(fin, mref + tl.log(tl.maximum(tl.sum(tl.exp(s8 - mref), axis=1, keep_dims=True), 1.0)), mb)
-            dl = tl.sum(qa * sigma, axis=2, keep_dims=True) * DELTA_F  # [BLK, 1, 1]
-            rb = tl.sum(qa * kmag, axis=2, keep_dims=True) * ROUND_F
-            sa = tl.max(tl.where(tl.abs(s8) < float("inf"), tl.abs(s8), 0.0), axis=1, keep_dims=True)
-            s = s8
-            if any_f:
-                sx = tl.where(valid, tl.sum(kx * qg, axis=2, keep_dims=True), float("-inf"))
-                if CANARY:
+            rowg = gr == g
+            s_all = tl.where(gs == g, s8, s_all)
+            l_all = tl.where(rowg, lb, l_all)
+            d_all = tl.where(rowg, tl.sum(qa * sigma, axis=2, keep_dims=True) * DELTA_F, d_all)
+            r_all = tl.where(rowg, tl.sum(qa * kmag, axis=2, keep_dims=True) * ROUND_F, r_all)
+            a_all = tl.where(rowg, tl.max(tl.where(tl.abs(s8) < float("inf"), tl.abs(s8), 0.0), axis=1,
+                                          keep_dims=True), a_all)  # fmt: skip
+        # ---- exact scores of F blocks (from the pool or the shadow), the canary, F's scores in s_all
+        any_f = tl.max(tl.max(tl.max(fk.to(tl.int32), axis=2), axis=1), axis=0) > 0
+        if any_f:
+            kbase = (((bid // M) * H + h) * 2) * (M * N * D)
+            if CHANNEL_MAJOR:
+                koffs = dv * (M * N) + (bid % M) * N + nv
+            else:
+                koffs = ((bid % M) * N + nv) * D + dv
+            kx = tl.load(shadow + kbase + koffs, mask=fk & ~res & dmv, other=0.0).to(tl.float32)
+            if USE_POOL:
+                kp = tl.load(pool + slot * (N * D) + nv * D + dv, mask=res & dmv, other=0.0).to(tl.float32)
+                kx = tl.where(res, kp, kx)
+            for g in tl.static_range(G):
+                qg = tl.sum(tl.where(gq == g, q2, 0.0), axis=0)[None, None, :]
+                sx = tl.where(valid, tl.sum(kx * qg, axis=2, keep_dims=True), float("-inf"))  # [BLK, N, 1]
+                s8 = _pick(s_all, gs == g, 2)
+                if CANARY:  # |s̃^exact − s̃⁸| ≤ (Δ_b + 2R_b)(1 + 2⁻¹⁰) under P2
+                    tol = (_pick(d_all, gr == g, 1) + 2.0 * _pick(r_all, gr == g, 1)) * CANARY_F  # [BLK, 1, 1]
                     diff = tl.abs(sx - s8)
-                    bad_t = fk & ((diff > (dl + 2.0 * rb) * CANARY_F) | ~(diff < float("inf")))
+                    bad_t = fk & ((diff > tol) | ~(diff < float("inf")))
                     viol = tl.maximum(viol, tl.max(tl.max(tl.max(bad_t.to(tl.int32), axis=2), axis=1), axis=0))
-                s = tl.where(fk, sx, s8)
                 xa = tl.max(tl.where(fk & (tl.abs(sx) < float("inf")), tl.abs(sx), 0.0), axis=1, keep_dims=True)
                 sabs_run = tl.where(gr == g, tl.maximum(sabs_run, tl.max(xa, axis=0, keep_dims=True)), sabs_run)
-            s_all = tl.where(gs == g, s, s_all)
-            rowg = gr == g
-            l_all = tl.where(rowg, lb, l_all)
-            d_all = tl.where(rowg, dl, d_all)
-            r_all = tl.where(rowg, rb, r_all)
-            a_all = tl.where(rowg, sa, a_all)
+                s_all = tl.where((gs == g) & fk, sx, s_all)
+        # ---- values: INT4 in registers, replaced by the originals on blocks read exactly (resident values, or
+        # the caller's value bits: for every query head of the group, whose E_val they can only lower)
+        gi = tl.arange(0, NG)[None, None, :]
+        gm_ = valid & (gi < NG)
+        vsc = tl.load(pages_f16 + (base + V_SCALE) // 2 + nv * NG + gi, mask=gm_, other=0.0).to(tl.float32)
+        vze = tl.load(pages_f16 + (base + V_ZERO) // 2 + nv * NG + gi, mask=gm_, other=0.0).to(tl.float32)
+        vsc = tl.reshape(tl.broadcast_to(vsc[:, :, :, None], [BLK, N, NG, GRP // 2]), [BLK, N, DH])
+        vze = tl.reshape(tl.broadcast_to(vze[:, :, :, None], [BLK, N, NG, GRP // 2]), [BLK, N, DH])
+        byte = tl.load((pages_u8 + base + V_CODES) + (nv * (D // 2) + kv), mask=valid & km, other=0).to(tl.int32)
+        v_e = vze + (byte & 15).to(tl.float32) * vsc  # [BLK, N, DH] channels 2k
+        v_o = vze + (byte >> 4).to(tl.float32) * vsc  # channels 2k + 1
+        if POOL_VALUES:
+            res_v = res
+        else:
+            res_v = valid & (bid < 0)
+        vx = valid & ((((bb >> G) & key_bits) != 0) | res_v)  # [BLK, 1, 1] values read unquantized
+        if tl.max(tl.max(tl.max(vx.to(tl.int32), axis=2), axis=1), axis=0) > 0:
+            vbase = (((bid // M) * H + h) * 2 + 1) * (M * N * D) + (bid % M) * (N * D)
+            vrow = shadow + vbase + nv * D + 2 * kv
+            vsel = vx & ~res_v & km
+            v_e = tl.where(vsel, tl.load(vrow, mask=vsel, other=0.0).to(tl.float32), v_e)
+            v_o = tl.where(vsel, tl.load(vrow + 1, mask=vsel, other=0.0).to(tl.float32), v_o)
+            if POOL_VALUES:
+                prow = vpool + slot * (N * D) + nv * D + 2 * kv
+                psel = res_v & km
+                v_e = tl.where(psel, tl.load(prow, mask=psel, other=0.0).to(tl.float32), v_e)
+                v_o = tl.where(psel, tl.load(prow + 1, mask=psel, other=0.0).to(tl.float32), v_o)
         # ---- the running maximum per query head, then the weights and the block sums
         m_tile = tl.reshape(tl.max(tl.max(s_all, axis=1, keep_dims=True), axis=0, keep_dims=True), [1, GP, 1])
         m_new = tl.maximum(m_run, m_tile)
@@ -273,21 +272,14 @@ def _fused_kernel(
         no_all = tl.zeros([BLK, GP, DH], tl.float32)
         den_all = tl.zeros([BLK, GP, 1], tl.float32)
         for g in tl.static_range(G):
-            s = tl.reshape(_pick(s_all, gs == g, 2), [BLK, N, 1])
+            s = _pick(s_all, gs == g, 2)  # [BLK, N, 1]
             mg = tl.sum(tl.where(gr == g, m_new, 0.0))
             mg0 = tl.where(mg == float("-inf"), 0.0, mg)
             w = exp_f32(s - mg0, PRECISE)  # [BLK, N, 1]
-            den_b = tl.sum(w, axis=1, keep_dims=True)  # [BLK, 1, 1]
-            num_e = tl.sum(w * v_e, axis=1, keep_dims=True)  # [BLK, 1, DH]
-            num_o = tl.sum(w * v_o, axis=1, keep_dims=True)
-            if anyv:
-                vb = (((bb >> (G + g)) & 1) != 0) | res_v
-                num_e = tl.where(vb, tl.sum(w * f_e, axis=1, keep_dims=True), num_e)
-                num_o = tl.where(vb, tl.sum(w * f_o, axis=1, keep_dims=True), num_o)
             rowg = gr == g
-            ne_all = tl.where(rowg, num_e, ne_all)
-            no_all = tl.where(rowg, num_o, no_all)
-            den_all = tl.where(rowg, den_b, den_all)
+            ne_all = tl.where(rowg, tl.sum(w * v_e, axis=1, keep_dims=True), ne_all)  # [BLK, 1, DH] per head
+            no_all = tl.where(rowg, tl.sum(w * v_o, axis=1, keep_dims=True), no_all)
+            den_all = tl.where(rowg, tl.sum(w, axis=1, keep_dims=True), den_all)
         grow = m_new > m_run
         if tl.max(tl.max(tl.max(grow.to(tl.int32), axis=2), axis=1), axis=0) > 0:
             fac = tl.where(grow & (m_run > float("-inf")), tl.exp((m_run - m_new).to(tl.float64)), 1.0)
@@ -302,15 +294,14 @@ def _fused_kernel(
         acc_o += no_all.to(tl.float64)
         d64 = den_all.to(tl.float64)
         den64 += d64
-        vbits = (((bb >> (G + gr)) & 1) != 0) | res_v  # [BLK, GP, 1]: unquantized values
-        av64 += tl.where(valid & ~vbits, d64 * e_b.to(tl.float64), 0.0)
+        av64 += tl.where(valid & ~vx, d64 * e_b.to(tl.float64), 0.0)
         at64 += tl.where(valid & ~fk, d64, 0.0)
         # ---- per-block terms
         pb = rk * B + bv  # [BLK, 1, 1]
         tl.store(eta + pb, tl.where(valid, e_b, 0.0), mask=inb)
         tl.store(nu + pb, tl.where(valid, n_b, 0.0), mask=inb)
         tl.store(bad + pb, badb, mask=inb)
-        tl.store(fbits + pb, tl.where(fk, key_bits, 0) | (bb & (key_bits << G)), mask=inb)
+        tl.store(fbits + pb, tl.where(fk, key_bits, 0) | tl.where(vx, key_bits << G, 0), mask=inb)
         orow = (rk * G + gr) * B + bv  # [BLK, GP, 1]
         om = inb & (gr < G)
         tl.store(l8 + orow, tl.where(valid, l_all, float("-inf")), mask=om)
