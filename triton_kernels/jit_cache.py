@@ -23,6 +23,7 @@ LAUNCHED: dict[str, tuple[str, ...]] = {
     "prepare": ("_prepare_kernel",),
     "select": ("_select_kernel",),
     "finalize": ("_finalize_kernel", "_combine_exact_kernel"),
+    "fused": ("_fused_kernel",),
     "pool": ("_claim1", "_claim2", "_claim3", "_fill"),
     "prefetch": ("_stage_pages_kernel", "_snapshot_tags_kernel", "_serve_record_kernel"),
     "encode": ("_encode_pages_kernel",),

@@ -153,7 +153,7 @@ def certified_attention(
 
             res = residency or Residency()
             options = cuda_options or gpu.DEFAULT_OPTIONS
-            if config.decode_pass == "resident":
+            if config.decode_pass == "resident" and resident_supported(block_tables.shape[1]):
                 from certvllm.attention.resident import resident_rows
 
                 out, report, rerun = resident_rows(call, res.pool, options, timings)
@@ -174,6 +174,14 @@ def certified_attention(
         for t in (report.e_key, report.e_val, report.e_round):  # recomputed exactly: no error to bound
             t.masked_fill_(exact, 0.0)
     return CertifiedOutput(out, report)
+
+
+def resident_supported(table_width: int) -> bool:
+    """Whether ``decode_pass: resident`` runs for a block table this wide: its glue kernels hold at most
+    ``GLUE_MAX_BLOCKS`` columns (8192: 128K tokens); wider tables take the two-pass path with the torch glue."""
+    from certvllm.triton_kernels.common import GLUE_MAX_BLOCKS
+
+    return table_width <= GLUE_MAX_BLOCKS
 
 
 def _default_pagein(backend: str, cache: LayerKVCache) -> PageInEngine:
