@@ -432,3 +432,139 @@ def run_with_exact(call, q: torch.Tensor, cache, block_tables: torch.Tensor, seq
     exact = (res.report.rung.cpu() >= 3).view(R, K, Hq // K, 1)
     key_mask, value_mask = key_mask | exact, value_mask | exact
     return res, certified_exact(q, cache, block_tables, seq_lens, scale, key_mask, value_mask)
+
+
+# ---- fault injection (tests only: nothing in the serving code reads or calls any of this) ---------------------
+PAGE_FIELDS = {
+    # name: (layout attribute of the field's start, bytes as a function of (N, D, G), element dtype)
+    "key_codes": ("k_codes", lambda n, d, g: n * d, torch.uint8),
+    "value_codes": ("v_codes", lambda n, d, g: n * d // 2, torch.uint8),
+    "value_scales": ("v_scale", lambda n, d, g: 2 * n * g, torch.int16),
+    "value_zeros": ("v_zero", lambda n, d, g: 2 * n * g, torch.int16),
+    "key_offsets": ("k_offset", lambda n, d, g: 2 * d, torch.int16),
+    "key_scales": ("k_scale_code", lambda n, d, g: d, torch.uint8),
+    "eta": ("header", lambda n, d, g: 4, torch.int32),
+    "nu": (None, lambda n, d, g: 4, torch.int32),  # header + 4
+    "exponent": (None, lambda n, d, g: 1, torch.uint8),  # header + 8
+    "flags": (None, lambda n, d, g: 1, torch.uint8),  # header + 9
+    "reserved": (None, lambda n, d, g: 6, torch.uint8),  # header + 10
+}
+"""The fields of a tier-1 page (``certvllm.formats.layout``) that :func:`flip_page_bits` can corrupt, with the
+integer view their bits are flipped in (one element per fp16 scale/zero/offset, per fp32 annotation)."""
+_HEADER_OFFSETS = {"eta": 0, "nu": 4, "exponent": 8, "flags": 9, "reserved": 10}
+
+
+def page_field(layout, field: str) -> tuple[int, int, torch.dtype]:
+    """``(start byte, bytes, element dtype)`` of ``field`` (:data:`PAGE_FIELDS`) inside one page of ``layout``."""
+    if field not in PAGE_FIELDS:
+        raise ValueError(f"unknown page field {field!r}; choose one of {', '.join(PAGE_FIELDS)}")
+    attr, size, dtype = PAGE_FIELDS[field]
+    start = layout.header + _HEADER_OFFSETS[field] if field in _HEADER_OFFSETS else getattr(layout, attr)
+    return start, size(layout.block_size, layout.head_dim, layout.groups), dtype
+
+
+def page_bytes_view(cache, block: int, head: int) -> torch.Tensor:
+    """The ``[page_bytes]`` uint8 page of 16-token block ``block`` and KV head ``head``, as a *view* of the cache's
+    tier-1 tensor: writing it changes the page in place, without the write generation a real writer bumps (a
+    silent corruption, as a bad kernel or a bit flip in device memory would make)."""
+    m, page = cache.sub_blocks, cache.layout.page_bytes
+    return cache.pages[block // m, head, (block % m) * page : (block % m + 1) * page]
+
+
+def flip_page_bits(cache, blocks, heads, field: str, mask: int, elements: slice | None = None) -> int:
+    """XOR ``mask`` into every element (or ``elements``) of ``field`` in the pages of each block of ``blocks`` and
+    each KV head of ``heads``, in place (:func:`page_bytes_view`). ``mask`` applies to the field's element type
+    (uint8 codes, the int16 bits of an fp16 scale, zero or offset, the int32 bits of an fp32 η/ν). Returns the
+    number of elements changed."""
+    start, nbytes, dtype = page_field(cache.layout, field)
+    changed = 0
+    for b in [int(x) for x in torch.as_tensor(blocks).reshape(-1).tolist()]:
+        for h in [int(x) for x in torch.as_tensor(heads).reshape(-1).tolist()]:
+            region = page_bytes_view(cache, b, h)[start : start + nbytes].view(dtype)
+            target = region if elements is None else region[elements]
+            target.bitwise_xor_(torch.tensor(mask, dtype=torch.int64).to(dtype))
+            changed += target.numel()
+    return changed
+
+
+def flip_random_bit(cache, block: int, head: int, gen: torch.Generator, field: str | None = None) -> tuple:
+    """Flip one random bit of one page (in ``field``, or anywhere in the page's used bytes); returns
+    ``(field, byte offset in the page, bit)``."""
+    fields = [field] if field is not None else list(PAGE_FIELDS)
+    sizes = [page_field(cache.layout, name)[1] for name in fields]
+    at = int(torch.randint(0, sum(sizes), (1,), generator=gen))
+    chosen = fields[-1]
+    for name, size in zip(fields, sizes, strict=True):
+        if at < size:
+            chosen = name
+            break
+        at -= size
+    f = chosen
+    start = page_field(cache.layout, f)[0]
+    bit = int(torch.randint(0, 8, (1,), generator=gen))
+    page = page_bytes_view(cache, block, head)
+    page[start + at] ^= 1 << bit
+    return f, start + at, bit
+
+
+def flip_pool_bits(pool, slots, mask: int, values: bool = False) -> None:
+    """XOR ``mask`` into the 16-bit elements of promotion-pool slots ``slots`` (their unquantized key pages, or
+    value pages with ``values``), in place and without touching the tags: the pool then serves wrong originals as
+    if they were the shadow's (``certvllm.kv.promotion_cache``; CUDA only)."""
+    data = pool.values if values else pool.pool
+    if data is None:
+        raise ValueError("this pool holds no value pages")
+    idx = torch.as_tensor(slots, device=data.device).reshape(-1)
+    bits = data[idx].view(torch.int16) ^ torch.tensor(mask, dtype=torch.int16, device=data.device)
+    data[idx] = bits.view(data.dtype)
+
+
+def faulty_pagein(device: torch.device | str = "cpu", mode: str = "raise", after: int = 0, times: int | None = None,
+                  bit: int = 14):  # fmt: skip
+    """A host page-in engine (``certvllm.kv.pagein.PageInEngine``) that fails on purpose.
+
+    Args:
+        mode: ``"raise"``: a gather's copy fails as the CPU allocator fails when host memory is exhausted (a
+            ``RuntimeError`` "DefaultCPUAllocator: can't allocate memory"), which the engine reports as a
+            ``PageInError``; ``"corrupt"``: a gather "succeeds" but returns its pages with bit ``bit`` of every
+            16-bit element flipped.
+        after: gathers that succeed before the fault starts; times: how many gathers fail (None: every later one).
+
+    The engine counts ``gathers`` (asked for) and ``faults`` (failed or corrupted).
+    """
+    from certvllm.kv.pagein import PageInEngine
+
+    if mode not in ("raise", "corrupt"):
+        raise ValueError(f"mode={mode!r}: 'raise' or 'corrupt'")
+
+    class FaultyPageIn(PageInEngine):
+        def __init__(self) -> None:
+            super().__init__(device)
+            self.mode, self.after, self.times, self.bit = mode, after, times, bit
+            self.gathers = 0
+            self.faults = 0
+
+        def _fault_now(self) -> bool:
+            self.gathers += 1
+            if self.gathers <= self.after or (self.times is not None and self.faults >= self.times):
+                return False
+            self.faults += 1
+            return True
+
+        def _read(self, read):
+            if not self._fault_now():
+                return super()._read(read)
+            if self.mode == "raise":
+
+                def exhausted() -> torch.Tensor:
+                    raise RuntimeError(
+                        "[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: "
+                        "you tried to allocate 1048576 bytes. Error code 12 (Cannot allocate memory) [injected]"
+                    )
+
+                return super()._read(exhausted)
+            out = super()._read(read).contiguous()
+            flipped = out.view(torch.int16) ^ torch.tensor(1 << self.bit, dtype=torch.int16, device=out.device)
+            return flipped.view(out.dtype)
+
+    return FaultyPageIn()

@@ -18,7 +18,15 @@ import torch
 from certvllm.kv.deferred import DeferredStats
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from certvllm.kv.cache import LayerKVCache
+
+
+class PageInError(RuntimeError):
+    """A page-in from the host shadow tier failed: its copy could not be allocated (host memory exhausted) or the
+    shadow could not be read. The pages were not returned; nothing was computed from them. The CPU plugin then
+    recomputes the layer call exactly (``WorkerRuntime.certified``)."""
 
 
 @dataclass
@@ -59,16 +67,24 @@ class PageInEngine:
             ``[n, 2, N, D]`` (keys, values; token-major) in the shadow dtype, on ``self.device``.
         """
         start = time.perf_counter()
-        out = cache.shadow_pages(block_ids, kv_heads).to(self.device, non_blocking=True)
+        out = self._read(lambda: cache.shadow_pages(block_ids, kv_heads))
         self._count(out, start)
         return out
 
     def gather_blocks(self, cache: LayerKVCache, block_ids: torch.Tensor) -> torch.Tensor:
         """Whole blocks (all KV heads, keys and values): ``[m, H_kv, 2, N, D]`` on ``self.device``."""
         start = time.perf_counter()
-        out = cache.shadow_blocks(block_ids).to(self.device, non_blocking=True)
+        out = self._read(lambda: cache.shadow_blocks(block_ids))
         self._count(out, start)
         return out
+
+    def _read(self, read: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """``read()`` (a gathered host copy of shadow pages) moved to ``self.device``; a failure of either step
+        (the CPU allocator's out-of-memory error, a failed copy) is raised as a :class:`PageInError`."""
+        try:
+            return read().to(self.device, non_blocking=True)
+        except (RuntimeError, MemoryError) as err:
+            raise PageInError(f"certvllm: a page-in from the host shadow tier failed: {err}") from err
 
     def count_promotions(self, key_blocks: int, value_blocks: int) -> None:
         self.stats.key_blocks += key_blocks

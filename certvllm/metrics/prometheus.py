@@ -248,8 +248,13 @@ class CertMetrics:
 
     def count_audit_fallback(self, layer: int, rows: int) -> None:
         """Rows of one layer call sent to exact attention by an audit violation's fallback entry (rung 4)."""
+        self.count_layer_fallback(layer, rows, AUDIT_FALLBACK_REASON)
+
+    def count_layer_fallback(self, layer: int, rows: int, reason: str) -> None:
+        """Rows of one layer call recomputed exactly (rung 4) for ``reason``, at once (the canary's and the
+        precondition's are counted from the report instead)."""
         if rows:
-            self._child("vllm:cert_layer_fallbacks_total", reason=AUDIT_FALLBACK_REASON, layer=str(layer)).inc(rows)
+            self._child("vllm:cert_layer_fallbacks_total", reason=reason, layer=str(layer)).inc(rows)
 
     def add_drain(self, drain: Callable[[], None]) -> None:
         """Run ``drain`` at the start of every :meth:`flush` (the audit's queued checks: they are read there,

@@ -14,6 +14,7 @@ cannot shadow one full-length request refuses to start, naming the flag.
 from __future__ import annotations
 
 import logging
+import math
 from pathlib import Path
 from typing import Any
 
@@ -157,5 +158,16 @@ def layer_cache(name: str, kv_cache: torch.Tensor, head_dim: int, dtype: torch.d
             f"[*, *, m·{layout.block_size}, {layout.bytes_per_token}]"
         )
     on_cpu = kv_cache.device.type == "cpu"
-    shadow = allocate_host((num_blocks, heads, 2, n, head_dim), dtype, pin=not on_cpu)
+    shape = (num_blocks, heads, 2, n, head_dim)
+    try:
+        shadow = allocate_host(shape, dtype, pin=not on_cpu)
+    except (RuntimeError, MemoryError) as err:
+        if isinstance(err, RuntimeError) and "allocate memory" not in str(err):
+            raise
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        raise MemoryError(
+            f"certvllm: the host shadow of layer {name} ({nbytes / GIB:.2f} GiB) could not be allocated: host memory "
+            f"is exhausted ({err}). Lower --cert-host-memory-gb (or the KV cache: --max-model-len, "
+            "VLLM_CPU_KVCACHE_SPACE / --gpu-memory-utilization), or free host memory."
+        ) from err
     return LayerKVCache(kv_cache.view(num_blocks, heads, n * c), shadow, layout, keys_channel_major=on_cpu)

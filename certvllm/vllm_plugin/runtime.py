@@ -19,10 +19,10 @@ import torch
 
 from certvllm.attention import certified_attention
 from certvllm.attention.audit import Auditor
-from certvllm.bounds.report import CertifiedOutput
+from certvllm.bounds.report import RUNG_LAYER_DENSE, CertifiedOutput, CertReport
 from certvllm.config import CertConfig
 from certvllm.kv.cache import LayerKVCache
-from certvllm.kv.pagein import PageInEngine, engine_for
+from certvllm.kv.pagein import PageInEngine, PageInError, engine_for
 from certvllm.kv.residency import Residency, pool_values
 from certvllm.metrics import CertMetrics
 from certvllm.vllm_plugin import settings
@@ -32,6 +32,19 @@ logger = logging.getLogger("vllm.certvllm")  # under "vllm": shares vLLM's log h
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")
 DEFAULT_MAX_DECODE_ROWS = 256
 """Rows of the largest graphed call before :meth:`WorkerRuntime.warm_up` sets it to the engine's ``max_num_seqs``."""
+HOST_MEMORY_MARKERS = ("can't allocate memory", "Cannot allocate memory")
+"""How the CPU allocator's out-of-memory error reads (a plain ``RuntimeError`` in torch)."""
+
+
+def host_failure(err: BaseException) -> str | None:
+    """``"page_in"`` for a failed page-in (``PageInError``), ``"host_memory"`` for the CPU allocator running out of
+    memory anywhere else in a certified call, None for anything else (a bug: it must not be hidden)."""
+    if isinstance(err, PageInError):
+        return "page_in"
+    out_of_memory = isinstance(err, RuntimeError) and any(m in str(err) for m in HOST_MEMORY_MARKERS)
+    if isinstance(err, MemoryError) or out_of_memory:
+        return "host_memory"
+    return None
 
 
 def layer_index(name: str) -> int:
@@ -192,8 +205,31 @@ class WorkerRuntime:
                                        generator=generator, residency=state.residency, exact_rows=exact_rows,
                                        force_exact=force_exact)  # fmt: skip
 
-        return self.audit.run(state.index, q, state.cache, tables, lens, scale, call, exact_rows=exact_rows,
-                              dense_backend=self.config.dense_backend)  # fmt: skip
+        try:
+            return self.audit.run(state.index, q, state.cache, tables, lens, scale, call, exact_rows=exact_rows,
+                                  dense_backend=self.config.dense_backend)  # fmt: skip
+        except Exception as err:
+            reason = host_failure(err)
+            if reason is None or exact_rows is None:
+                raise  # a bug, or no exact path that avoids the host copies (CUDA): the error ends the step
+            return self._exact_after_failure(state, q, exact_rows, reason, err)
+
+    def _exact_after_failure(self, state: LayerState, q: torch.Tensor, exact_rows: Any, reason: str,
+                             err: BaseException) -> CertifiedOutput:  # fmt: skip
+        """The call's rows recomputed exactly after a page-in failure or exhausted host memory (the CPU plugin's
+        exact kernel reads the shadow in place: no page-in copies), counted as layer fallbacks with ``reason``. If
+        that fails too, the original error is raised."""
+        rows = list(range(q.shape[0]))
+        try:
+            out = exact_rows(rows).float()
+        except Exception as again:
+            raise err from again
+        report = CertReport.zeros(q.shape[0], q.shape[1], out.device)
+        report.rung.fill_(RUNG_LAYER_DENSE)
+        self.metrics.count_layer_fallback(state.index, len(rows), reason)
+        logger.error("certvllm: layer %d: %s; its %d rows of this step were recomputed exactly from the shadow "
+                     "(vllm:cert_layer_fallbacks_total reason=%s)", state.index, err, len(rows), reason)  # fmt: skip
+        return CertifiedOutput(out, report)
 
     def _audited(self, outcome: Any) -> None:
         """An audit outcome (``certvllm.attention.audit.AuditOutcome``) into the metrics."""
