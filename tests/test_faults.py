@@ -501,3 +501,65 @@ def test_a_shadow_that_cannot_be_allocated_fails_naming_the_layer_and_the_fix(mo
         host_tier.layer_cache("model.layers.3.self_attn.attn", kv, 64, torch.bfloat16, 16)
     msg = str(info.value)
     assert "model.layers.3.self_attn.attn" in msg and "--cert-host-memory-gb" in msg and "can't allocate" in msg
+
+
+# ---- a promotion-pool slot (CUDA only: the pool exists on the CUDA path alone) --------------------------------
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the promotion pool is CUDA-only: runs in pytest -m gpu")
+@pytest.mark.parametrize("canary", [True, False])
+def test_a_corrupted_promotion_pool_slot_is_caught(canary):
+    """A first call fills the layer's pool with the unquantized keys of its promoted pages; then every filled slot
+    gets a flipped fp16/bf16 exponent bit, tags untouched, so the next call is served wrong "original" keys as pool
+    hits. With the canary the promoted blocks' exact scores disagree with their INT8 scores (rung 4, recomputed on
+    the device from the shadow); without it only the audit (rate 1.0) can see it, and it must count every output
+    that left its certificate. Under ``audit_policy: fallback`` the violating rows are exact from the next call on
+    (on CUDA the check lands after the call)."""
+    from certvllm.kv.cache import LayerKVCache
+    from certvllm.kv.cuda_pagein import CudaPageInEngine
+    from certvllm.kv.residency import Residency
+    from certvllm.testing import flip_pool_bits
+
+    dev = torch.device("cuda")
+    cfg = load_config("default", audit_rate=1.0, promotion_cache_fraction=1.0, canary=canary, rank_check=False,
+                      cuda_graphs=False)  # fmt: skip
+    cs = _cases(31, lens=(200, 211, 96))
+    host, tables, lens = paged_batch(cs, cfg.value_group_size)
+    cache = LayerKVCache(host.pages.to(dev), host.shadow, host.layout, host.keys_channel_major)
+    q, tables_d, lens_d = torch.stack([c.q for c in cs]).to(dev), tables.to(dev), lens.to(dev)
+    residency = Residency.for_layer(cache, cfg.promotion_cache_fraction)
+    engine = CudaPageInEngine(dev)
+    ref = _exact64(cs).to(dev)
+
+    def call(auditor, cfg_used):
+        def run(force):
+            return certified_attention(q, cache, tables_d, lens_d, cfg_used, SCALE, backend="cuda", pagein=engine,
+                                       residency=residency, force_exact=force)  # fmt: skip
+
+        res = auditor.auditor.run(0, q, cache, tables_d, lens_d, SCALE, run)
+        auditor.auditor.resolve(wait=True)
+        return res
+
+    warm = Audited(cfg, "log")
+    call(warm, warm.cfg)
+    filled = (residency.pool.tag >= 0).nonzero().flatten()
+    assert filled.numel() > 0
+    flip_pool_bits(residency.pool, filled, 1 << 14)
+    seen = Audited(cfg, "fallback")
+    res = call(seen, seen.cfg)
+    assert residency.pool.take_stats()["hits"] > 0  # the wrong keys were served from the pool
+    o = seen.outcomes[-1]
+    err = (res.out.double() - ref).norm(dim=-1)
+    rung = res.report.rung.long()
+    violated = torch.zeros_like(rung, dtype=torch.bool)
+    violated[o.rows, o.heads] = o.violated.to(dev)
+    beyond = (rung <= 2) & ~(err <= res.report.bound.double())
+    assert bool((violated | ~beyond).all()), "outside the certificate and not counted"
+    if canary:
+        assert bool(res.report.canary_fail[:, 0].any())
+        exact = rung >= 3
+        assert float(err[exact].max()) < 1e-3 * float(ref.abs().max())  # recomputed from the shadow, not the pool
+    else:
+        assert bool(beyond.any()), "the corruption moved no output beyond its bound (the test is vacuous)"
+        again = call(seen, seen.cfg)  # the violating rows are exact now
+        bad_rows = sorted(set(o.rows[o.violated].tolist()))
+        assert bool((again.report.rung[bad_rows] == 4).all())
