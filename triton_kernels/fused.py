@@ -39,12 +39,14 @@ import torch
 import triton
 import triton.language as tl
 
-from certvllm.formats.layout import PageLayout
+from certvllm.formats.layout import PageLayout, key_scale_lut
 from certvllm.formats.pool_slots import HASH_MUL
 
 from .common import (
+    GluonGate,
     device_arg,
     exp_f32,
+    interpreting,
     key_scale_sigma,
     launch_device_ok,
     log_f32,
@@ -109,6 +111,7 @@ def _fused_kernel(
     GRP: tl.constexpr,  # value group size g
     NG: tl.constexpr,  # value groups per token
     BLK: tl.constexpr,  # blocks per loop iteration (power of two)
+    VEC: tl.constexpr,  # contiguous key-code bytes per thread (the layout hint of the key tiles)
     PAGE_BYTES: tl.constexpr,
     K_OFFSET: tl.constexpr,
     K_SCODE: tl.constexpr,
@@ -130,7 +133,7 @@ def _fused_kernel(
     rk, split, r, h = split_program(H)
     # key tiles [BLK, N, DP] (phase 1's layout), value tiles [BLK, N, DH] (the attend pass's)
     dd = tl.arange(0, DP)
-    d4 = dd % 4 + (dd // 4) * 4
+    d4 = tl.max_contiguous(tl.multiple_of(dd, VEC), VEC)
     dv = d4[None, None, :]
     dmv = dv < D
     nv = tl.arange(0, N)[None, :, None]
@@ -203,13 +206,8 @@ def _fused_kernel(
             qg = tl.sum(tl.where(gq == g, q2, 0.0), axis=0)[None, None, :]  # [1, 1, DP] row g (exact)
             qa = tl.abs(qg)
             s8 = tl.where(valid, tl.sum(khat * qg, axis=2, keep_dims=True), float("-inf"))  # [BLK, N, 1]
-            mb = tl.max(s8, axis=1, keep_dims=True)
-            fin = tl.abs(mb) < float("inf")
-            mref = tl.where(fin, mb, 0.0)
-            lb = tl.where(fin, mref + tl.log(tl.maximum(tl.sum(tl.exp(s8 - mref), axis=1, keep_dims=True), 1.0)), mb)
             rowg = gr == g
             s_all = tl.where(gs == g, s8, s_all)
-            l_all = tl.where(rowg, lb, l_all)
             d_all = tl.where(rowg, tl.sum(qa * sigma, axis=2, keep_dims=True) * DELTA_F, d_all)
             r_all = tl.where(rowg, tl.sum(qa * kmag, axis=2, keep_dims=True) * ROUND_F, r_all)
             a_all = tl.where(rowg, tl.max(tl.where(tl.abs(s8) < float("inf"), tl.abs(s8), 0.0), axis=1,
@@ -230,6 +228,12 @@ def _fused_kernel(
                 qg = tl.sum(tl.where(gq == g, q2, 0.0), axis=0)[None, None, :]
                 sx = tl.where(valid, tl.sum(kx * qg, axis=2, keep_dims=True), float("-inf"))  # [BLK, N, 1]
                 s8 = _pick(s_all, gs == g, 2)
+                mb = tl.max(s8, axis=1, keep_dims=True)  # ℓ⁸_b of F blocks (T blocks': their phase-2 log-mass)
+                fin = tl.abs(mb) < float("inf")
+                mref = tl.where(fin, mb, 0.0)
+                lb = tl.where(fin, mref + tl.log(tl.maximum(tl.sum(tl.exp(s8 - mref), axis=1, keep_dims=True), 1.0)),
+                              mb)  # fmt: skip
+                l_all = tl.where(gr == g, lb, l_all)
                 if CANARY:  # |s̃^exact − s̃⁸| ≤ (Δ_b + 2R_b)(1 + 2⁻¹⁰) under P2
                     tol = (_pick(d_all, gr == g, 1) + 2.0 * _pick(r_all, gr == g, 1)) * CANARY_F  # [BLK, 1, 1]
                     diff = tl.abs(sx - s8)
@@ -304,13 +308,15 @@ def _fused_kernel(
         tl.store(fbits + pb, tl.where(fk, key_bits, 0) | tl.where(vx, key_bits << G, 0), mask=inb)
         orow = (rk * G + gr) * B + bv  # [BLK, GP, 1]
         om = inb & (gr < G)
-        tl.store(l8 + orow, tl.where(valid, l_all, float("-inf")), mask=om)
+
         tl.store(delta + orow, tl.where(valid, d_all, 0.0), mask=om)
         tl.store(rmax + orow, tl.where(valid, r_all, 0.0), mask=om)
         tl.store(amax + orow, tl.where(valid, a_all, 0.0), mask=om)
         m0 = tl.where(m_new == float("-inf"), 0.0, m_new)
         lm = tl.where(den_all > 0, m0 + log_f32(tl.where(den_all > 0, den_all, 1.0), PRECISE), float("-inf"))
         tl.store(exact_lm + orow, lm, mask=om & fk)
+        # ℓ⁸_b: F blocks' from their INT8 scores, the others' = their phase-2 log-mass (the same scores)
+        tl.store(l8 + orow, tl.where(valid, tl.where(fk, l_all, lm), float("-inf")), mask=om)
     if CANARY:  # one atomic per program (0 or 1)
         tl.atomic_max(canary + r, tl.max(tl.max(tl.max(viol, axis=2), axis=1), axis=0))
     gq2 = tl.arange(0, GP)[:, None]
@@ -364,8 +370,11 @@ class FusedGeometry:
     splits: int
     blocks_per_split: int
     channel_major: bool = False
-    blk: int = 4
-    warps: int = 4
+    blk: int = 1
+    warps: int = 1
+    vec: int = 16
+    gluon_warps: int = 4
+    dialect: str = "auto"
 
 
 def fused_pass(
@@ -423,7 +432,7 @@ def fused_pass(
     use_pool = pool is not None and pool[0].shape[0] > 0
     pool_pages, pool_values, tag, tag_gen, gen = pool if use_pool else (out.sabs, None, out.bad, out.bad, out.bad)
     pool_v = pool_values is not None
-    _fused_kernel[(R * K, S)](
+    args = (
         qs, pages, pages.view(torch.int8), pages.view(torch.float16), pages.view(torch.float32), device_arg(shadow),
         pool_pages, pool_values if pool_v else pool_pages, tag, tag_gen, gen, tables, nfull,
         out.bad if bits is None else bits, out.bad if active is None else active,
@@ -431,10 +440,51 @@ def fused_pass(
         out.exact_lm, out.eta, out.nu, out.bad, out.fbits, out.canary,
         pool_pages.shape[0] if use_pool else 1, geo.num_blocks, B, tables.stride(0), S, geo.blocks_per_split,
         delta_factor, rounding_factor,
-        H=K, G=G, GP=next_pow2(G), D=D, DP=next_pow2(D), M=geo.sub_blocks, GRP=lay.value_group, NG=lay.groups,
-        BLK=geo.blk, PAGE_BYTES=lay.page_bytes, K_OFFSET=lay.k_offset, K_SCODE=lay.k_scale_code, V_CODES=lay.v_codes,
-        V_SCALE=lay.v_scale, V_ZERO=lay.v_zero, HEADER=lay.header, CHANNEL_MAJOR=geo.channel_major,
-        USE_POOL=use_pool, POOL_VALUES=pool_v, USE_BITS=bits is not None, USE_ACTIVE=active is not None, CANARY=run_canary,
-        CANARY_F=CANARY_SLACK, PRECISE=precise(), num_warps=geo.warps,
     )  # fmt: skip
+    flags = dict(use_pool=use_pool, pool_values=pool_v, use_bits=bits is not None, use_active=active is not None,
+                 run_canary=run_canary)  # fmt: skip
+
+    def launch_triton():
+        _fused_kernel[(R * K, S)](
+            *args,
+            H=K, G=G, GP=next_pow2(G), D=D, DP=next_pow2(D), M=geo.sub_blocks, GRP=lay.value_group, NG=lay.groups,
+            BLK=geo.blk, VEC=geo.vec, PAGE_BYTES=lay.page_bytes, K_OFFSET=lay.k_offset, K_SCODE=lay.k_scale_code,
+            V_CODES=lay.v_codes, V_SCALE=lay.v_scale, V_ZERO=lay.v_zero, HEADER=lay.header,
+            CHANNEL_MAJOR=geo.channel_major, USE_POOL=use_pool, POOL_VALUES=pool_v, USE_BITS=bits is not None,
+            USE_ACTIVE=active is not None, CANARY=run_canary, CANARY_F=CANARY_SLACK, PRECISE=precise(),
+            num_warps=geo.warps,
+        )  # fmt: skip
+
+    if use_gluon(geo):
+        from . import fused_gluon
+
+        consts = fused_gluon.launch_constants(geo, geo.gluon_warps, CANARY_SLACK, **flags)
+        FUSED_GLUON_GATE.run(lambda: fused_gluon.launch(args, (R * K, S), _lut(qs.device), consts), launch_triton)
+    else:
+        launch_triton()
     return out
+
+
+FUSED_GLUON_GATE = GluonGate("resident-pass")
+_LUTS: dict[torch.device, torch.Tensor] = {}
+
+
+def _lut(device: torch.device) -> torch.Tensor:
+    """The key-scale table on ``device`` (made once per device, outside any CUDA-graph capture's first call)."""
+    if device not in _LUTS:
+        _LUTS[device] = key_scale_lut().to(device)
+    return _LUTS[device]
+
+
+def use_gluon(geo: FusedGeometry) -> bool:
+    """Whether :func:`fused_pass` runs the Gluon kernel (``fused_gluon``): compiled (not the interpreter), ``geo.dialect``
+    not ``"triton"``, Gluon importable and compiling (``FUSED_GLUON_GATE``) and a supported shape."""
+    if interpreting() or geo.dialect == "triton" or FUSED_GLUON_GATE.failure is not None:
+        return False
+    try:
+        from . import fused_gluon
+    except ImportError:  # a Triton without Gluon
+        return False
+    lay = geo.layout
+    return fused_gluon.supported(lay.head_dim, geo.group, lay.value_group, geo.channel_major, geo.gluon_warps,
+                                 geo.gluon_warps)  # fmt: skip

@@ -40,9 +40,15 @@ PHASE1_POINTERS = {
     "qs": "*fp32", "pages_u8": "*u8", "pages_i8": "*i8", "pages_f16": "*fp16", "pages_f32": "*fp32",
     "tables": "*i64", "nfull": "*i64", "lut": "*fp32", "bad": "*i32",
 }  # fmt: skip
-"""Pointer element types of the two Gluon kernels (unnamed pointers are float32)."""
+RESIDENT_POINTERS = {
+    "qs": "*fp32", "pages_u8": "*u8", "pages_i8": "*i8", "pages_f16": "*fp16", "pages_f32": "*fp32",
+    "shadow": "*bf16", "pool": "*bf16", "vpool": "*bf16", "tag": "*i64", "tag_gen": "*i64", "gen": "*i64",
+    "tables": "*i64", "nfull": "*i64", "bits": "*i32", "active": "*i32", "acc": "*fp64", "den": "*fp64",
+    "aval": "*fp64", "atail": "*fp64", "bad": "*i32", "fbits": "*i32", "canary": "*i32",
+}  # fmt: skip
+"""Pointer element types of the Gluon kernels (unnamed pointers are float32)."""
 SCALARS = {"num_blocks": "i32", "B": "i32", "TB_STRIDE": "i32", "S": "i32", "BPS": "i32", "DELTA_F": "fp32",
-           "ROUND_F": "fp32"}  # fmt: skip
+           "ROUND_F": "fp32", "nslots": "i32"}  # fmt: skip
 """Scalar arguments of the kernels."""
 OPTIONS = ("num_warps", "maxnreg", "enable_fp_fusion")
 """Keys of ``launch_constants`` that are compile options, not constexprs."""
@@ -157,8 +163,10 @@ def run_jobs(jobs: list[dict], timeout: float = 1200.0) -> list[dict]:
     ``stack``, ``loop_instructions`` and ``loop_top`` (the 12 most frequent opcodes of the loop), or
     ``missing`` (why this Triton cannot compile offline).
 
-    A job: ``{"kernel": "attend" | "phase1", "hq", "hkv", "d", "tuning": {KernelTuning field: value}}``
-    (``tuning`` optional: the launchers' ``DEFAULT_TUNING`` with these fields replaced). The child inherits
+    A job: ``{"kernel": "attend" | "phase1" | "resident", "hq", "hkv", "d", "tuning": {KernelTuning field:
+    value}, "flags": {fused_gluon.launch_constants flag: value}}`` (``tuning`` optional: the launchers'
+    ``DEFAULT_TUNING`` with these fields replaced; ``flags`` for ``resident`` only: the resident pass of a warm
+    pool with value pages and the canary by default). The child inherits
     this process's environment; ``env`` sets Triton's own switch off in it before Python starts."""
     cmd = ["env", "TRITON_INTERPRET=0", sys.executable, "-m", "certvllm.triton_kernels.offline_compile"]
     proc = subprocess.run(cmd, input=json.dumps(jobs), capture_output=True, text=True, timeout=timeout)
@@ -171,14 +179,21 @@ def run_jobs(jobs: list[dict], timeout: float = 1200.0) -> list[dict]:
 def _run_job(spec: dict) -> dict:
     from certvllm.formats.layout import PageLayout
 
-    from . import attend_gluon, phase1_gluon
+    from . import attend_gluon, fused_gluon, phase1_gluon
+    from .fused import CANARY_SLACK, FusedGeometry
     from .phase2 import Phase2Geometry
     from .tuning import KernelTuning
 
     tuning = KernelTuning(**spec.get("tuning", {}))
     try:
         hq, hkv, d = spec["hq"], spec["hkv"], spec["d"]
-        if spec["kernel"] == "attend":
+        if spec["kernel"] == "resident":
+            geo = FusedGeometry(PageLayout(d), hkv, hq // hkv, 1, 1024, 4, 64)
+            flags = {"use_pool": True, "pool_values": True, "use_bits": False, "use_active": False,
+                     "run_canary": True, **spec.get("flags", {})}  # fmt: skip
+            kernel, pointers = fused_gluon._fused_gluon_kernel, RESIDENT_POINTERS
+            consts = fused_gluon.launch_constants(geo, tuning.resident_warps, CANARY_SLACK, **flags)
+        elif spec["kernel"] == "attend":
             geo = Phase2Geometry(PageLayout(d), hkv, hq // hkv, 1, 1024, 4, 64, tuning=tuning)
             kernel, pointers = attend_gluon._attend_gluon_kernel, ATTEND_POINTERS
             consts = attend_gluon.launch_constants(geo, tuning.attend_warps)

@@ -28,6 +28,15 @@ ATTEND_CASES = [
     (32, 8, 128, {"attend_parts": 4}, 64),
 ]
 PHASE1_CASES = [(32, 8, 128), (64, 8, 64), (8, 8, 128), (8, 4, 256)]
+RESIDENT_CASES = [
+    # hq, hkv, d, launch flags (the first pass of a warm pool by default), largest stack accepted; the bounds
+    # hold for Triton 3.9 (this machine's) and 3.6 (the H200's), which spills a little more (in brackets)
+    (32, 8, 128, {}, 0),  # LLaMA-3.1-8B: no spills (0 / 0)
+    (32, 8, 128, {"use_bits": True, "use_active": True}, 16),  # the top-up and the exact re-run (0 / 8 B)
+    (64, 8, 128, {}, 512),  # G = 8: 8 heads' accumulators in registers (144 / 296 B)
+    (14, 2, 64, {"pool_values": False}, 256),  # G = 7 (Qwen2.5-0.5B), a keys-only pool (≤ 64 / 128 B)
+    (8, 8, 256, {"use_pool": False, "run_canary": False}, 64),
+]
 
 
 @pytest.fixture(scope="module")
@@ -35,6 +44,7 @@ def compiled() -> dict:
     """Every case compiled once (one child process), keyed by its parameters."""
     jobs = [{"kernel": "attend", "hq": hq, "hkv": hkv, "d": d, "tuning": tun} for hq, hkv, d, tun, _ in ATTEND_CASES]
     jobs += [{"kernel": "phase1", "hq": hq, "hkv": hkv, "d": d} for hq, hkv, d in PHASE1_CASES]
+    jobs += [{"kernel": "resident", "hq": hq, "hkv": hkv, "d": d, "flags": f} for hq, hkv, d, f, _ in RESIDENT_CASES]
     results = run_jobs(jobs)
     missing = [r["missing"] for r in results if "missing" in r]
     if missing:
@@ -62,6 +72,16 @@ def test_attend_kernel_compiles_for_sm90(hq, hkv, d, tuning, max_stack, compiled
 def test_phase1_kernel_compiles_for_sm90(hq, hkv, d, compiled):
     use = compiled[repr({"kernel": "phase1", "hq": hq, "hkv": hkv, "d": d})]
     assert use["registers"] <= 255 and use["stack"] == 0, use
+
+
+@pytest.mark.parametrize("hq,hkv,d,flags,max_stack", RESIDENT_CASES)
+def test_resident_kernel_compiles_for_sm90(hq, hkv, d, flags, max_stack, compiled):
+    from certvllm.triton_kernels import fused_gluon
+
+    assert fused_gluon.supported(d, hq // hkv, 16, False, 4, 4)
+    use = compiled[repr({"kernel": "resident", "hq": hq, "hkv": hkv, "d": d, "flags": flags})]
+    assert use["registers"] <= 255 and use["stack"] <= max_stack, use
+    assert use["loop_instructions"] > 0
 
 
 def test_compiled_constants_match_a_launch():

@@ -480,6 +480,52 @@ def test_gluon_kernels_match_the_triton_kernels_end_to_end():
     torch.testing.assert_close(got.report.bound[both], ref.report.bound[both], rtol=1e-3, atol=1e-9 * vmax)
 
 
+@pytest.mark.parametrize("hq,hkv,d", [(32, 8, 128), (14, 2, 64), (64, 8, 128)])
+def test_gluon_resident_pass_matches_the_triton_kernel(hq, hkv, d):
+    """``decode_pass: resident`` with the Gluon kernel (``fused_gluon``) against the same calls with the Triton
+    kernel, three steps each on its own warm pool (so F is the pool's, then the top-up's): the certificate holds
+    for both against float64 (no slack), selections and rungs agree where no comparison sits on a threshold,
+    outputs of the same computation by FlashAttention's rule, bounds to float32 rounding."""
+    from certvllm.triton_kernels.fused import FUSED_GLUON_GATE
+    from certvllm.triton_kernels.tuning import KernelTuning
+
+    from certvllm.attention.gpu import CudaOptions
+    from certvllm.config import load_config
+    from certvllm.testing import assert_within_lowp_error, exact_attention, make_case, run_with_exact
+
+    gen = torch.Generator().manual_seed(23)
+    fams = (("retrieval_peaks", 1500), ("random", 400), ("sink_and_recency", 2222))
+    cases = [make_case(f, t, hq, hkv, d, torch.bfloat16, gen) for f, t in fams]
+    cache, tables, lens, _ = cuda_batch(cases)
+    q = torch.stack([c.q for c in cases]).cuda()
+    cfg = load_config("budget", decode_pass="resident", promotion_cache_fraction=0.25)
+    scale = 1 / math.sqrt(d)
+    pools = {dialect: pooled(cache, cfg) for dialect in ("auto", "triton")}
+    for step in range(3):
+        res = {}
+        for dialect, residency in pools.items():
+            opts = CudaOptions(tuning=KernelTuning(dialect=dialect))
+            res[dialect] = run_with_exact(partial(cuda_call, q, cache, tables, lens, cfg, residency, cuda_options=opts),
+                                          q, cache, tables, lens, scale)  # fmt: skip
+        assert FUSED_GLUON_GATE.launched and FUSED_GLUON_GATE.failure is None
+        (got, got64), (ref, ref64) = res["auto"], res["triton"]
+        for r in (got, ref):
+            for j, c in enumerate(cases):
+                err = torch.linalg.vector_norm(r.out[j].double() - exact_attention(q[j], c.k.cuda(), c.v.cuda(), scale),
+                                               dim=-1)  # fmt: skip
+                cert = r.report.rung[j] <= 2
+                assert bool((err[cert] <= r.report.bound[j][cert].double()).all()), (step, j)
+        both = (got.report.rung <= 2) & (ref.report.rung <= 2)
+        assert float((got.report.rung == ref.report.rung).float().mean()) >= 0.95
+        same = both.cpu() & (got64 == ref64).all(dim=-1)
+        assert int(same.sum()) >= 0.9 * int(both.sum()), (step, int(same.sum()), int(both.sum()))
+        assert_within_lowp_error(got.out.cpu()[same], got64[same], ref.out.cpu()[same], factor=FACTOR,
+                                 atol=ULP * _vmax(cases), what=f"Gluon resident pass, step {step}")  # fmt: skip
+        vmax = float(ref.report.v_max.max())
+        torch.testing.assert_close(got.report.bound[same], ref.report.bound[same], rtol=1e-3, atol=1e-9 * vmax)
+        q = (q.float() + 0.05 * torch.randn(q.shape, generator=gen).cuda()).to(q.dtype)
+
+
 @pytest.mark.parametrize("hq,hkv,d", [(32, 8, 128), (24, 3, 64), (64, 8, 128), (8, 8, 64), (8, 4, 256)])
 def test_gluon_attend_configurations_match_the_triton_kernel(hq, hkv, d):
     """Every supported Gluon attend configuration (value-channel parts × bytes per lane × warps × register
