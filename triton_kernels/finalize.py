@@ -19,6 +19,8 @@ index first, the trailing partial block last).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -165,6 +167,8 @@ def _finalize_kernel(
     f_out,  # out [6, R·H·G] float32: e_key, e_val, e_round, v_max, delta_tail, alpha_tail
     i_out,  # out [2, R·H·G] int32: k_star, v_promoted
     b_out,  # out [6, R·H·G] int8: rung, rank, boundary, bound, canary, precondition
+    active,  # [R, H] int32: 0 = leave this group's outputs as they are (USE_ACTIVE)
+    need_out,  # in/out [R, H] int32: set to 1 for a group with a head that needs a top-up (NEED)
     f64c,  # [2] float64: alpha_inflation(N), value_inflation(N) (a float argument would be float32)
     B,
     S,
@@ -177,6 +181,9 @@ def _finalize_kernel(
     BOUND_TOL,
     EPS,
     FORCE_RUNG,
+    KEY_TOL,  # the top-up targets (NEED): key_tol, v_tol and, with COVERAGE, the rung-1 tail threshold
+    V_TOL,
+    THR1,
     H: tl.constexpr,
     G: tl.constexpr,
     D: tl.constexpr,
@@ -186,10 +193,33 @@ def _finalize_kernel(
     CERTIFIED: tl.constexpr,
     RANK: tl.constexpr,
     PER_SPLIT: tl.constexpr,
+    USE_ACTIVE: tl.constexpr,
+    NEED: tl.constexpr,
+    COVERAGE: tl.constexpr,
     PRECISE: tl.constexpr,
 ):
-    N: tl.constexpr = 16
     pid, rk, g, r = head_program(G, H)
+    n_go = 1
+    if USE_ACTIVE:  # an inactive group keeps what an earlier pass wrote
+        n_go = tl.load(active + rk)
+    for _ in range(0, n_go):
+        _finalize_head(acc, den_p, aval_p, atail_p, s_tail, tail_v, l_tail, m, msplit, sabs, score_abs1, base_round,
+                       v_max, eta_max, bits, l8, exact_lm, delta, nfull, lens, widened, canary, bad_page, out, f_out,
+                       i_out, b_out, need_out, f64c, B, S, S2, GS, VOUT, C1, C0, RF, BOUND_TOL, EPS, FORCE_RUNG,
+                       KEY_TOL, V_TOL, THR1, pid, rk, g, r, H, G, D, DP, BP, DEPTH, CERTIFIED, RANK, PER_SPLIT, NEED,
+                       COVERAGE, PRECISE)  # fmt: skip
+
+
+@triton.jit
+def _finalize_head(acc, den_p, aval_p, atail_p, s_tail, tail_v, l_tail, m, msplit, sabs, score_abs1, base_round,
+                   v_max, eta_max, bits, l8, exact_lm, delta, nfull, lens, widened, canary, bad_page, out, f_out,
+                   i_out, b_out, need_out, f64c, B, S, S2, GS, VOUT, C1, C0, RF, BOUND_TOL, EPS, FORCE_RUNG, KEY_TOL,
+                   V_TOL, THR1, pid, rk, g, r, H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+                   BP: tl.constexpr, DEPTH: tl.constexpr, CERTIFIED: tl.constexpr, RANK: tl.constexpr,
+                   PER_SPLIT: tl.constexpr, NEED: tl.constexpr, COVERAGE: tl.constexpr,
+                   PRECISE: tl.constexpr):  # fmt: skip
+    """One (row, KV head, query head): output, certificate, checks and report (``_finalize_kernel``)."""
+    N: tl.constexpr = 16
     dd = tl.arange(0, DP)
     pos = tl.arange(0, BP)
     RHG = tl.num_programs(0)
@@ -308,6 +338,23 @@ def _finalize_kernel(
     tl.store(b_out + 3 * RHG + pid, bound_fail.to(tl.int8))
     tl.store(b_out + 4 * RHG + pid, canary_fail.to(tl.int8))
     tl.store(b_out + 5 * RHG + pid, precondition.to(tl.int8))
+    if NEED:  # the resident pass's top-up: a head outside its targets (certvllm.attention.resident)
+        miss = (rung == _HEAD) | (e_key > KEY_TOL * vm) | (e_val > V_TOL * vm)
+        if COVERAGE:
+            miss = miss | (alpha_up > THR1)
+        tl.atomic_or(need_out + rk, (miss & (rung < _LAYER)).to(tl.int32))
+
+
+@dataclass
+class Finalized:
+    """What :func:`finalize_into` wrote: ``out`` ``[R, H_q, D]`` float32, the ``report`` (views of the buffers
+    below) and the kernel's raw output buffers, which a later call with ``active`` writes into."""
+
+    out: torch.Tensor
+    report: CertReport
+    f_out: torch.Tensor
+    i_out: torch.Tensor
+    b_out: torch.Tensor
 
 
 def finalize(
@@ -336,6 +383,42 @@ def finalize(
     """Output ``[R, H_q, D]`` float32 and the report of a layer call (shapes in ``_finalize_kernel``'s
     argument comments; ``v_max``/``eta_max`` may carry a trailing 1, ``widened`` is bool). ``msplit``: the
     splits' own maxima of a resident pass (``m`` is then not read)."""
+    done = finalize_into(parts, s_tail, tail_v, l_tail, m, sabs, score_abs1, base_round, v_max, eta_max, bits, l8,
+                         exact_lm, delta, nfull, lens, widened, canary, bad_page, policy, msplit=msplit)  # fmt: skip
+    return done.out, done.report
+
+
+def finalize_into(
+    parts,
+    s_tail: torch.Tensor,
+    tail_v: torch.Tensor,
+    l_tail: torch.Tensor,
+    m: torch.Tensor,
+    sabs: torch.Tensor,
+    score_abs1: torch.Tensor,
+    base_round: torch.Tensor,
+    v_max: torch.Tensor,
+    eta_max: torch.Tensor,
+    bits: torch.Tensor,
+    l8: torch.Tensor,
+    exact_lm: torch.Tensor,
+    delta: torch.Tensor,
+    nfull: torch.Tensor,
+    lens: torch.Tensor,
+    widened: torch.Tensor,
+    canary: torch.Tensor,
+    bad_page: torch.Tensor,
+    policy: LadderPolicy,
+    msplit: torch.Tensor | None = None,
+    *,
+    into: Finalized | None = None,
+    active: torch.Tensor | None = None,
+    need: torch.Tensor | None = None,
+) -> Finalized:
+    """:func:`finalize`, with the resident pass's options: ``into`` (write into an earlier call's buffers),
+    ``active`` (``[R, K]`` int32: only these groups' heads are computed and written) and ``need`` (``[R, K]``
+    int32, zeroed by the caller: set to 1 where a head of the group misses ``policy``'s key_tol or v_tol, the
+    rung-1 tail threshold under coverage selection, or the rung-3 checks, and is not at rung 4)."""
     launch_device_ok(l8)
     R, K, G, B = l8.shape
     D = tail_v.shape[-1]
@@ -343,21 +426,29 @@ def finalize(
         raise ValueError(f"finalize: {B} block-table columns, the kernel holds at most {MAX_BLOCKS}")
     dev = l8.device
     rhg = R * K * G
-    out = torch.empty(R, K * G, D, dtype=torch.float32, device=dev)
-    f_out = torch.empty(6, rhg, dtype=torch.float32, device=dev)
-    i_out = torch.empty(2, rhg, dtype=torch.int32, device=dev)
-    b_out = torch.empty(6, rhg, dtype=torch.int8, device=dev)
+    if into is None:
+        out = torch.empty(R, K * G, D, dtype=torch.float32, device=dev)
+        f_out = torch.empty(6, rhg, dtype=torch.float32, device=dev)
+        i_out = torch.empty(2, rhg, dtype=torch.int32, device=dev)
+        b_out = torch.empty(6, rhg, dtype=torch.int8, device=dev)
+    else:
+        out, f_out, i_out, b_out = into.out, into.f_out, into.i_out, into.b_out
     c1, c0 = exp_factors()
     _finalize_kernel[(rhg,)](
         parts.acc, parts.den, parts.aval, parts.atail, s_tail.contiguous(), tail_v.contiguous(),
-        l_tail.contiguous(), m.contiguous(), (m if msplit is None else msplit).contiguous(), sabs.contiguous(), score_abs1.contiguous(), base_round.contiguous(),
-        v_max.contiguous(), eta_max.contiguous(), bits, l8.contiguous(), exact_lm, delta.contiguous(), nfull,
-        lens, widened.contiguous().view(torch.int8), canary, bad_page.contiguous().view(torch.int8), out, f_out,
-        i_out, b_out, _f64_constants(dev), B, parts.den.shape[2], sabs.shape[-1], GAMMA_SLACK, 1 + 2.0**-20, c1, c0, round_factor(16), policy.bound_tol, policy.eps_guard, policy.forced_rung,
+        l_tail.contiguous(), m.contiguous(), (m if msplit is None else msplit).contiguous(), sabs.contiguous(),
+        score_abs1.contiguous(), base_round.contiguous(), v_max.contiguous(), eta_max.contiguous(), bits,
+        l8.contiguous(), exact_lm, delta.contiguous(), nfull, lens, widened.contiguous().view(torch.int8), canary,
+        bad_page.contiguous().view(torch.int8), out, f_out, i_out, b_out,
+        b_out if active is None else active, b_out if need is None else need, _f64_constants(dev), B,
+        parts.den.shape[2], sabs.shape[-1], GAMMA_SLACK, 1 + 2.0**-20, c1, c0, round_factor(16), policy.bound_tol,
+        policy.eps_guard, policy.forced_rung, policy.key_tol, policy.v_tol, policy.rung1_tail_threshold,
         H=K, G=G, D=D, DP=next_pow2(D), BP=width_class(B).bp, DEPTH=policy.rank_depth, CERTIFIED=policy.certified,
-        RANK=policy.checks_rank, PER_SPLIT=msplit is not None, PRECISE=precise(), num_warps=4,
-        enable_fp_fusion=False,
+        RANK=policy.checks_rank, PER_SPLIT=msplit is not None, USE_ACTIVE=active is not None, NEED=need is not None,
+        COVERAGE=not policy.key_budget, PRECISE=precise(), num_warps=4, enable_fp_fusion=False,
     )  # fmt: skip
+    if into is not None:
+        return into
     shape = (R, K * G)
     f = [t.view(shape) for t in f_out]
     flags = [t.view(shape) for t in b_out.view(torch.bool)]
@@ -366,7 +457,7 @@ def finalize(
         v_promoted=i_out[1].view(shape), v_max=f[3], delta_tail=f[4], alpha_tail=f[5], rank_fail=flags[1],
         boundary_fail=flags[2], bound_fail=flags[3], canary_fail=flags[4], precondition=flags[5],
     )  # fmt: skip
-    return out, report
+    return Finalized(out, report, f_out, i_out, b_out)
 
 
 def combine_exact(parts, s_tail: torch.Tensor, tail_v: torch.Tensor, m: torch.Tensor, rung: torch.Tensor,

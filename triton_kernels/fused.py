@@ -124,6 +124,7 @@ def _fused_kernel(
     POOL_VALUES: tl.constexpr,  # a hit's values are read unquantized from ``vpool`` too
     USE_BITS: tl.constexpr,
     USE_ACTIVE: tl.constexpr,
+    EXACT_ALL: tl.constexpr,  # every block of an active group read unquantized (rungs 3/4)
     CANARY: tl.constexpr,
     CANARY_F: tl.constexpr,
     PRECISE: tl.constexpr,
@@ -193,7 +194,10 @@ def _fused_kernel(
         else:
             res = valid & (bid < 0)
             slot = bid
-        fk = valid & (res | ((bb & key_bits) != 0))  # [BLK, 1, 1]
+        if EXACT_ALL:
+            fk = valid
+        else:
+            fk = valid & (res | ((bb & key_bits) != 0))  # [BLK, 1, 1]
         # ---- INT8 scores and the per-block terms of every head (k̂ dies after this loop)
         codes = tl.load((pages_u8 + base) + (nv * D + dv), mask=vm, other=0)
         khat = off + codes.to(tl.float32) * sigma  # [BLK, N, DP]
@@ -257,7 +261,10 @@ def _fused_kernel(
             res_v = res
         else:
             res_v = valid & (bid < 0)
-        vx = valid & ((((bb >> G) & key_bits) != 0) | res_v)  # [BLK, 1, 1] values read unquantized
+        if EXACT_ALL:
+            vx = valid
+        else:
+            vx = valid & ((((bb >> G) & key_bits) != 0) | res_v)  # [BLK, 1, 1] values read unquantized
         if tl.max(tl.max(tl.max(vx.to(tl.int32), axis=2), axis=1), axis=0) > 0:
             vbase = (((bid // M) * H + h) * 2 + 1) * (M * N * D) + (bid % M) * (N * D)
             vrow = shadow + vbase + nv * D + 2 * kv
@@ -392,6 +399,7 @@ def fused_pass(
     active: torch.Tensor | None = None,
     run_canary: bool = True,
     canary: torch.Tensor | None = None,
+    exact_all: bool = False,
 ) -> FusedOut:
     """Launch the resident pass.
 
@@ -404,6 +412,7 @@ def fused_pass(
             layer's promotion pool, or None (F is then only what ``bits`` promotes).
         bits: ``[R, H_kv, B]`` int32 caller's promotions (bit g keys, G + g values), or None.
         active: ``[R, H_kv]`` int32 groups to compute, or None (all).
+        exact_all: read every block of the computed groups unquantized (keys and values: rungs 3/4).
         canary: ``[R]`` int32 flags to set (a new zeroed tensor when None).
 
     Returns:
@@ -442,7 +451,7 @@ def fused_pass(
         delta_factor, rounding_factor,
     )  # fmt: skip
     flags = dict(use_pool=use_pool, pool_values=pool_v, use_bits=bits is not None, use_active=active is not None,
-                 run_canary=run_canary)  # fmt: skip
+                 run_canary=run_canary, exact_all=exact_all)  # fmt: skip
 
     def launch_triton():
         _fused_kernel[(R * K, S)](
@@ -451,7 +460,7 @@ def fused_pass(
             BLK=geo.blk, VEC=geo.vec, PAGE_BYTES=lay.page_bytes, K_OFFSET=lay.k_offset, K_SCODE=lay.k_scale_code,
             V_CODES=lay.v_codes, V_SCALE=lay.v_scale, V_ZERO=lay.v_zero, HEADER=lay.header,
             CHANNEL_MAJOR=geo.channel_major, USE_POOL=use_pool, POOL_VALUES=pool_v, USE_BITS=bits is not None,
-            USE_ACTIVE=active is not None, CANARY=run_canary, CANARY_F=CANARY_SLACK, PRECISE=precise(),
+            USE_ACTIVE=active is not None, EXACT_ALL=exact_all, CANARY=run_canary, CANARY_F=CANARY_SLACK, PRECISE=precise(),
             num_warps=geo.warps,
         )  # fmt: skip
 

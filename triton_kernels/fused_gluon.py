@@ -124,7 +124,7 @@ def _fused_gluon_kernel(
     NG: gl.constexpr, BLK: gl.constexpr, PAGE_BYTES: gl.constexpr, K_OFFSET: gl.constexpr, K_SCODE: gl.constexpr,
     V_CODES: gl.constexpr, V_SCALE: gl.constexpr, V_ZERO: gl.constexpr, HEADER: gl.constexpr, VEC: gl.constexpr,
     VB: gl.constexpr, USE_POOL: gl.constexpr, POOL_VALUES: gl.constexpr, USE_BITS: gl.constexpr,
-    USE_ACTIVE: gl.constexpr, CANARY: gl.constexpr, CANARY_F: gl.constexpr,
+    USE_ACTIVE: gl.constexpr, EXACT_ALL: gl.constexpr, CANARY: gl.constexpr, CANARY_F: gl.constexpr,
 ):  # fmt: skip
     """The arguments of ``fused._fused_kernel`` (documented there; D a power of two, token-major shadow keys,
     libdevice always), plus ``lut`` (the key-scale table), ``VEC`` and ``VB``."""
@@ -222,13 +222,19 @@ def _fused_gluon_kernel(
             bbits = gl.load(bits + rk * B + bb, mask=valid, other=0)
         else:
             bbits = (bid_k * 0).to(gl.int32)
-        fk = valid & (res | ((bbits & key_bits) != 0))  # [BLK]
+        if EXACT_ALL:
+            fk = valid
+        else:
+            fk = valid & (res | ((bbits & key_bits) != 0))  # [BLK]
         any_f = gl.max(fk.to(gl.int32), axis=0) > 0
         if POOL_VALUES:
             res_v = res
         else:
             res_v = valid & (bid_k < 0)
-        vx = valid & ((((bbits >> G) & key_bits) != 0) | res_v)
+        if EXACT_ALL:
+            vx = valid
+        else:
+            vx = valid & ((((bbits >> G) & key_bits) != 0) | res_v)
         gl.store(fbits + pb, gl.where(fk, key_bits, 0) | gl.where(vx, key_bits << G, 0), mask=inb)
         # ---- INT8 scores, block terms, exact scores of F (canary) → shared memory per head
         fk2 = gl.expand_dims(fk, 1)  # [BLK, 1]
@@ -350,7 +356,7 @@ def _fused_gluon_kernel(
 
 
 def launch_constants(geo, num_warps: int, canary_factor: float, use_pool: bool, pool_values: bool, use_bits: bool,
-                     use_active: bool, run_canary: bool) -> dict:  # fmt: skip
+                     use_active: bool, run_canary: bool, exact_all: bool = False) -> dict:  # fmt: skip
     """The compile-time arguments of :func:`_fused_gluon_kernel` for ``geo`` (a ``fused.FusedGeometry``)."""
     lay = geo.layout
     G = geo.group
@@ -359,7 +365,7 @@ def launch_constants(geo, num_warps: int, canary_factor: float, use_pool: bool, 
         GRP=lay.value_group, NG=lay.groups, BLK=num_warps, PAGE_BYTES=lay.page_bytes, K_OFFSET=lay.k_offset,
         K_SCODE=lay.k_scale_code, V_CODES=lay.v_codes, V_SCALE=lay.v_scale, V_ZERO=lay.v_zero, HEADER=lay.header,
         VEC=VEC, VB=VB, USE_POOL=use_pool, POOL_VALUES=pool_values, USE_BITS=use_bits, USE_ACTIVE=use_active,
-        CANARY=run_canary, CANARY_F=canary_factor, num_warps=num_warps, enable_fp_fusion=True,
+        EXACT_ALL=exact_all, CANARY=run_canary, CANARY_F=canary_factor, num_warps=num_warps, enable_fp_fusion=True,
     )  # fmt: skip
 
 

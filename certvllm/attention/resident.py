@@ -24,7 +24,7 @@ kernels exit at once.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 
@@ -32,13 +32,12 @@ from certvllm.attention.call import LayerCall
 from certvllm.attention.gpu import DEFAULT_OPTIONS, CudaOptions, _Call, check_group, mark
 from certvllm.attention.selection import VALUE_BUDGET_MARGIN
 from certvllm.bounds import delta_factor, rounding_factor
-from certvllm.bounds.report import RUNG_HEAD_DENSE, RUNG_LAYER_DENSE, CertReport
+from certvllm.bounds.report import RUNG_LAYER_DENSE, CertReport
 from certvllm.bounds.summary import Phase1Summary
-from certvllm.config import CertConfig
 from certvllm.kv.cuda_pagein import CudaPageInEngine, ensure_device_readable
 from certvllm.kv.promotion_cache import PromotionCache
 from certvllm.triton_kernels.common import split_plan
-from certvllm.triton_kernels.finalize import combine_exact, finalize
+from certvllm.triton_kernels.finalize import Finalized, combine_exact, finalize_into
 from certvllm.triton_kernels.fused import FusedGeometry, FusedOut, fused_pass
 from certvllm.triton_kernels.prepare import prepare
 from certvllm.triton_kernels.select import select_blocks
@@ -58,35 +57,20 @@ class _Pass:
     summary: Phase1Summary
     bad_page: torch.Tensor  # [R] bool
 
-    def run(self, bits: torch.Tensor | None = None, active: torch.Tensor | None = None,
-            run_canary: bool = True) -> FusedOut:  # fmt: skip
+    def run(self, bits: torch.Tensor | None = None, active: torch.Tensor | None = None, run_canary: bool = True,
+            canary: torch.Tensor | None = None, exact_all: bool = False) -> FusedOut:  # fmt: skip
         c = self.call
         D = c.qs.shape[-1]
         return fused_pass(self.geo, c.qs, c.cache.pages, c.cache.shadow, c.tables, c.nfull, delta_factor(D),
                           rounding_factor(D), pool=_pool_args(self.pool), bits=bits, active=active,
-                          run_canary=run_canary)  # fmt: skip
+                          run_canary=run_canary, canary=canary, exact_all=exact_all)  # fmt: skip
 
-    def certify(self, p: FusedOut, widened: torch.Tensor, canary: torch.Tensor) -> tuple[torch.Tensor, CertReport]:
+    def certify(self, p: FusedOut, widened: torch.Tensor, canary: torch.Tensor, **kw) -> Finalized:
+        """``finalize_into`` over pass ``p`` (``into``, ``active``, ``need``: its options)."""
         c, s = self.call, self.summary
-        return finalize(p, s.s_tail, s.tail_v, s.l_tail, p.msplit, p.sabs, s.score_abs1, s.base_round, s.v_max,
-                        s.eta_max, p.fbits, p.l8, p.exact_lm, p.delta, c.nfull, c.lens, widened, canary,
-                        self.bad_page, c.cfg.ladder, msplit=p.msplit)  # fmt: skip
-
-
-def _where_report(mask: torch.Tensor, new: CertReport, old: CertReport) -> CertReport:
-    """``new`` on the heads where ``mask`` ``[R, H_q]`` holds, ``old`` elsewhere."""
-    return CertReport(**{f.name: torch.where(mask, getattr(new, f.name), getattr(old, f.name))
-                         for f in fields(CertReport)})  # fmt: skip
-
-
-def needs_top_up(report: CertReport, cfg: CertConfig) -> torch.Tensor:
-    """``[R, H_q]`` bool: the heads whose resident pass missed a target (module docstring, step 2)."""
-    lad = cfg.ladder
-    vmax = report.v_max
-    need = (report.rung == RUNG_HEAD_DENSE) | (report.e_key > lad.key_tol * vmax) | (report.e_val > lad.v_tol * vmax)
-    if not lad.key_budget:
-        need |= report.alpha_tail > lad.rung1_tail_threshold
-    return need & (report.rung < RUNG_LAYER_DENSE)
+        return finalize_into(p, s.s_tail, s.tail_v, s.l_tail, p.msplit, p.sabs, s.score_abs1, s.base_round, s.v_max,
+                             s.eta_max, p.fbits, p.l8, p.exact_lm, p.delta, c.nfull, c.lens, widened, canary,
+                             self.bad_page, c.cfg.ladder, msplit=p.msplit, **kw)  # fmt: skip
 
 
 def resident_rows(
@@ -128,14 +112,17 @@ def resident_rows(
     state.summary = prepare(call.qs, tail_raw, lens, first)
     state.bad_page = first.bad.amax(dim=(1, 2)) > 0
     no_widen = torch.zeros(R, K, G, dtype=torch.bool, device=dev)
-    out, report = state.certify(first, no_widen, first.canary)
+    top_up = certified and cfg.ladder.forced_rung == 0
+    need = torch.zeros(R, K, dtype=torch.int32, device=dev) if top_up else None
+    done = state.certify(first, no_widen, first.canary, need=need)
     mark(timings, "certify")
     fbits, paged = None, torch.zeros((), dtype=torch.int64, device=dev)
-    if certified and cfg.ladder.forced_rung == 0:
-        out, report, fbits, paged = _top_up(state, first, out, report, layer_call.generator)
+    if need is not None:
+        fbits, paged = _top_up(state, first, done, need, layer_call.generator)
         mark(timings, "top_up")
     else:
         fbits = _read_exactly(first.fbits, None, None)
+    out, report = done.out, done.report
     if isinstance(pagein, CudaPageInEngine):
         values = ((fbits >> G) != 0).sum()
         page_half = cache.layout.block_size * D * cache.shadow.element_size()
@@ -144,41 +131,36 @@ def resident_rows(
 
 
 def _top_up(
-    state: _Pass, first: FusedOut, out: torch.Tensor, report: CertReport, generator: torch.Generator | None
-) -> tuple[torch.Tensor, CertReport, torch.Tensor, torch.Tensor]:
-    """Step 2 of the module docstring for the groups that need it; the first pass's results elsewhere.
+    state: _Pass, first: FusedOut, done: Finalized, need: torch.Tensor, generator: torch.Generator | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step 2 of the module docstring for the groups ``need`` ``[R, K]`` int32 marks (kernels exit at once for the
+    others): their results are written over the first pass's in ``done``.
 
-    Returns ``(out, report, fbits, paged)``: the merged results, the ``[R, K, B]`` bitmask of what was read
-    exactly and the 0-dim count of key pages read over PCIe (pool fills and pages left to the shadow)."""
+    Returns ``(fbits, paged)``: the ``[R, K, B]`` bitmask of what the call's output read exactly and the 0-dim
+    count of key pages read over PCIe (pool fills and pages left to the shadow)."""
     call, cfg, s = state.call, state.call.cfg, state.summary
     R, K, G, B, _ = call.shape
     dev = call.qs.device
-    need = needs_top_up(report, cfg).view(R, K, G).any(dim=-1)  # [R, K]
-    active = need.to(torch.int32).contiguous()
     budget = (cfg.v_tol * s.v_max.squeeze(-1)) / VALUE_BUDGET_MARGIN
     bits, widened = select_blocks(first.l8, s.lse, first.delta, s.round1, call.nfull, first.eta, budget, cfg.ladder,
-                                  active=active)  # fmt: skip
+                                  active=need)  # fmt: skip
     if cfg.exploration_rate > 0:
         gen = generator if generator is not None and generator.device.type == dev.type else None
         draw = torch.rand((R, K, G, B), generator=gen, device=dev)
         shifts = torch.arange(G, device=dev, dtype=torch.int32).view(1, 1, G, 1)
-        explore = (draw < cfg.exploration_rate) & call.bvalid[:, None, None, :]
+        explore = (draw < cfg.exploration_rate) & call.bvalid[:, None, None, :] & (need != 0)[:, :, None, None]
         bits |= (explore.to(torch.int32) << shifts).sum(dim=2, dtype=torch.int32)
-    bits = torch.where(need.unsqueeze(-1), bits, 0).contiguous()
     if state.pool is not None:  # page the chosen keys in: served from the pool from this call on
         _, paged = state.pool.lookup(call.cache, call.tables, call.nfull, bits, (1 << G) - 1)
     else:
         paged = ((bits & ((1 << G) - 1)) != 0).sum()
-    second = state.run(bits=bits, active=active, run_canary=cfg.ladder.checks_canary)
-    canary = torch.maximum(first.canary, second.canary)
-    out2, report2 = state.certify(second, widened.view(R, K, G), canary)
-    heads = need.unsqueeze(-1).expand(R, K, G).reshape(R, K * G)
-    out = torch.where(heads.unsqueeze(-1), out2, out)
-    report = _where_report(heads, report2, report)
-    row_canary = (canary > 0).view(R, 1)  # a canary failure sends every head of its row to rung 4
-    report.canary_fail |= row_canary
-    report.rung = torch.where(row_canary, RUNG_LAYER_DENSE, report.rung).to(torch.int8)
-    return out, report, _read_exactly(first.fbits, second.fbits, need), paged
+    # the second pass adds its canary findings to the first's flags (one row flag for both passes)
+    second = state.run(bits=bits, active=need, run_canary=cfg.ladder.checks_canary, canary=first.canary)
+    state.certify(second, widened.view(R, K, G), first.canary, into=done, active=need)
+    row_canary = (first.canary > 0).view(R, 1)  # a canary failure sends every head of its row to rung 4
+    done.report.canary_fail.logical_or_(row_canary)
+    done.report.rung.masked_fill_(row_canary, RUNG_LAYER_DENSE)
+    return _read_exactly(first.fbits, second.fbits, need != 0), paged
 
 
 def _read_exactly(first: torch.Tensor, second: torch.Tensor | None, need: torch.Tensor | None) -> torch.Tensor:
@@ -201,8 +183,6 @@ class ResidentRerun:
         over the originals (every block read unquantized). No host synchronisation."""
         call, s = self.state.call, self.state.summary
         R, K, G, _, _ = call.shape
-        active = exact.view(R, K, G).any(dim=-1)
-        full = (1 << (2 * G)) - 1
-        bits = torch.where(active[:, :, None] & call.bvalid[:, None, :], full, 0).to(torch.int32).contiguous()
-        p = self.state.run(bits=bits, active=active.to(torch.int32).contiguous(), run_canary=False)
+        active = exact.view(R, K, G).any(dim=-1).to(torch.int32)
+        p = self.state.run(active=active, run_canary=False, exact_all=True)
         combine_exact(p, s.s_tail, s.tail_v, p.msplit, rung, out, msplit=p.msplit)
