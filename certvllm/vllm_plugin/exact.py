@@ -12,6 +12,7 @@ none.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +23,34 @@ from certvllm.attention.dense import dense_decode, gather_row_kv
 from certvllm.kv.cache import LayerKVCache
 from certvllm.kv.pagein import PageInEngine
 
+logger = logging.getLogger("vllm.certvllm")  # under "vllm": shares vLLM's log handlers
 _UNRESOLVED = object()
+_AMX_LOGGED: set[tuple[torch.dtype, int, int]] = set()
+
+
+def shadow_isa(dtype: torch.dtype, block_size: int, head_dim: int) -> str:
+    """The variant of vLLM's CPU attention kernel that writes and reads the CPU shadow tier: vLLM's own choice
+    for ``--kv-cache-dtype auto`` (``cpu_attn._get_attn_isa``), except its AMX kernel, which vLLM picks for
+    bfloat16 at block sizes that are multiples of 32 on CPUs with AMX tiles. That kernel stores a block in its
+    own tile layout, not the transposed keys and plain values that certvllm's readers expect
+    (``LayerKVCache(keys_channel_major=True)``: the quantizer, the compiled kernel's shadow reads, page-ins
+    and the audit), so every certified page would be encoded from scrambled originals (measured on a Xeon with
+    AMX, SmolLM2 in bfloat16: garbage after the first token, score-canary violations in every layer). The
+    AVX-512 kernel (``vec``, vLLM's next choice on such a CPU) is used there instead: exact recomputation
+    stays exact, but it is no longer bit-identical to ``auto``, which keeps the AMX kernel."""
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    isa = _get_attn_isa(dtype, block_size, head_dim, "auto")
+    if isa != "amx":
+        return isa
+    if (dtype, block_size, head_dim) not in _AMX_LOGGED:
+        _AMX_LOGGED.add((dtype, block_size, head_dim))
+        logger.info(
+            "certvllm: vLLM's CPU attention uses its AMX kernel for %s at block size %d; the shadow tier uses its "
+            "AVX-512 ('vec') kernel and layout instead (certvllm reads that layout): exact recomputation (prefill, "
+            "rungs 3/4) is exact but not bit-identical to --kv-cache-dtype auto on this CPU", dtype, block_size,
+        )  # fmt: skip
+    return "vec"
 
 
 @dataclass
@@ -51,11 +79,7 @@ class ExactAttention:
         self.dtype, self.scale, self.block_size, self.on_cpu = dtype, scale, block_size, on_cpu
         self.dense_backend = dense_backend
         self._flash_fn: Any = _UNRESOLVED
-        self.isa = None
-        if on_cpu:
-            from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-
-            self.isa = _get_attn_isa(dtype, block_size, head_dim, "auto")
+        self.isa = shadow_isa(dtype, block_size, head_dim) if on_cpu else None
 
     def plan(self, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor) -> ExactPlan:
         qsl = query_start_loc.to(torch.int32)
