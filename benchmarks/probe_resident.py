@@ -1,10 +1,22 @@
-"""Probe of the resident decode pass on a GPU: compile and run time of each of its kernels, one at a time
-(synchronised), at LLaMA-3.1-8B shapes. Usage: python benchmarks/probe_resident.py [--context 32768] [--batch 8]"""
+"""The resident decode pass on a GPU, checked and timed in one short run (a lease's worth of device time).
+
+Usage: python benchmarks/probe_resident.py [--points 8x32768 8x131072 1x8192] [--steps 4] [--out runs/probe.json]
+
+Per point (batch × context, LLaMA-3.1-8B shapes, ``bench_decode.synthetic_kv``): a paged cache with its pool;
+``steps`` decode calls of the resident pass (budget preset, drifting queries: q ← q + 0.05·N(0, 1) per
+coordinate) with the Gluon kernel and, on a second pool, with the Triton kernel. Every call is checked: each
+certified head's error against float64 attention over the originals is at most its bound (no slack), rung
+3/4 heads within 1e-4·V_max of it; the Gluon and Triton calls agree on rungs for ≥ 95 % of heads. Then the
+median of CUDA-graph replays of one call (warm pool, the last query) for: the resident pass (Gluon, Triton),
+the two-pass ``default`` and ``budget`` presets, ``naive`` and dense SDPA, printed as a table and written
+as JSON.
+"""
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import math
 import time
 from pathlib import Path
@@ -20,84 +32,135 @@ def _bench():
     return mod
 
 
-def timed(label, fn, reps=1):
-    torch.cuda.synchronize()
-    t = time.time()
-    out = fn()
-    torch.cuda.synchronize()
-    first = time.time() - t
-    t = time.time()
-    for _ in range(reps):
-        out = fn()
-    torch.cuda.synchronize()
-    print(f"{label:28s} first {first:8.2f} s, then {(time.time() - t) / reps * 1e3:8.3f} ms", flush=True)
+def exact64(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: list[int]) -> torch.Tensor:
+    """Float64 attention ``[R, H_q, D]`` of q over the first ``lens[r]`` tokens of k/v ``[R, T, H_kv, D]``."""
+    R, Hq, D = q.shape
+    K = k.shape[2]
+    out = torch.empty(R, Hq, D, dtype=torch.float64, device=q.device)
+    for r in range(R):
+        kk, vv = k[r, : lens[r]].double(), v[r, : lens[r]].double()  # [T, K, D]
+        s = torch.einsum("kgd,tkd->kgt", q[r].double().view(K, Hq // K, D), kk) / math.sqrt(D)
+        out[r] = torch.einsum("kgt,tkd->kgd", torch.softmax(s, dim=-1), vv).reshape(Hq, D)
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--context", type=int, default=32768)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--preset", default="budget")
-    args = ap.parse_args()
+def check(res, ref: torch.Tensor) -> dict:
+    """Soundness of one call against float64 ``ref``: violations and the worst error / bound."""
+    err = torch.linalg.vector_norm(res.out.double() - ref, dim=-1)
+    rung = res.report.rung
+    cert = rung <= 2
+    bound = res.report.bound.double()
+    viol = int((cert & ~(err <= bound)).sum())
+    exact_bad = int(((rung >= 3) & (err > 1e-4 * res.report.v_max.double())).sum())
+    ratio = float((err / bound.clamp_min(1e-30))[cert].max()) if bool(cert.any()) else 0.0
+    return {"violations": viol, "exact_mismatch": exact_bad, "worst_err_over_bound": ratio,
+            "rungs": [int(x) for x in torch.bincount(rung.flatten().long().cpu(), minlength=5)]}  # fmt: skip
+
+
+def point(batch: int, ctx: int, steps: int, iters: int, deadline: float) -> dict:
     bench = _bench()
-    from certvllm.triton_kernels.common import split_plan
-    from certvllm.triton_kernels.fused import FusedGeometry, fused_pass
+    from certvllm.triton_kernels.fused import FUSED_GLUON_GATE
+    from certvllm.triton_kernels.tuning import KernelTuning
 
     from certvllm.attention import certified_attention
-    from certvllm.bounds import delta_factor, rounding_factor
-    from certvllm.config import load_config
+    from certvllm.attention.gpu import CudaOptions
     from certvllm.kv.cuda_pagein import CudaPageInEngine
 
-    q, k, v = bench.synthetic_kv(args.batch, args.context, seed=1)
-    lens = [args.context - 7] * args.batch
+    q0, k, v = bench.synthetic_kv(batch, ctx, seed=ctx + batch)
+    lens = [ctx - 7] * batch
     cache, tables = bench.build_cache(k, v, lens)
     seq = torch.tensor(lens, device="cuda")
-    cfg = load_config(args.preset, decode_pass="resident")
-    res = bench.method_residency(cache, cfg)
-    R, K, D = args.batch, 8, 128
-    B = tables.shape[1]
-    splits, bps = split_plan(B, R * K)
-    print(f"B={B} splits={splits} bps={bps}", flush=True)
-    geo = FusedGeometry(cache.layout, K, 4, cache.sub_blocks, cache.num_blocks, splits, bps, False)
-    qs = (q.float() / math.sqrt(D)).contiguous()
-    nfull = (seq // 16).to(torch.int64)
-    pool = res.pool
-    pargs = (pool.pool, pool.values, pool.tag, pool.tag_gen, pool.generation)
-    timed(
-        "fused (pool, no bits)",
-        lambda: fused_pass(
-            geo, qs, cache.pages, cache.shadow, tables, nfull, delta_factor(D), rounding_factor(D), pool=pargs
-        ),
-        10,
+    scale = 1 / math.sqrt(bench.D)
+    rec: dict = {"batch": batch, "context": ctx}
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    qs = [q0]
+    for _ in range(steps - 1):
+        qs.append((qs[-1].float() + 0.05 * torch.randn(q0.shape, generator=gen, device="cuda")).to(q0.dtype))
+    methods = {"resident_gluon": ("budget+resident", "auto"), "resident_triton": ("budget+resident", "triton")}
+    calls = {}
+    for name, (method, dialect) in methods.items():
+        cfg = bench.method_config(method)
+        residency = bench.method_residency(cache, cfg)
+        eng = CudaPageInEngine("cuda")
+        opts = CudaOptions(tuning=KernelTuning(dialect=dialect))
+        checks = []
+        t0 = time.time()
+        for i, q in enumerate(qs):
+            res = certified_attention(q, cache, tables, seq, cfg, scale, pagein=eng, residency=residency,
+                                      cuda_options=opts)  # fmt: skip
+            torch.cuda.synchronize()
+            c = check(res, exact64(q, k, v, lens))
+            c["ms_first"] = round((time.time() - t0) * 1e3, 1) if i == 0 else None
+            checks.append(c)
+            t0 = time.time()
+        rec[name] = {"steps": checks}
+        calls[name] = (cfg, residency, eng, opts, res)
+        text = "; ".join(f"rungs {c['rungs']} viol {c['violations']} exact≠ {c['exact_mismatch']} "
+                         f"err/bound {c['worst_err_over_bound']:.3f}" for c in checks)  # fmt: skip
+        print(f"  b={batch} ctx={ctx} {name}: {text}", flush=True)
+    rec["gluon_launched"] = bool(FUSED_GLUON_GATE.launched)
+    rec["gluon_failure"] = FUSED_GLUON_GATE.failure
+    ga, tr = calls["resident_gluon"][4], calls["resident_triton"][4]
+    rec["rung_agreement"] = float((ga.report.rung == tr.report.rung).float().mean())
+    both = (ga.report.rung <= 2) & (tr.report.rung <= 2)
+    vmax = float(tr.report.v_max.max())
+    rec["gluon_vs_triton_max_abs_over_vmax"] = (
+        float((ga.out - tr.out).abs()[both].max()) / vmax if bool(both.any()) else None
     )
-    eng = CudaPageInEngine("cuda")
-    call = lambda: certified_attention(q, cache, tables, seq, cfg, 1 / math.sqrt(D), pagein=eng, residency=res)  # noqa: E731
-    out = timed("resident call (eager)", call, 5)
-    print(
-        "rungs",
-        torch.bincount(out.report.rung.flatten().long().cpu(), minlength=5).tolist(),
-        "k*",
-        float(out.report.k_star.float().mean()),
-        flush=True,
-    )
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        call()
-    timed("resident call (graph)", g.replay, 20)
-    naive = load_config("naive")
-    timed(
-        "naive two-pass (eager)",
-        lambda: certified_attention(q, cache, tables, seq, naive, 1 / math.sqrt(D), pagein=eng),
-        5,
-    )
+    q = qs[-1]
+    times = {}
+    for name in ("resident_gluon", "resident_triton", "default", "budget", "naive"):
+        if time.time() > deadline:
+            print("  (deadline: remaining timings skipped)", flush=True)
+            break
+        if name in calls:
+            cfg, residency, eng, opts, _ = calls[name]
+        else:
+            cfg = bench.method_config(name)
+            residency, eng, opts = bench.method_residency(cache, cfg), CudaPageInEngine("cuda"), CudaOptions()
+        fn = lambda cfg=cfg, residency=residency, eng=eng, opts=opts: certified_attention(  # noqa: E731
+            q, cache, tables, seq, cfg, scale, pagein=eng, residency=residency, cuda_options=opts
+        )
+        times[name] = bench.time_graph(fn, iters)
+        print(f"    {name:16s} {times[name]} ms", flush=True)
     kd = k[:, : lens[0]].permute(0, 2, 1, 3).contiguous()
     vd = v[:, : lens[0]].permute(0, 2, 1, 3).contiguous()
-    timed(
-        "dense sdpa",
-        lambda: torch.nn.functional.scaled_dot_product_attention(q.unsqueeze(2), kd, vd, enable_gqa=True),
-        20,
-    )
+    times["dense"] = bench.time_graph(lambda: torch.nn.functional.scaled_dot_product_attention(
+        q.unsqueeze(2), kd, vd, scale=scale, enable_gqa=True), iters)  # fmt: skip
+    print(f"    dense            {times['dense']} ms", flush=True)
+    rec["ms"] = times
+    bench.release_cache(cache)
+    return rec
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--points", nargs="+", default=["8x32768", "1x8192", "8x131072"])
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--budget-s", type=float, default=480.0, help="stop starting timings after this many seconds")
+    ap.add_argument("--out", type=Path, default=Path("runs/probe_resident.json"))
+    args = ap.parse_args()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    deadline = time.time() + args.budget_s
+    results = []
+    for p in args.points:
+        if time.time() > deadline:
+            break
+        b, c = (int(x) for x in p.split("x"))
+        results.append(point(b, c, args.steps, args.iters, deadline))
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "results": results}, indent=1))
+    print("\n| batch | context | resident Gluon | resident Triton | default | budget | naive | dense | violations |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in results:
+        t = r["ms"]
+        cells = [f"{t[k]:.3f}" if t.get(k) else "—" for k in
+                 ("resident_gluon", "resident_triton", "default", "budget", "naive", "dense")]  # fmt: skip
+        viol = sum(s["violations"] + s["exact_mismatch"] for m in ("resident_gluon", "resident_triton")
+                   for s in r[m]["steps"])  # fmt: skip
+        print(f"| {r['batch']} | {r['context'] // 1024}K | {' | '.join(cells)} | {viol} |")
+    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":
