@@ -1,5 +1,5 @@
-"""The API key on the routes vLLM leaves open: ``/tokenize``, ``/detokenize`` and the other tokenizer and model
-routes outside ``/v1``.
+"""The API key on the routes vLLM leaves open: ``/tokenize``, ``/detokenize`` and the other tokenizer, model and
+scaling routes outside ``/v1``.
 
 vLLM's ``--api-key`` guards only paths under ``/v1``, ``/v2``, ``/inference`` and ``/cohere``
 (``vllm.entrypoints.serve.middleware.authenticate.GUARDED_PREFIX``), so ``/tokenize`` and ``/detokenize`` answer
@@ -17,9 +17,10 @@ import hashlib
 import secrets
 from typing import Any
 
-# routes outside vLLM's guarded prefixes that run the tokenizer or the model
+# routes outside vLLM's guarded prefixes that run the tokenizer or the model, or change the deployment (vLLM 0.32:
+# /generative_scoring runs the model; /scale_elastic_ep rescales the engine)
 GUARDED_PATHS = ("/tokenize", "/detokenize", "/tokenizer_info", "/invocations", "/pooling", "/classify", "/score",
-                 "/rerank")  # fmt: skip
+                 "/rerank", "/generative_scoring", "/scale_elastic_ep", "/is_scaling_elastic_ep")  # fmt: skip
 MIDDLEWARE_PATH = "certvllm.vllm_plugin.auth.GuardTokenizerRoutes"
 _KEY_HASHES: list[bytes] = []
 
