@@ -166,6 +166,8 @@ def _fused_gluon_kernel(
     # ---- shared buffers
     ssm = gl.allocate_shared_memory(gl.float32, [GP, BLK, N], SS)
     ss4 = _reinterpret(ssm, gl.float32, [GP, BLK, TN, SN], S4)
+    for g in gl.static_range(G, GP):  # padding heads (G not a power of two): no tokens, weight 0
+        ssm.index(g).store(gl.full([BLK, N], float("-inf"), gl.float32, layout=n2.type.layout))
     wsm = gl.allocate_shared_memory(gl.float32, [SN, BLK, GP, TN], WS)
     wsx = _reinterpret(wsm, gl.float32, [SN, BLK, GP, TN], WT)
     # ---- accumulators
