@@ -344,8 +344,9 @@ def build() -> dict:
     lay.add(
         timeseries(
             "Page-in bandwidth",
-            "Bytes per second read from the host shadow tier.",
-            [(f"sum(rate(vllm:cert_page_in_bytes_total{F}[{RATE}]))", "page-in")],
+            "Bytes per second read from the host shadow tier, per worker rank (tensor parallelism: each rank "
+            "pages in over its own link).",
+            [(f"sum by (rank) (rate(vllm:cert_page_in_bytes_total{F}[{RATE}]))", "rank {{rank}}")],
             "Bps",
         ),
         8,
@@ -379,8 +380,9 @@ def build() -> dict:
     lay.add(
         timeseries(
             "Host tier memory",
-            "Host memory held by shadow pages (FP16 originals of every device block), per engine.",
-            [(f"sum by (engine) (vllm:cert_host_tier_bytes{F})", "engine {{engine}}")],
+            "Host memory held by shadow pages (FP16 originals of every device block), per engine and worker rank "
+            "(tensor parallelism: each rank shadows its own KV heads).",
+            [(f"sum by (engine, rank) (vllm:cert_host_tier_bytes{F})", "engine {{engine}} rank {{rank}}")],
             "bytes",
         ),
         8,

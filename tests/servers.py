@@ -88,14 +88,16 @@ def http_post(url: str, body: dict[str, Any], timeout: float = 120) -> dict[str,
         return json.loads(resp.read())
 
 
-def scrape(base: str) -> dict[str, float]:
-    """``/metrics`` as ``name{labels}`` → value, without the ``model_name`` and ``engine`` labels (summed)."""
+def scrape(base: str, keep: tuple[str, ...] = ()) -> dict[str, float]:
+    """``/metrics`` as ``name{labels}`` → value, without the ``model_name``, ``engine`` and ``rank`` labels (summed
+    over them: a node's totals) except those named in ``keep`` (``keep=("rank",)``: every worker rank apart)."""
+    summed = "|".join(label for label in ("model_name", "engine", "rank") if label not in keep)
     values: dict[str, float] = {}
     for line in http_get(base + "/metrics").splitlines():
         if line.startswith("#") or not line.strip():
             continue
         key, _, value = line.rpartition(" ")
-        key = re.sub(r'(model_name|engine)="[^"]*",?', "", key).replace(",}", "}").replace("{}", "")
+        key = re.sub(rf'(?<![\w])({summed})="[^"]*",?', "", key).replace(",}", "}").replace("{}", "")
         values[key] = values.get(key, 0.0) + float(value)
     return values
 

@@ -4,8 +4,12 @@ Metrics are created lazily in the process that records them (the vLLM worker) an
 ``PROMETHEUS_MULTIPROC_DIR`` is set (``certvllm serve`` sets it), aggregated by the API server's
 ``/metrics``. Names follow vLLM's conventions (``vllm:`` prefix, ``_total`` counters, ``_seconds``,
 ``_bytes``) and every series carries ``model_name`` and ``engine`` labels so dashboards join with
-vLLM's own metrics. Recording is per attention call: counts are reduced with torch first, then added
-to the counters and histogram buckets in bulk.
+vLLM's own metrics. The series of a worker's own resources (its shadow tier's host memory, its page-in
+traffic and time, where its promoted key pages came from: :data:`PER_RANK`) also carry ``rank``, the
+worker's rank in its engine (``"0"`` with one worker): with tensor parallelism every rank is a process with
+its own shadow, host link and promotion pool, and its series stay apart in ``/metrics``; the other series
+count head-steps and decisions, summed over the ranks. Recording is per attention call: counts are reduced with
+torch first, then added to the counters and histogram buckets in bulk.
 
 Nothing here synchronises a layer call with the GPU: :meth:`CertMetrics.record` queues the call's report
 as a non-blocking copy into pinned host memory (``certvllm.kv.deferred``) together with the page-in, pool
@@ -73,18 +77,20 @@ SPECS = (
                "(block, KV head) pages read with unquantized keys, summed over query heads and steps."),
     MetricSpec("vllm:cert_promoted_value_blocks_total", "counter",
                "(block, KV head) pages read with unquantized values (rung 2), summed over query heads and steps."),
-    MetricSpec("vllm:cert_page_in_bytes_total", "counter", "Bytes paged in from the host shadow tier."),
+    MetricSpec("vllm:cert_page_in_bytes_total", "counter", "Bytes paged in from the host shadow tier, by worker rank.",
+               ("rank",)),
     MetricSpec("vllm:cert_key_pages_total", "counter",
                "CUDA path: unquantized key pages the promotion pass read, by where they came from (pool = the "
-               "device-resident promotion cache, prefetch = the step prefetch's ring, host = over PCIe).",
-               ("source",)),
-    MetricSpec("vllm:cert_page_in_seconds", "histogram", "Page-in time per attention call.",
-               buckets=SECONDS_BUCKETS),
+               "device-resident promotion cache, prefetch = the step prefetch's ring, host = over PCIe), by worker "
+               "rank.", ("source", "rank")),
+    MetricSpec("vllm:cert_page_in_seconds", "histogram", "Page-in time per attention call, by worker rank.",
+               ("rank",), buckets=SECONDS_BUCKETS),
     MetricSpec("vllm:cert_exact_tokens_total", "counter",
                "Query tokens served by exact attention by policy, not by a fallback "
                "(prefill = no cached context; prefill_cached = prefill reading cached blocks with prefill: exact; "
                "dense_mode = mode: dense).", ("reason",)),
-    MetricSpec("vllm:cert_host_tier_bytes", "gauge", "Host memory held by shadow pages (tier 2)."),
+    MetricSpec("vllm:cert_host_tier_bytes", "gauge", "Host memory held by shadow pages (tier 2), by worker rank.",
+               ("rank",)),
     MetricSpec("vllm:cert_audits_total", "counter",
                "Head-steps re-checked by audit mode against exact attention over the shadow originals, by the "
                "rung they were served at.", ("rung",)),
@@ -95,6 +101,11 @@ SPECS = (
                "Observed error / allowed error per audited head-step (> 1: a violation).",
                buckets=AUDIT_RATIO_BUCKETS),
 )  # fmt: skip
+
+
+RANK_LABEL = "rank"
+PER_RANK = frozenset(s.name for s in SPECS if RANK_LABEL in s.labels)
+"""The series labelled by the recording worker's rank (the module docstring)."""
 
 
 def metric_names() -> list[str]:
@@ -162,11 +173,13 @@ class CertMetrics:
         model_name, engine: the fixed labels.
         flush_seconds: the flusher thread's period.
         registry: the ``prometheus_client`` registry the series are declared in (default: the global one).
+        rank: the ``rank`` label of the :data:`PER_RANK` series (the worker's rank in its engine).
     """
 
     def __init__(self, model_name: str, engine: str = "0", flush_seconds: float = 0.25,
-                 registry: Any = None) -> None:  # fmt: skip
+                 registry: Any = None, rank: str = "0") -> None:  # fmt: skip
         self.base = {"model_name": model_name, "engine": engine}
+        self.rank = str(rank)
         self._metrics: dict[str, object] | None = None
         self._registry = registry
         self._lock = threading.Lock()
@@ -192,14 +205,14 @@ class CertMetrics:
         for reason in HEAD_REASONS:
             made["vllm:cert_head_fallbacks_total"].labels(**self.base, reason=reason)
         for source in KEY_PAGE_SOURCES:
-            made["vllm:cert_key_pages_total"].labels(**self.base, source=source)
+            made["vllm:cert_key_pages_total"].labels(**self._labels("vllm:cert_key_pages_total", source=source))
         for rung in RUNG_NAMES:
             made["vllm:cert_audits_total"].labels(**self.base, rung=rung)
             made["vllm:cert_audit_violations_total"].labels(**self.base, rung=rung)
         made["vllm:cert_audit_error_ratio"].labels(**self.base)
         for name in ("vllm:cert_canary_violations_total", "vllm:cert_promoted_key_blocks_total",
                      "vllm:cert_promoted_value_blocks_total", "vllm:cert_page_in_bytes_total"):  # fmt: skip
-            made[name].labels(**self.base)
+            made[name].labels(**self._labels(name))
         return made
 
     def _declare(self) -> dict[str, object]:
@@ -220,8 +233,12 @@ class CertMetrics:
                                              registry=registry)  # fmt: skip
         return made
 
+    def _labels(self, name: str, **labels: str) -> dict[str, str]:
+        """Every label of a series of ``name``: the fixed ones, ``labels``, and ``rank`` where it has one."""
+        return {**self.base, **labels, **({RANK_LABEL: self.rank} if name in PER_RANK else {})}
+
     def _child(self, name: str, **labels: str):
-        return self._get()[name].labels(**self.base, **labels)
+        return self._get()[name].labels(**self._labels(name, **labels))
 
     def set_host_tier_bytes(self, nbytes: int) -> None:
         self._child("vllm:cert_host_tier_bytes").set(nbytes)

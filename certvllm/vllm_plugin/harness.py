@@ -65,6 +65,11 @@ DEFAULT_ENGINE = {"enforce_eager": True, "max_model_len": 2048, "dtype": "bfloat
 ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1"}
 
 
+SUMMED_LABELS = ("model_name", "engine", "rank")
+"""Labels a result's metrics are summed over: one engine, every worker rank (``vllm:cert_host_tier_bytes`` is the
+node's shadow, ``vllm:cert_page_in_bytes_total`` every rank's page-ins); ``/metrics`` keeps ``rank`` apart."""
+
+
 def _read_metrics(path: str) -> dict[str, float]:
     from prometheus_client import CollectorRegistry
     from prometheus_client.multiprocess import MultiProcessCollector
@@ -74,7 +79,7 @@ def _read_metrics(path: str) -> dict[str, float]:
     values: dict[str, float] = {}
     for family in registry.collect():
         for sample in family.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()) if k not in ("model_name", "engine"))
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()) if k not in SUMMED_LABELS)
             values[f"{sample.name}{{{labels}}}"] = values.get(f"{sample.name}{{{labels}}}", 0.0) + sample.value
     return values
 

@@ -69,11 +69,12 @@ class WorkerRuntime:
     Args:
         config: the run's settings.
         model_name, engine: the metrics' labels.
+        rank: this worker's rank in its engine (the ``rank`` label of its host-tier and page-in series).
     """
 
-    def __init__(self, config: CertConfig, model_name: str, engine: str) -> None:
+    def __init__(self, config: CertConfig, model_name: str, engine: str, rank: str = "0") -> None:
         self.config = config
-        self.metrics = CertMetrics(model_name, engine)
+        self.metrics = CertMetrics(model_name, engine, rank=rank)
         # audit mode: sampled head-steps re-checked against exact attention (certvllm.attention.audit); its
         # checks are read when their device values land, at the latest by the metrics' flush
         self.audit = Auditor(config, on_outcome=self._audited, on_forced=self.metrics.count_audit_fallback)
@@ -99,7 +100,8 @@ class WorkerRuntime:
         if current is None or current.config != config:
             name = vllm_config.model_config.served_model_name
             name = name[0] if isinstance(name, list | tuple) else name
-            current = cls(config, str(name), str(vllm_config.parallel_config.data_parallel_rank))
+            parallel = vllm_config.parallel_config  # rank: set by vLLM's worker before the model is built
+            current = cls(config, str(name), str(parallel.data_parallel_rank), str(getattr(parallel, "rank", 0)))
             cls._current = current
         return current
 

@@ -128,10 +128,10 @@ def test_layer_calls_with_deferred_records_never_synchronise():
     assert got["vllm:cert_promoted_value_blocks_total{}"] == sum(int(r.v_promoted.sum()) for r in reports)
     lookups, hits = totals["pool"][:2].tolist()
     served = int(totals["prefetch"][2])
-    assert got["vllm:cert_key_pages_total{source=pool}"] == hits
-    assert got["vllm:cert_key_pages_total{source=prefetch}"] == served
-    assert got["vllm:cert_key_pages_total{source=host}"] == lookups - hits - served
-    assert got["vllm:cert_page_in_bytes_total{}"] == host_bytes + int(totals["device"][2])
+    assert got["vllm:cert_key_pages_total{rank=0,source=pool}"] == hits
+    assert got["vllm:cert_key_pages_total{rank=0,source=prefetch}"] == served
+    assert got["vllm:cert_key_pages_total{rank=0,source=host}"] == lookups - hits - served
+    assert got["vllm:cert_page_in_bytes_total{rank=0}"] == host_bytes + int(totals["device"][2])
     assert lookups > 0 and host_bytes > 0 and rungs.numel() == 6 * 4 * 3 * 32
     print(f"24 layer calls without a synchronisation: {lookups} key pages, {hits} pool hits, {served} staged")
 

@@ -100,8 +100,9 @@ def test_deferred_counters_fold_to_the_values_of_the_synchronous_path(gen):
     want, got = samples(sync_registry), samples(deferred_registry)
     assert got == want
     assert want["vllm:cert_head_steps_total{engine=0,rung=4}"] > 0
-    assert want["vllm:cert_key_pages_total{engine=0,source=prefetch}"] > 0
-    assert want["vllm:cert_page_in_bytes_total{engine=0}"] > 0 and want["vllm:cert_page_in_seconds_count{engine=0}"] > 0
+    assert want["vllm:cert_key_pages_total{engine=0,rank=0,source=prefetch}"] > 0
+    assert want["vllm:cert_page_in_bytes_total{engine=0,rank=0}"] > 0
+    assert want["vllm:cert_page_in_seconds_count{engine=0,rank=0}"] > 0
     assert sum(v for k, v in want.items() if k.startswith("vllm:cert_layer_fallbacks_total")) > 0
 
 
@@ -117,8 +118,8 @@ def test_the_folded_values_are_those_of_the_reports(gen):
     for rung in range(5):
         assert got[f"vllm:cert_head_steps_total{{engine=0,rung={rung}}}"] == int((rungs == rung).sum())
     assert got["vllm:cert_promoted_key_blocks_total{engine=0}"] == sum(int(r.k_star.sum()) for r in reports)
-    assert got["vllm:cert_page_in_bytes_total{engine=0}"] == 1000
-    assert got["vllm:cert_page_in_seconds_count{engine=0}"] == 4  # calls with bytes only
+    assert got["vllm:cert_page_in_bytes_total{engine=0,rank=0}"] == 1000
+    assert got["vllm:cert_page_in_seconds_count{engine=0,rank=0}"] == 4  # calls with bytes only
     certified = int((rungs <= 2).sum())
     assert got["vllm:cert_e_key_count{engine=0}"] == certified
     assert got["vllm:cert_e_key_bucket{engine=0,le=+Inf}"] == certified
@@ -135,7 +136,7 @@ def test_flush_is_exact_while_the_flusher_runs(gen):
             time.sleep(0.005)  # let the flusher take some
     m.flush()
     got = samples(registry)
-    assert got["vllm:cert_page_in_bytes_total{engine=0}"] == 300
+    assert got["vllm:cert_page_in_bytes_total{engine=0,rank=0}"] == 300
     assert sum(got[f"vllm:cert_head_steps_total{{engine=0,rung={r}}}"] for r in range(5)) == 300 * 8
 
 
@@ -166,7 +167,7 @@ def test_flush_waits_for_values_in_flight(gen):
     gate.set()
     flusher.join(5)
     assert not flusher.is_alive()
-    assert samples(registry)["vllm:cert_page_in_bytes_total{engine=0}"] == 64
+    assert samples(registry)["vllm:cert_page_in_bytes_total{engine=0,rank=0}"] == 64
 
 
 def test_a_failing_fold_does_not_stop_the_flusher(gen, caplog):
@@ -178,9 +179,9 @@ def test_a_failing_fold_does_not_stop_the_flusher(gen, caplog):
         time.sleep(0.01)
     assert "folding the queued attention metrics failed" in caplog.text
     m.record(report, 0, page_in=DeferredStats.of({"bytes": 5, "seconds": 0.0}))
-    while samples(registry).get("vllm:cert_page_in_bytes_total{engine=0}") != 5 and time.monotonic() < deadline:
+    while samples(registry).get("vllm:cert_page_in_bytes_total{engine=0,rank=0}") != 5 and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert samples(registry)["vllm:cert_page_in_bytes_total{engine=0}"] == 5
+    assert samples(registry)["vllm:cert_page_in_bytes_total{engine=0,rank=0}"] == 5
 
 
 def test_a_cpu_report_is_queued_as_it_is(gen):
@@ -189,3 +190,51 @@ def test_a_cpu_report_is_queued_as_it_is(gen):
     report = synthetic_report(2, 4, gen)
     m.record(report, 0)
     assert m._pending[0].report is report
+
+
+_RANK_WORKER = """
+import sys, torch
+from certvllm.bounds.report import CertReport
+from certvllm.metrics import CertMetrics
+rank = sys.argv[1]
+m = CertMetrics("tp", "0", flush_seconds=3600, rank=rank)
+m.set_host_tier_bytes(1000 * (int(rank) + 1))
+report = CertReport.zeros(2, 3)
+report.rung[1] = 4
+report.canary_fail[1] = True
+m.record(report, 7, page_in_bytes=10 * (int(rank) + 1), page_in_seconds=0.001)
+m.flush()
+"""
+
+
+def test_worker_ranks_stay_apart_where_they_own_the_resource(tmp_path):
+    """Two worker processes (tensor-parallel ranks 0 and 1) record into one ``PROMETHEUS_MULTIPROC_DIR``; the API
+    server's collector (prometheus_client's ``MultiProcessCollector``, as vLLM's ``/metrics``) keeps the
+    ``PER_RANK`` series apart by ``rank`` (host-tier bytes, page-in bytes and seconds, key-page sources) and sums
+    the rest over the ranks (head-steps, layer fallbacks by layer and reason)."""
+    import os
+    import subprocess
+    import sys
+
+    from prometheus_client.multiprocess import MultiProcessCollector
+
+    from certvllm.metrics.prometheus import PER_RANK
+
+    owned = {"vllm:cert_host_tier_bytes", "vllm:cert_page_in_bytes_total", "vllm:cert_page_in_seconds",
+             "vllm:cert_key_pages_total"}  # fmt: skip
+    assert owned == PER_RANK
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}
+    for rank in ("0", "1"):
+        subprocess.run([sys.executable, "-c", _RANK_WORKER, rank], env=env, check=True, timeout=120)
+    registry = CollectorRegistry()
+    MultiProcessCollector(registry, path=str(tmp_path))
+    got = samples(registry)
+    for rank, k in (("0", 1), ("1", 2)):
+        assert got[f"vllm:cert_host_tier_bytes{{engine=0,rank={rank}}}"] == 1000 * k
+        assert got[f"vllm:cert_page_in_bytes_total{{engine=0,rank={rank}}}"] == 10 * k
+        assert got[f"vllm:cert_page_in_seconds_count{{engine=0,rank={rank}}}"] == 1
+        assert got[f"vllm:cert_key_pages_total{{engine=0,rank={rank},source=host}}"] == 0
+    assert got["vllm:cert_head_steps_total{engine=0,rung=0}"] == 2 * 3  # row 0 of both ranks
+    assert got["vllm:cert_head_steps_total{engine=0,rung=4}"] == 2 * 3
+    assert got["vllm:cert_layer_fallbacks_total{engine=0,layer=7,reason=canary}"] == 2  # one row on each rank
+    assert not any("rank=" in k for k in got if k.startswith(("vllm:cert_head_steps", "vllm:cert_layer_fallbacks")))

@@ -150,7 +150,7 @@ def test_forward_never_synchronises_on_cuda(graphs):
     got = {k: v - warm.get(k, 0.0) for k, v in _samples(runtime.metrics._registry).items()}
     _check(outs, reports, got)
     assert len(reports) == 12
-    assert sum(got[f"vllm:cert_key_pages_total{{source={s}}}"] for s in ("pool", "prefetch", "host")) > 0
-    assert got["vllm:cert_page_in_bytes_total{}"] > 0
+    assert sum(got[f"vllm:cert_key_pages_total{{rank=0,source={s}}}"] for s in ("pool", "prefetch", "host")) > 0
+    assert got["vllm:cert_page_in_bytes_total{rank=0}"] > 0
     graphed = runtime._layer_graphs(query.device)
     assert (graphed is not None and len(graphed) == len(names) and graphed.replays >= 12) == graphs
