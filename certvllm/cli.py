@@ -83,11 +83,15 @@ def build_serve_args(args: list[str]) -> tuple[list[str], dict]:
     config = load_config(preset, **raw)  # CertConfigError names the field, the range and the value
     options: dict = {"preset": preset} if preset else {}
     options.update({name: getattr(config, name) for name in raw})
-    extra_json = _pop_option(vllm_args, "--additional-config")
-    extra = json.loads(extra_json) if extra_json else {}
-    if not isinstance(extra, dict):
-        raise UsageError("--additional-config must be a JSON object")
-    extra.setdefault("certvllm", {}).update(options)
+    extra = _additional_config(_pop_option(vllm_args, "--additional-config"))
+    given = extra.setdefault("certvllm", {})
+    if given:  # settings passed as JSON: every vLLM process would load them, so they are checked here, with the flags
+        merged = {**given, **options}
+        try:
+            config = load_config(merged.pop("preset", None), **merged)
+        except CertConfigError as err:
+            raise CertConfigError(f"--additional-config {json.dumps({'certvllm': given})}: {err}") from None
+    given.update(options)
     if not any(a == "--kv-cache-dtype" or a.startswith("--kv-cache-dtype=") for a in vllm_args):
         vllm_args += ["--kv-cache-dtype", "certified"]
     _choose_cpu_dtype(vllm_args)
@@ -97,6 +101,24 @@ def build_serve_args(args: list[str]) -> tuple[list[str], dict]:
             raise refusal
     _guard_tokenizer_routes(vllm_args)
     return vllm_args, extra
+
+
+def _additional_config(text: str | None) -> dict:
+    """``--additional-config``'s JSON object (empty without one); its ``certvllm`` entry must be an object too."""
+    if not text:
+        return {}
+    try:
+        extra = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise UsageError(f"--additional-config is not valid JSON ({err}): {text}") from None
+    if not isinstance(extra, dict):
+        raise UsageError("--additional-config must be a JSON object")
+    if not isinstance(extra.get("certvllm", {}), dict):
+        raise UsageError(
+            '--additional-config: "certvllm" must be a JSON object of certvllm settings (as --cert-FIELD flags: '
+            f'{{"v_tol": 0.02, "preset": "strict"}}), got {json.dumps(extra["certvllm"])}'
+        )
+    return extra
 
 
 def _vllm_is_cpu_build() -> bool:

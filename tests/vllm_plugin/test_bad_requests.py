@@ -1,6 +1,7 @@
 """Bad requests against ``certvllm serve`` (issue 19 item 4): each gets a clear client error (4xx naming the
-problem), a request with ``prompt_logprobs`` is served, and the server keeps serving afterwards with nothing
-left in use. The shared server of the session (tests/conftest.py ``certified_server``: max_model_len 2048)."""
+problem), a request with ``prompt_logprobs`` is served, one that tries to pass certvllm settings is served with the
+server's own, and the server keeps serving afterwards with nothing left in use. The shared server of the session
+(tests/conftest.py ``certified_server``: max_model_len 2048)."""
 
 from __future__ import annotations
 
@@ -49,6 +50,18 @@ def test_a_bad_completion_request_gets_a_client_error_naming_it(certified_server
 def test_malformed_json_gets_a_client_error(certified_server):
     status, text = _post_raw(certified_server + "/v1/completions", b'{"model": "smollm2", "prompt": ')
     assert 400 <= status < 500, (status, text[:300])
+
+
+def test_a_request_cannot_carry_certvllm_settings(certified_server):
+    """The only per-request free-form field vLLM 0.32 passes to the engine is ``vllm_xargs`` (``SamplingParams.
+    extra_args``); certvllm reads its settings from the engine's ``additional_config`` alone, so invalid values sent
+    that way are ignored: the request is served with the server's settings (tests/vllm_plugin/test_bad_settings.py:
+    invalid settings of the server itself are refused at startup)."""
+    body = {"model": SERVED_NAME, "prompt": "The capital of France is", "max_tokens": 3, "temperature": 0,
+            "vllm_xargs": {"certvllm": "x", "v_tol": -1, "audit_policy": "panic"}}  # fmt: skip
+    status, text = _post_raw(certified_server + "/v1/completions", json.dumps(body).encode())
+    assert status == 200, text[:300]
+    assert json.loads(text)["usage"]["completion_tokens"] == 3
 
 
 def test_prompt_logprobs_are_served_and_the_server_stays_healthy(certified_server):
