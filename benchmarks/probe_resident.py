@@ -121,8 +121,27 @@ def point(batch: int, ctx: int, steps: int, iters: int, deadline: float) -> dict
         fn = lambda cfg=cfg, residency=residency, eng=eng, opts=opts: certified_attention(  # noqa: E731
             q, cache, tables, seq, cfg, scale, pagein=eng, residency=residency, cuda_options=opts
         )
+        if residency.pool is not None:
+            residency.pool.take_stats()
         times[name] = bench.time_graph(fn, iters)
-        print(f"    {name:16s} {times[name]} ms", flush=True)
+        looked = residency.pool.take_stats()["lookups"] / (iters + 3) if residency.pool is not None else 0
+        print(f"    {name:16s} {times[name]} ms, pool pages looked up per call {looked:.0f}", flush=True)
+        if name == "resident_gluon":  # the first pass alone: no target can send a group to the top-up
+            alone = cfg.model_copy(
+                update={
+                    "key_selection": "coverage",
+                    "key_tol": math.inf,
+                    "v_tol": math.inf,
+                    "bound_tol": math.inf,
+                    "rank_check": False,
+                    "rung1_tail_threshold": 1.0,
+                }
+            )
+            fa = lambda alone=alone, residency=residency, eng=eng, opts=opts: certified_attention(  # noqa: E731
+                q, cache, tables, seq, alone, scale, pagein=eng, residency=residency, cuda_options=opts
+            )
+            times["resident_first_pass_only"] = bench.time_graph(fa, iters)
+            print(f"    first pass only  {times['resident_first_pass_only']} ms", flush=True)
     kd = k[:, : lens[0]].permute(0, 2, 1, 3).contiguous()
     vd = v[:, : lens[0]].permute(0, 2, 1, 3).contiguous()
     times["dense"] = bench.time_graph(lambda: torch.nn.functional.scaled_dot_product_attention(
