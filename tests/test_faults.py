@@ -473,7 +473,7 @@ def test_exhausted_host_memory_at_startup_is_refused_naming_the_fix(monkeypatch)
 
     from certvllm.vllm_plugin import host_tier, preflight
 
-    monkeypatch.setattr(host_tier, "_cgroup_headroom", lambda: None)
+    monkeypatch.setattr(preflight, "cgroup_headroom", lambda: None)
     monkeypatch.setattr(psutil, "virtual_memory", lambda: SimpleNamespace(available=64 << 20))  # 64 MiB left
     with pytest.raises(preflight.StartupRefusal) as info:
         host_tier.cap_blocks(_vllm_config(), 10_000)
@@ -482,11 +482,34 @@ def test_exhausted_host_memory_at_startup_is_refused_naming_the_fix(monkeypatch)
     assert "fewer than the 129 blocks one 2048-token request needs" in msg and "Use --cert-host-memory-gb" in msg
     # the container's limit counts too: plenty on the machine, 64 MiB left under the cgroup
     monkeypatch.setattr(psutil, "virtual_memory", lambda: SimpleNamespace(available=64 << 30))
-    monkeypatch.setattr(host_tier, "_cgroup_headroom", lambda: 64 << 20)
+    monkeypatch.setattr(preflight, "cgroup_headroom", lambda: 64 << 20)
     with pytest.raises(preflight.StartupRefusal):
         host_tier.cap_blocks(_vllm_config(), 10_000)
-    monkeypatch.setattr(host_tier, "_cgroup_headroom", lambda: None)
+    monkeypatch.setattr(preflight, "cgroup_headroom", lambda: None)
     assert host_tier.cap_blocks(_vllm_config(), 10_000) == 10_000  # 32 GiB shadows them all
+
+
+def test_certvllm_serve_refuses_exhausted_host_memory_before_vllm(monkeypatch, tmp_path, capsys):
+    """The same rule before vLLM is imported (``preflight.host_tier_refusal`` without a budget): one line, exit 2."""
+    import json
+
+    import psutil
+
+    from certvllm.cli import main
+    from certvllm.vllm_plugin import preflight
+
+    config = {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "hidden_size": 576,
+              "max_position_embeddings": 8192, "torch_dtype": "bfloat16"}  # SmolLM2-135M's geometry  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    monkeypatch.setattr(preflight, "cgroup_headroom", lambda: None)
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: SimpleNamespace(available=64 << 20))
+    argv = ["serve", str(tmp_path), "--max-model-len", "8192", "--dtype", "bfloat16", "--port", "1"]
+    assert main(argv) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if "host" in line]
+    assert len(err) == 1 and err[0].startswith("certvllm: host memory is exhausted: without --cert-host-memory-gb")
+    assert "0.03 GiB" in err[0] and "needs at least 0.18 GiB" in err[0] and "smaller --max-model-len" in err[0]
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: SimpleNamespace(available=64 << 30))
+    assert preflight.host_tier_refusal(argv[1:], None) is None  # 32 GiB: plenty
 
 
 def test_a_shadow_that_cannot_be_allocated_fails_naming_the_layer_and_the_fix(monkeypatch):

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import math
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -25,11 +24,16 @@ from certvllm.formats.layout import PageLayout
 from certvllm.kv.cache import LayerKVCache
 from certvllm.kv.host import allocate_host
 from certvllm.vllm_plugin import settings
-from certvllm.vllm_plugin.preflight import StartupRefusal, gib_at_least, min_request_blocks, shadow_bytes_per_token
+from certvllm.vllm_plugin.preflight import (
+    StartupRefusal,
+    default_budget_bytes,
+    gib_at_least,
+    min_request_blocks,
+    shadow_bytes_per_token,
+)
 
 logger = logging.getLogger("vllm.certvllm")  # under "vllm": shares vLLM's log handlers
 GIB = 1 << 30
-DEFAULT_AVAILABLE_FRACTION = 0.5
 
 
 def shadow_bytes_per_block(vllm_config: Any) -> int:
@@ -52,28 +56,13 @@ def node_bytes_per_block(vllm_config: Any) -> int:
     return shadow_bytes_per_block(vllm_config) * node_ranks(vllm_config)
 
 
-def _cgroup_headroom() -> int | None:
-    """Bytes left under this container's cgroup-v2 memory limit, if one is set."""
-    try:
-        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
-        used = int(Path("/sys/fs/cgroup/memory.current").read_text())
-    except (OSError, ValueError):
-        return None
-    return None if limit == "max" else max(int(limit) - used, 0)
-
-
 def budget_bytes(cfg: CertConfig) -> int:
     """The host tier's budget on this node: ``host_memory_gb``, or half of the memory available now (the smaller
-    of the machine's and the container's headroom). Tensor-parallel ranks share it (:func:`node_bytes_per_block`)."""
+    of the machine's and the container's headroom: ``preflight.default_budget_bytes``). Tensor-parallel ranks share
+    it (:func:`node_bytes_per_block`)."""
     if cfg.host_memory_gb is not None:
         return int(cfg.host_memory_gb * GIB)
-    import psutil
-
-    available = psutil.virtual_memory().available
-    headroom = _cgroup_headroom()
-    if headroom is not None:
-        available = min(available, headroom)
-    return int(DEFAULT_AVAILABLE_FRACTION * available)
+    return default_budget_bytes()
 
 
 def min_blocks(vllm_config: Any) -> int:

@@ -1,6 +1,7 @@
 """What ``certvllm serve`` can decide from its command line and the model folder alone, before vLLM is imported.
 
-* The host tier's minimum (:func:`host_tier_refusal`): the shadow of one full-length request, from the model's
+* The host tier's minimum (:func:`host_tier_refusal`): the budget (``--cert-host-memory-gb``, or without it half of
+  the host memory available now) must hold the shadow of one full-length request, from the model's
   ``config.json`` and the ``--max-model-len`` / ``--block-size`` / ``--dtype`` / ``--tensor-parallel-size``
   flags. The arithmetic is the one ``host_tier`` applies inside vLLM (:func:`shadow_bytes_per_token`,
   :func:`min_request_blocks`), and where a flag or the folder leaves a value open the check takes the least
@@ -198,21 +199,54 @@ def shadow_geometry(args: list[str], config: dict[str, Any]) -> ShadowGeometry |
     return ShadowGeometry(layers, max(1, kv_heads // tp), head_dim, itemsize, max_len, block, tp)
 
 
-def host_tier_refusal(args: list[str], host_memory_gb: float | None) -> StartupRefusal | None:
-    """The refusal of an explicit ``--cert-host-memory-gb`` that cannot shadow one full-length request of this
-    model (None: it can, or the model's geometry cannot be read here and vLLM's own check decides)."""
-    if host_memory_gb is None:
+DEFAULT_AVAILABLE_FRACTION = 0.5
+"""Without ``--cert-host-memory-gb`` the host tier's budget is this fraction of the host memory available."""
+
+
+def cgroup_headroom() -> int | None:
+    """Bytes left under this container's cgroup-v2 memory limit, if one is set."""
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        used = int(Path("/sys/fs/cgroup/memory.current").read_text())
+    except (OSError, ValueError):
         return None
+    return None if limit == "max" else max(int(limit) - used, 0)
+
+
+def default_budget_bytes() -> int:
+    """The host tier's budget without ``--cert-host-memory-gb``: half of the memory available now, the smaller of
+    the machine's and the container's headroom (read again by the engine when it plans its KV cache)."""
+    import psutil
+
+    available = psutil.virtual_memory().available
+    headroom = cgroup_headroom()
+    if headroom is not None:
+        available = min(available, headroom)
+    return int(DEFAULT_AVAILABLE_FRACTION * available)
+
+
+def host_tier_refusal(args: list[str], host_memory_gb: float | None) -> StartupRefusal | None:
+    """The refusal of a host-tier budget that cannot shadow one full-length request of this model (None: it can, or
+    the model's geometry cannot be read here and vLLM's own check decides): an explicit ``--cert-host-memory-gb``,
+    or without one half of the host memory available now (host memory exhausted at startup)."""
     model = model_argument(args)
     config = read_model_config(model, args) if model else None
     geometry = shadow_geometry(args, config) if config else None
     if geometry is None:
         return None
-    budget = int(host_memory_gb * GIB)
+    budget = int(host_memory_gb * GIB) if host_memory_gb is not None else default_budget_bytes()
     if budget >= geometry.min_bytes:
         return None
     g = geometry
     ranks = f", x {g.ranks} tensor-parallel ranks sharing the node's budget" if g.ranks > 1 else ""
+    if host_memory_gb is None:
+        return StartupRefusal(
+            f"host memory is exhausted: without --cert-host-memory-gb the host tier gets half of the memory available "
+            f"now, {budget / GIB:.2f} GiB, which cannot hold the host shadow of one {g.max_model_len}-token request of "
+            f"{model}: that needs at least {gib_at_least(g.min_bytes):.2f} GiB ({g.blocks} blocks of {g.block_size} "
+            f"tokens x {g.per_token / 1024:.1f} KiB per token{ranks}). Free host memory, or use a smaller "
+            "--max-model-len."
+        )
     return StartupRefusal(
         f"--cert-host-memory-gb {host_memory_gb:g} cannot hold the host shadow of one {g.max_model_len}-token "
         f"request of {model}: that needs at least {gib_at_least(g.min_bytes):.2f} GiB ({g.blocks} blocks of "
