@@ -181,6 +181,10 @@ def test_corrupted_pages_are_caught_and_every_request_is_answered(fault_server):
                     if k.startswith("vllm:cert_layer_fallbacks_total") and 'reason="audit"' in k)  # fmt: skip
     assert violations == state["violations"] > 0 and audits == state["audited"]
     assert fallbacks > 0  # the long request ran exactly in the layers the audit caught
+    print(f"corrupted pages: {state['corrupted']}, audited head-steps {audits:.0f}, violations {violations:.0f} at "
+          f"context lengths {state['violation_lens'][0]}-{state['violation_lens'][-1]}, audit fallbacks (rows x "
+          f"layer calls) {fallbacks:.0f}; answers: long {answers['long']['choices'][0]['text']!r}, short "
+          f"{answers['short']['choices'][0]['text']!r}")  # fmt: skip
     _command(fault_server, kind="none")
 
 
@@ -239,18 +243,21 @@ def test_a_killed_worker_ends_in_a_clean_error_and_leaves_no_process(fault_serve
         if line.strip():
             rest.append(line.decode())
     ended = time.monotonic() - killed
+    print(f"killed worker {worker}: the stream ended {ended:.2f} s later with {rest}")
     assert ended < 30, ended
     assert rest[-1].strip() == "data: [DONE]", rest
     errors = [json.loads(x.removeprefix("data: ")) for x in rest if x.startswith('data: {"error"')]
     assert len(errors) == 1 and errors[0]["error"]["code"] == 500, rest
-    # the engine is dead: a new request gets a clean 500 (or, once the server went down, no connection)
+    # the engine is dead: a new request gets a clean 500, or no connection once the server is going down
     try:
         status, text = _request(base, "/v1/completions", {"model": SERVED_NAME, "prompt": "Hi", "max_tokens": 2},
                                 timeout=30)  # fmt: skip
         assert status == 500 and "EngineCore" in text, (status, text[:300])
-    except urllib.error.URLError:
-        pass
+        print("a new request after the kill: HTTP 500", text[:200])
+    except (urllib.error.URLError, ConnectionError) as err:
+        print(f"a new request after the kill: no connection ({err!r})")
     proc.wait(timeout=120)  # the API server shuts itself down
+    print(f"the server exited {time.monotonic() - killed:.1f} s after the kill, code {proc.returncode}")
     assert proc.returncode is not None
     assert not alive_in_group(proc.pid), "processes of the server's group left behind"
     log = fault_server.log.read_text()
