@@ -353,7 +353,7 @@ def runtime(monkeypatch):
 
     registry = CollectorRegistry()
     monkeypatch.setattr(runtime_mod, "CertMetrics",
-                        lambda name, engine: CertMetrics(name, engine, registry=registry))  # fmt: skip
+                        lambda name, engine, **kw: CertMetrics(name, engine, registry=registry, **kw))  # fmt: skip
     cfg = load_config("default", audit_rate=1.0)
     rt = runtime_mod.WorkerRuntime(cfg, "test", "0")
     cs = _cases(21)
