@@ -113,7 +113,7 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
 XDIST_GROUPS = {
     "tests/vllm_plugin/test_vllm_engine.py": "engines",
     "tests/eval/test_eval.py::test_eval_smoke_through_the_engine": "engines",
-    "tests/vllm_plugin/test_faults.py": "engines",
+    "tests/vllm_plugin/test_serving_faults.py": "engines",
     "tests/vllm_plugin/test_vllm_server.py": "server",
     "tests/test_deploy.py::test_dashboard_metrics_exist_in_a_real_scrape": "server",
     "tests/test_soak.py::test_short_soak_against_the_shared_server": "server",

@@ -2,7 +2,8 @@
 offsets and scales, the scale exponent, value codes, scales and zero points, the η/ν annotations, the flags),
 random bit flips anywhere in a page, page-ins that fail or return wrong pages, and host memory exhausted at
 startup and while serving. The engine-level faults (a killed worker, faults inside a serving worker) are in
-tests/vllm_plugin/test_faults.py; the promotion-pool slot is a CUDA-only structure, its test runs in the GPU lane.
+tests/vllm_plugin/test_serving_faults.py; the promotion-pool slot is a CUDA-only structure, its test runs in the GPU
+lane.
 
 What every test checks, against an independent float64 reference over the originals
 (``certvllm.testing.exact_attention``, not the audit's own):

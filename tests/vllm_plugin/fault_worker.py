@@ -1,5 +1,5 @@
-"""Test-only fault injection inside a serving vLLM worker (tests/vllm_plugin/test_faults.py); nothing in certvllm
-imports or reads any of this.
+"""Test-only fault injection inside a serving vLLM worker (tests/vllm_plugin/test_serving_faults.py); nothing in
+certvllm imports or reads any of this.
 
 The server is started with ``--worker-extension-cls fault_worker.FaultInjector`` (vLLM's own option: the worker
 imports this module and mixes the class into its worker class), with this folder on ``PYTHONPATH`` and
