@@ -24,6 +24,7 @@ LAUNCHED: dict[str, tuple[str, ...]] = {
     "select": ("_select_kernel",),
     "finalize": ("_finalize_kernel", "_combine_exact_kernel"),
     "fused": ("_fused_kernel",),
+    "fused_gluon": ("_fused_gluon_kernel",),
     "pool": ("_claim1", "_claim2", "_claim3", "_fill"),
     "prefetch": ("_stage_pages_kernel", "_snapshot_tags_kernel", "_serve_record_kernel"),
     "encode": ("_encode_pages_kernel",),
@@ -31,7 +32,7 @@ LAUNCHED: dict[str, tuple[str, ...]] = {
     "shadow_write": ("_scatter_kernel",),
 }
 """Every kernel the launchers launch, by module of this package."""
-GLUON_MODULES = ("phase1_gluon", "attend_gluon")
+GLUON_MODULES = ("phase1_gluon", "attend_gluon", "fused_gluon")
 """Modules that import only where Triton has Gluon."""
 
 
