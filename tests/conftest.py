@@ -106,13 +106,15 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
 # -- pytest-xdist (make test: -n 2 --dist loadgroup) ----------------------------------------------------------
 # Tests that must run on one worker, one after the other, by node id (a module, or one test of a module):
 # ``engines``: the engine module and the evaluation smoke test each keep both cores busy with two vLLM engines,
-# and four engines at once would not fit the machine's memory (the fault module's own server runs there too);
+# and four engines at once would not fit the machine's memory (the fault module's own server runs there too, and
+# the tensor-parallel module's engines, each of which computes on both cores, one thread per rank);
 # ``server``: the users of ``certified_server`` (one server, stopped after its last user). The groups are handed
 # out first (longest first), then the other tests module by module, so the other worker runs the single-core tests
 # (the Triton interpreter, the benchmark's engines one at a time, the fast tests) beside the engines.
 XDIST_GROUPS = {
     "tests/vllm_plugin/test_vllm_engine.py": "engines",
     "tests/eval/test_eval.py::test_eval_smoke_through_the_engine": "engines",
+    "tests/vllm_plugin/test_tensor_parallel.py": "engines",
     "tests/vllm_plugin/test_serving_faults.py": "engines",
     "tests/vllm_plugin/test_vllm_server.py": "server",
     "tests/test_deploy.py::test_dashboard_metrics_exist_in_a_real_scrape": "server",
