@@ -83,6 +83,7 @@ def _fused_kernel(
     tag,  # [P] int64 page id of each slot (USE_POOL)
     tag_gen,  # [P] int64 write generation of each slot's copy (USE_POOL)
     gen,  # [num_blocks] int64 current write generations (USE_POOL)
+    slot_of,  # [num_blocks·H_kv] int32 slot of each page, −1 none (EXPLICIT)
     tables,  # [R, ≥B] int64 16-token block ids (row stride TB_STRIDE)
     nfull,  # [R] int64 full blocks per row
     bits,  # [R, H_kv, B] int32 caller's bitmask: bit g keys (any g: the whole group), bit G + g values (USE_BITS)
@@ -122,6 +123,7 @@ def _fused_kernel(
     CHANNEL_MAJOR: tl.constexpr,  # shadow keys stored [D, m·N] (the CPU layout)
     USE_POOL: tl.constexpr,
     POOL_VALUES: tl.constexpr,  # a hit's values are read unquantized from ``vpool`` too
+    EXPLICIT: tl.constexpr,  # the pool's slots are explicitly allocated (``slot_of``), else two-choice hashed
     USE_BITS: tl.constexpr,
     USE_ACTIVE: tl.constexpr,
     EXACT_ALL: tl.constexpr,  # every block of an active group read unquantized (rungs 3/4)
@@ -182,15 +184,22 @@ def _fused_kernel(
             bb = tl.zeros([BLK, 1, 1], tl.int32)
         if USE_POOL:
             page = bid * H + h
-            s1 = page % nslots
-            s2 = ((page * _HASH_MUL) >> 7) % nslots
             gb = tl.load(gen + bid, mask=valid, other=-2)
-            hit1 = valid & (tl.load(tag + s1, mask=valid, other=-1) == page)
-            hit1 = hit1 & (tl.load(tag_gen + s1, mask=valid, other=-1) == gb)
-            hit2 = valid & ~hit1 & (tl.load(tag + s2, mask=valid, other=-1) == page)
-            hit2 = hit2 & (tl.load(tag_gen + s2, mask=valid, other=-1) == gb)
-            res = hit1 | hit2
-            slot = tl.where(hit1, s1, s2)
+            if EXPLICIT:  # the slot the pool assigned (``ResidentPool``), checked by its tag
+                slot = tl.load(slot_of + page, mask=valid, other=-1).to(tl.int64)
+                has = valid & (slot >= 0)
+                slot = tl.where(has, slot, 0)
+                res = has & (tl.load(tag + slot, mask=has, other=-1) == page)
+                res = res & (tl.load(tag_gen + slot, mask=has, other=-1) == gb)
+            else:  # the two candidate slots of the hashed pool
+                s1 = page % nslots
+                s2 = ((page * _HASH_MUL) >> 7) % nslots
+                hit1 = valid & (tl.load(tag + s1, mask=valid, other=-1) == page)
+                hit1 = hit1 & (tl.load(tag_gen + s1, mask=valid, other=-1) == gb)
+                hit2 = valid & ~hit1 & (tl.load(tag + s2, mask=valid, other=-1) == page)
+                hit2 = hit2 & (tl.load(tag_gen + s2, mask=valid, other=-1) == gb)
+                res = hit1 | hit2
+                slot = tl.where(hit1, s1, s2)
         else:
             res = valid & (bid < 0)
             slot = bid
@@ -394,7 +403,7 @@ def fused_pass(
     delta_factor: float,
     rounding_factor: float,
     *,
-    pool: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    pool: tuple | None = None,
     bits: torch.Tensor | None = None,
     active: torch.Tensor | None = None,
     run_canary: bool = True,
@@ -408,8 +417,9 @@ def fused_pass(
         qs: ``[R, H_q, D]`` float32 scaled queries.
         pages: ``[E, H_kv, m·page_bytes]`` uint8 tier-1 pages; shadow: the pinned originals.
         tables: ``[R, B]`` int64 block ids; nfull: ``[R]`` int64 full blocks per row.
-        pool: ``(keys [P, N, D], values [P, N, D] or None, tag [P], tag_gen [P], generation [num_blocks])`` of the
-            layer's promotion pool, or None (F is then only what ``bits`` promotes).
+        pool: ``(keys [P, N, D], values [P, N, D] or None, tag [P], tag_gen [P], generation [num_blocks], slot_of
+            [num_blocks·H_kv] or None)`` of the layer's pool (``slot_of``: explicitly allocated slots, else the
+            hashed pool's two candidates), or None (F is then only what ``bits`` promotes).
         bits: ``[R, H_kv, B]`` int32 caller's promotions (bit g keys, G + g values), or None.
         active: ``[R, H_kv]`` int32 groups to compute, or None (all).
         exact_all: read every block of the computed groups unquantized (keys and values: rungs 3/4).
@@ -439,18 +449,20 @@ def fused_pass(
         return out
     lay = geo.layout
     use_pool = pool is not None and pool[0].shape[0] > 0
-    pool_pages, pool_values, tag, tag_gen, gen = pool if use_pool else (out.sabs, None, out.bad, out.bad, out.bad)
+    pool_pages, pool_values, tag, tag_gen, gen, slot_of = pool if use_pool else (out.sabs, None, *(out.bad,) * 4)
     pool_v = pool_values is not None
+    explicit = use_pool and slot_of is not None
     args = (
         qs, pages, pages.view(torch.int8), pages.view(torch.float16), pages.view(torch.float32), device_arg(shadow),
-        pool_pages, pool_values if pool_v else pool_pages, tag, tag_gen, gen, tables, nfull,
+        pool_pages, pool_values if pool_v else pool_pages, tag, tag_gen, gen, slot_of if explicit else out.bad, tables,
+        nfull,
         out.bad if bits is None else bits, out.bad if active is None else active,
         out.acc, out.den, out.aval, out.atail, out.msplit, out.sabs, out.l8, out.delta, out.rmax, out.amax,
         out.exact_lm, out.eta, out.nu, out.bad, out.fbits, out.canary,
         pool_pages.shape[0] if use_pool else 1, geo.num_blocks, B, tables.stride(0), S, geo.blocks_per_split,
         delta_factor, rounding_factor,
     )  # fmt: skip
-    flags = dict(use_pool=use_pool, pool_values=pool_v, use_bits=bits is not None, use_active=active is not None,
+    flags = dict(use_pool=use_pool, pool_values=pool_v, explicit=explicit, use_bits=bits is not None, use_active=active is not None,
                  run_canary=run_canary, exact_all=exact_all)  # fmt: skip
 
     def launch_triton():
@@ -459,7 +471,8 @@ def fused_pass(
             H=K, G=G, GP=next_pow2(G), D=D, DP=next_pow2(D), M=geo.sub_blocks, GRP=lay.value_group, NG=lay.groups,
             BLK=geo.blk, VEC=geo.vec, PAGE_BYTES=lay.page_bytes, K_OFFSET=lay.k_offset, K_SCODE=lay.k_scale_code,
             V_CODES=lay.v_codes, V_SCALE=lay.v_scale, V_ZERO=lay.v_zero, HEADER=lay.header,
-            CHANNEL_MAJOR=geo.channel_major, USE_POOL=use_pool, POOL_VALUES=pool_v, USE_BITS=bits is not None,
+            CHANNEL_MAJOR=geo.channel_major, USE_POOL=use_pool, POOL_VALUES=pool_v, EXPLICIT=explicit,
+            USE_BITS=bits is not None,
             USE_ACTIVE=active is not None, EXACT_ALL=exact_all, CANARY=run_canary, CANARY_F=CANARY_SLACK, PRECISE=precise(),
             num_warps=geo.warps,
         )  # fmt: skip

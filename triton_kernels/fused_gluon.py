@@ -64,9 +64,18 @@ def _x4(x):
 
 
 @gluon.jit
-def _residency(bid, valid, h, tag, tag_gen, gen, nslots, H: gl.constexpr, USE_POOL: gl.constexpr):
+def _residency(bid, valid, h, tag, tag_gen, gen, slot_of, nslots, H: gl.constexpr, USE_POOL: gl.constexpr,
+               EXPLICIT: gl.constexpr):  # fmt: skip
     """Whether the pool holds block ``bid``'s KV-head-h page under its current generation, and the slot."""
-    if USE_POOL:
+    if USE_POOL and EXPLICIT:  # the slot the pool assigned (``ResidentPool``), checked by its tag
+        page = bid * H + h
+        gb = gl.load(gen + bid, mask=valid, other=-2)
+        slot = gl.load(slot_of + page, mask=valid, other=-1).to(gl.int64)
+        has = valid & (slot >= 0)
+        slot = gl.where(has, slot, 0)
+        res = has & (gl.load(tag + slot, mask=has, other=-1) == page)
+        return res & (gl.load(tag_gen + slot, mask=has, other=-1) == gb), slot
+    elif USE_POOL:
         page = bid * H + h
         s1 = page % nslots
         s2 = ((page * _HASH_MUL) >> 7) % nslots
@@ -117,13 +126,14 @@ def _value_tokens(wsx, pages_f16, pages_u8, base4, vm, tv, kbyte, gq, xpool, xsh
 
 @gluon.jit(**JIT_OPTIONS)
 def _fused_gluon_kernel(
-    qs, pages_u8, pages_i8, pages_f16, pages_f32, shadow, pool, vpool, tag, tag_gen, gen, tables, nfull, bits,
+    qs, pages_u8, pages_i8, pages_f16, pages_f32, shadow, pool, vpool, tag, tag_gen, gen, slot_of, tables, nfull, bits,
     active, acc, den, aval, atail, msplit, sabs, l8, delta, rmax, amax, exact_lm, eta, nu, bad, fbits, canary, lut,
     nslots, num_blocks, B, TB_STRIDE, S, BPS, DELTA_F, ROUND_F,
     H: gl.constexpr, G: gl.constexpr, GP: gl.constexpr, D: gl.constexpr, M: gl.constexpr, GRP: gl.constexpr,
     NG: gl.constexpr, BLK: gl.constexpr, PAGE_BYTES: gl.constexpr, K_OFFSET: gl.constexpr, K_SCODE: gl.constexpr,
     V_CODES: gl.constexpr, V_SCALE: gl.constexpr, V_ZERO: gl.constexpr, HEADER: gl.constexpr, VEC: gl.constexpr,
-    VB: gl.constexpr, USE_POOL: gl.constexpr, POOL_VALUES: gl.constexpr, USE_BITS: gl.constexpr,
+    VB: gl.constexpr, USE_POOL: gl.constexpr, POOL_VALUES: gl.constexpr, EXPLICIT: gl.constexpr,
+    USE_BITS: gl.constexpr,
     USE_ACTIVE: gl.constexpr, EXACT_ALL: gl.constexpr, CANARY: gl.constexpr, CANARY_F: gl.constexpr,
 ):  # fmt: skip
     """The arguments of ``fused._fused_kernel`` (documented there; D a power of two, token-major shadow keys,
@@ -219,7 +229,7 @@ def _fused_gluon_kernel(
         gl.store(delta + orow, gl.where(valid2, d_all, 0.0), mask=gmask)
         gl.store(rmax + orow, gl.where(valid2, r_all, 0.0), mask=gmask)
         # ---- F: pool hits under the current generation, or the caller's key bits
-        res, slot = _residency(bid_k, valid, h, tag, tag_gen, gen, nslots, H, USE_POOL)
+        res, slot = _residency(bid_k, valid, h, tag, tag_gen, gen, slot_of, nslots, H, USE_POOL, EXPLICIT)
         if USE_BITS:
             bbits = gl.load(bits + rk * B + bb, mask=valid, other=0)
         else:
@@ -358,7 +368,7 @@ def _fused_gluon_kernel(
 
 
 def launch_constants(geo, num_warps: int, canary_factor: float, use_pool: bool, pool_values: bool, use_bits: bool,
-                     use_active: bool, run_canary: bool, exact_all: bool = False) -> dict:  # fmt: skip
+                     use_active: bool, run_canary: bool, exact_all: bool = False, explicit: bool = True) -> dict:  # fmt: skip
     """The compile-time arguments of :func:`_fused_gluon_kernel` for ``geo`` (a ``fused.FusedGeometry``)."""
     lay = geo.layout
     G = geo.group
@@ -366,7 +376,8 @@ def launch_constants(geo, num_warps: int, canary_factor: float, use_pool: bool, 
         H=geo.num_kv_heads, G=G, GP=1 << max(0, (G - 1).bit_length()), D=lay.head_dim, M=geo.sub_blocks,
         GRP=lay.value_group, NG=lay.groups, BLK=num_warps, PAGE_BYTES=lay.page_bytes, K_OFFSET=lay.k_offset,
         K_SCODE=lay.k_scale_code, V_CODES=lay.v_codes, V_SCALE=lay.v_scale, V_ZERO=lay.v_zero, HEADER=lay.header,
-        VEC=VEC, VB=VB, USE_POOL=use_pool, POOL_VALUES=pool_values, USE_BITS=use_bits, USE_ACTIVE=use_active,
+        VEC=VEC, VB=VB, USE_POOL=use_pool, POOL_VALUES=pool_values, EXPLICIT=explicit, USE_BITS=use_bits,
+        USE_ACTIVE=use_active,
         EXACT_ALL=exact_all, CANARY=run_canary, CANARY_F=canary_factor, num_warps=num_warps, enable_fp_fusion=True,
     )  # fmt: skip
 
@@ -374,5 +385,5 @@ def launch_constants(geo, num_warps: int, canary_factor: float, use_pool: bool, 
 def launch(args: tuple, grid: tuple, lut: torch.Tensor, constants: dict) -> None:
     """Launch with the Triton kernel's positional arguments ``args`` (``fused._fused_kernel`` order, without
     ``lut``), the key-scale table appended after ``canary``."""
-    head, tail = args[:31], args[31:]
+    head, tail = args[:32], args[32:]
     _fused_gluon_kernel[grid](*head, lut, *tail, **constants)

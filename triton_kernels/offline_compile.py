@@ -43,6 +43,7 @@ PHASE1_POINTERS = {
 RESIDENT_POINTERS = {
     "qs": "*fp32", "pages_u8": "*u8", "pages_i8": "*i8", "pages_f16": "*fp16", "pages_f32": "*fp32",
     "shadow": "*bf16", "pool": "*bf16", "vpool": "*bf16", "tag": "*i64", "tag_gen": "*i64", "gen": "*i64",
+    "slot_of": "*i32",
     "tables": "*i64", "nfull": "*i64", "bits": "*i32", "active": "*i32", "acc": "*fp64", "den": "*fp64",
     "aval": "*fp64", "atail": "*fp64", "bad": "*i32", "fbits": "*i32", "canary": "*i32",
 }  # fmt: skip

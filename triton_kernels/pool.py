@@ -25,7 +25,7 @@ import triton.language as tl
 
 from certvllm.formats.pool_slots import CLAIM_HIT, HASH_MUL
 
-from .common import copy_page, device_arg, launch_device_ok, next_pow2
+from .common import as_mask, copy_page, device_arg, launch_device_ok, next_pow2
 from .shape_class import JIT_OPTIONS, width_class
 
 _HASH_MUL = tl.constexpr(HASH_MUL)  # the two slots and the claim encoding: ``certvllm.formats.pool_slots``
@@ -175,3 +175,95 @@ def pool_lookup(
         VALUES=values is not None, num_warps=4,
     )  # fmt: skip
     return state, step
+
+
+# ---- explicitly allocated slots (the resident decode pass: certvllm.kv.promotion_cache.ResidentPool) -------------
+_CMP_NEVER = tl.constexpr(-3)  # a slot_of value that never occurs: a CAS against it changes nothing
+
+
+@triton.jit(**JIT_OPTIONS)
+def _resident_claim(tables, TB_STRIDE, nfull, bits, B, need_mask, num_blocks, P, gen, tag, tag_gen, slot_of, hand,
+                    call_fills, fill_flag, step, H: tl.constexpr, BLK: tl.constexpr):  # fmt: skip
+    """Per (row, KV head, block) needed: a hit (slot_of → a slot tagged (page, current generation)) does
+    nothing; a page whose slot holds an older generation is marked for a refill in place; a page without a slot
+    (or whose slot was reused) claims ``slot_of`` (CAS −1 → −2), and the winner takes the next slot of the FIFO
+    hand, evicts its tenant (CAS its ``slot_of`` back to −1) and retags the slot; at most P slots per call."""
+    idx, inb, need, bid, page, _s1, _s2 = _items(tables, TB_STRIDE, nfull, bits, B, need_mask, num_blocks, P, H, BLK)
+    zero = page * 0
+    minus1 = (zero - 1).to(tl.int32)  # CAS values typed as slot_of's int32 (the interpreter writes a value's width)
+    safe = tl.where(need, page, 0)
+    g = tl.load(gen + bid, mask=need, other=-2)
+    s = tl.load(slot_of + safe, mask=need, other=-1).to(tl.int64)
+    has = need & (s >= 0)
+    st = tl.where(has, s, 0)
+    owned = has & (tl.load(tag + st, mask=has, other=-1) == page)
+    hit = owned & (tl.load(tag_gen + st, mask=owned, other=-1) == g)
+    stale = owned & ~hit
+    tl.store(fill_flag + st, 1, mask=stale)  # refilled in place (the fill kernel retags the generation)
+    dangling = has & ~owned  # the slot went to another page: forget it, then claim afresh
+    tl.atomic_cas(slot_of + safe, tl.where(dangling, s, _CMP_NEVER).to(tl.int32), minus1)
+    miss = need & (~has | dangling)
+    old = tl.atomic_cas(slot_of + safe, tl.where(miss, -1, _CMP_NEVER).to(tl.int32), minus1 - 1)
+    win = as_mask(miss & (old == -1))  # (the interpreter returns the CAS result's comparison as integers)
+    k = tl.atomic_add(call_fills + zero, 1, mask=win)  # this call's k-th new slot
+    ok = as_mask(win & (k < P))
+    slot = (tl.load(hand + zero, mask=win, other=0) + k) % P
+    slot = tl.where(ok, slot, 0)
+    victim = tl.load(tag + slot, mask=ok, other=-1)
+    tl.atomic_cas(slot_of + tl.where(ok & (victim >= 0), victim, 0),
+                  tl.where(ok & (victim >= 0), slot, _CMP_NEVER).to(tl.int32), minus1)  # fmt: skip
+    tl.store(tag + slot, page, mask=ok)
+    tl.store(fill_flag + slot, 1, mask=ok)
+    tl.store(slot_of + safe, tl.where(ok, slot, -1).to(tl.int32), mask=win)  # a winner past P gives its claim back
+    tl.atomic_add(step + 0, tl.sum(need.to(tl.int64), axis=0))
+    tl.atomic_add(step + 1, tl.sum(hit.to(tl.int64), axis=0))
+    tl.atomic_add(step + 3, tl.sum((win & ~ok).to(tl.int64), axis=0))
+
+
+@triton.jit(**JIT_OPTIONS)
+def _resident_fill(src, pool, vpool, gen, tag, tag_gen, hand, call_fills, fill_flag, step, P,
+                   H: tl.constexpr, M: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, CHANNEL_MAJOR: tl.constexpr,
+                   SPP: tl.constexpr, VALUES: tl.constexpr):  # fmt: skip
+    """Per slot marked by ``_resident_claim``: copy its tenant's keys (and values) from the shadow and tag it with
+    the block's generation; program 0 advances the FIFO hand by this call's new slots."""
+    if tl.program_id(0) == 0:
+        n = tl.minimum(tl.load(call_fills), P)
+        tl.store(hand, (tl.load(hand) + n) % P)
+        tl.store(call_fills, 0)
+    for j in range(0, SPP):
+        p = tl.program_id(0).to(tl.int64) * SPP + j
+        if tl.load(fill_flag + p, mask=p < P, other=0) != 0:
+            e = tl.load(tag + p)
+            tl.store(tag_gen + p, tl.load(gen + e // H))
+            copy_page(src, e, 0, pool, p, H, M, D, DP, CHANNEL_MAJOR)
+            if VALUES:
+                copy_page(src, e, 1, vpool, p, H, M, D, DP, CHANNEL_MAJOR)
+            tl.store(fill_flag + p, 0)
+            tl.atomic_add(step + 2, 1)
+
+
+def resident_page_in(pool, shadow: torch.Tensor, tables: torch.Tensor, nfull: torch.Tensor, bits: torch.Tensor,
+                     need_mask: int, num_blocks: int, sub_blocks: int, channel_major: bool) -> torch.Tensor:  # fmt: skip
+    """Make every needed page resident in an explicitly allocated pool (``kv.promotion_cache.ResidentPool``): the
+    claim kernel, then the fill kernel. Returns this call's ``step`` counts ``[4]`` int64 (pages needed, hits,
+    slots filled, pages left without a slot)."""
+    launch_device_ok(pool.pool)
+    R, H, B = bits.shape
+    P = pool.slots
+    step = torch.zeros(4, dtype=torch.int64, device=bits.device)
+    if R * B == 0:
+        return step
+    blk = width_class(B).item_block
+    _resident_claim[(R * H, triton.cdiv(B, blk))](
+        tables, tables.stride(0), nfull, bits, B, need_mask, num_blocks, P, pool.generation, pool.tag, pool.tag_gen,
+        pool.slot_of, pool.hand, pool.call_fills, pool.fill_flag, step, H=H, BLK=blk, num_warps=4,
+    )  # fmt: skip
+    spp = 16
+    d = pool.pool.shape[2]
+    values = pool.values
+    _resident_fill[(triton.cdiv(P, spp),)](
+        device_arg(shadow), pool.pool, pool.pool if values is None else values, pool.generation, pool.tag,
+        pool.tag_gen, pool.hand, pool.call_fills, pool.fill_flag, step, P, H=H, M=sub_blocks, D=d, DP=next_pow2(d),
+        CHANNEL_MAJOR=channel_major, SPP=spp, VALUES=values is not None, num_warps=4,
+    )  # fmt: skip
+    return step

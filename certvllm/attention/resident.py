@@ -44,7 +44,8 @@ from certvllm.triton_kernels.select import select_blocks
 
 
 def _pool_args(pool: PromotionCache | None):
-    return None if pool is None else (pool.pool, pool.values, pool.tag, pool.tag_gen, pool.generation)
+    return None if pool is None else (pool.pool, pool.values, pool.tag, pool.tag_gen, pool.generation,
+                                      getattr(pool, "slot_of", None))  # fmt: skip
 
 
 @dataclass

@@ -208,3 +208,46 @@ class PromotionCache:
         """:meth:`take_stats` without a synchronisation: the counters are copied to pinned host memory and
         zeroed on the device, in stream order, and read when the result is resolved (the same names)."""
         return DeferredStats(names=("lookups", "hits", "fills", "bypass"), read=DeferredRead.take(self.counts))
+
+
+class ResidentPool(PromotionCache):
+    """The pool of the resident decode pass (``CertConfig.decode_pass: resident``): slots allocated explicitly
+    instead of by two-choice hashing, each holding a page's keys and values.
+
+    * ``slot_of`` ``[num_blocks·H_kv]`` int32: the slot of page ``e`` or −1 (−2 while a call claims it). A page
+      never loses its slot to a hash conflict: a page that is paged in stays until the FIFO ``hand`` comes back
+      round to its slot (``slots`` new pages later).
+    * A slot is served iff ``tag[slot] == e`` and ``tag_gen[slot]`` equals the block's current write generation,
+      exactly the rule of the hashed pool (module docstring); ``slot_of`` only says where to look, so a stale
+      or raced entry can only make a page miss, never serve wrong bytes.
+    * :meth:`lookup` (``triton_kernels.pool.resident_page_in``, 2 launches, no host synchronisation) makes the
+      needed pages resident: hits stay, a page whose slot holds an older generation is refilled in place, and
+      each other page takes the next slot of the hand (evicting its tenant); at most ``slots`` new pages per call
+      (the rest counted as ``bypass`` and read from the shadow). The fill copies keys and values from the shadow
+      and tags the slot with the block's generation, in stream order after every write queued before the call.
+
+    Costs over the hashed pool: 4 bytes per (block, KV head) page of the layer for ``slot_of``, and 12 per slot.
+    """
+
+    def __init__(self, cache: LayerKVCache, slots: int) -> None:
+        super().__init__(cache, slots, values=True)
+        dev = cache.pages.device
+        self.slot_of = torch.full((cache.num_blocks * cache.num_kv_heads,), -1, dtype=torch.int32, device=dev)
+        self.hand = torch.zeros(1, dtype=torch.int64, device=dev)
+        self.call_fills = torch.zeros(1, dtype=torch.int64, device=dev)
+        self.fill_flag = torch.zeros(self.slots, dtype=torch.int32, device=dev)
+        self.nbytes += self.slot_of.numel() * 4 + self.slots * 4 + 16
+
+    def lookup(
+        self, cache: LayerKVCache, tables: torch.Tensor, nfull: torch.Tensor, bits: torch.Tensor, need_mask: int
+    ) -> tuple[None, torch.Tensor]:
+        """Page in every full block with ``bits & need_mask`` (class docstring). Returns ``(None, paged)``: no slot
+        map (the resident pass finds slots through ``slot_of``) and the 0-dim count of pages read over PCIe."""
+        from certvllm.kv.cuda_pagein import ensure_device_readable
+        from certvllm.triton_kernels.pool import resident_page_in
+
+        shadow = ensure_device_readable(cache)
+        step = resident_page_in(self, shadow, tables, nfull, bits, need_mask, cache.num_blocks, cache.sub_blocks,
+                                cache.keys_channel_major)  # fmt: skip
+        self.counts += step
+        return None, step[2] + step[3]

@@ -22,8 +22,8 @@ if TYPE_CHECKING:
 
 
 def pool_values(decode_pass: str) -> bool:
-    """Whether a layer's promotion pool holds value pages: for the resident decode pass, which reads a hit's
-    values unquantized (``CertConfig.decode_pass``)."""
+    """Whether a layer's pool is the resident pass's (``kv.promotion_cache.ResidentPool``: explicit slots, value
+    pages too; the pass reads a hit's keys and values unquantized) for this ``CertConfig.decode_pass``."""
     return decode_pass == "resident"
 
 
@@ -36,15 +36,17 @@ class Residency:
     prefetch_index: int = -1
 
     @classmethod
-    def for_layer(cls, cache: LayerKVCache, pool_fraction: float, values: bool = False) -> Residency:
+    def for_layer(cls, cache: LayerKVCache, pool_fraction: float, resident: bool = False) -> Residency:
         """A residency with a new promotion pool of ``pool_fraction`` of the cache's (block, KV head) pages
-        (none when the fraction is 0), holding value pages too when ``values`` (the resident decode pass:
-        :func:`pool_values`). The pool lives on the pages' device; only the CUDA path reads it."""
-        from certvllm.kv.promotion_cache import PromotionCache, pool_slots
+        (none when the fraction is 0): the hashed ``PromotionCache`` of the two-pass path, or with ``resident``
+        (:func:`pool_values`) the explicitly allocated ``ResidentPool`` with value pages. The pool lives on the
+        pages' device; only the CUDA path reads it."""
+        from certvllm.kv.promotion_cache import PromotionCache, ResidentPool, pool_slots
 
         if pool_fraction <= 0:
             return cls()
-        return cls(pool=PromotionCache(cache, pool_slots(cache, pool_fraction), values))
+        slots = pool_slots(cache, pool_fraction)
+        return cls(pool=ResidentPool(cache, slots) if resident else PromotionCache(cache, slots))
 
     def prefetch_slot(self) -> tuple[Any, int] | None:
         """``(prefetcher, layer index)`` when the layer takes part in a step prefetch, else None."""

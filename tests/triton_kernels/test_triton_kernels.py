@@ -506,6 +506,70 @@ def test_pool_fill_copies_key_pages_from_the_shadow(sub, channel_major, gen):
     assert torch.equal(pool[[0, 2, 3]].cpu(), keys) and (pool[1] == 7.0).all()  # slot 1 left alone
 
 
+def _check_resident_pool(pool, cache, tables, nfull, bits, need_mask) -> set[int]:
+    """The invariants of an explicitly allocated pool (``ResidentPool``) after a lookup; returns the pages it
+    serves. A page is served iff slot_of → a slot tagged (page, the block's generation); served slots hold the
+    shadow's keys and values; no two pages share a slot."""
+    H = cache.num_kv_heads
+    slot_of, tag, tag_gen = pool.slot_of.cpu().long(), pool.tag.cpu(), pool.tag_gen.cpu()
+    gen_ = pool.generation.cpu()
+    served = {}
+    for e in range(slot_of.numel()):
+        s_ = int(slot_of[e])
+        assert s_ >= -1  # no claim survives a call
+        if s_ >= 0 and int(tag[s_]) == e and int(tag_gen[s_]) == int(gen_[e // H]):
+            served[e] = s_
+    assert len(set(served.values())) == len(served)
+    if served:
+        pages, slots = torch.tensor(list(served)), torch.tensor(list(served.values()))
+        orig = cache.shadow_pages(pages // H, pages % H)  # [n, 2, N, D]
+        assert torch.equal(pool.pool.cpu()[slots], orig[:, 0]) and torch.equal(pool.values.cpu()[slots], orig[:, 1])
+    R, _, B = bits.shape
+    valid = torch.arange(B) < nfull.cpu().unsqueeze(1)
+    need = valid.unsqueeze(1) & ((bits.cpu() & need_mask) != 0)
+    wanted = {int(tables.cpu()[r, b]) * H + h for r, h, b in need.nonzero().tolist()}
+    return set(served) & wanted
+
+
+@pytest.mark.parametrize("slots", [64, 3])
+def test_resident_pool_pages_in_keeps_and_evicts(slots, gen):
+    """``ResidentPool.lookup``: every wanted page is served afterwards (or, past the pool's size, counted as
+    bypass), a second lookup of the same pages only hits, a rewritten block is refilled in place, and eviction
+    by the FIFO hand takes a page's slot away cleanly."""
+    from certvllm.kv.promotion_cache import ResidentPool
+
+    lay = PageLayout(64)
+    E, H, G = 12, 2, 2
+    shadow = torch.randn(E, H, 2, BLOCK_SIZE, 64, generator=gen).half()
+    cache = LayerKVCache(torch.zeros(E, H, lay.page_bytes, dtype=torch.uint8, device=DEV), shadow, lay)
+    pool = ResidentPool(cache, slots)
+    tables = torch.tensor([[3, 7, 1, 9, 4], [7, 2, 8, 0, 5]]).to(DEV)  # block 7 shared by both rows
+    nfull = torch.tensor([5, 4]).to(DEV)
+    bits = torch.zeros(2, H, 5, dtype=torch.int32)
+    bits[0, 0, :4], bits[1, :, 0], bits[1, 1, 2:] = 1, 2, 3  # (bits beyond nfull are not needed)
+    bits = bits.to(DEV)
+    wanted = 4 + 2 + 2 - 1  # items: row 0 head 0 ×4, row 1 block 7 ×2 heads, row 1 head 1 ×2; (7, 0) twice
+    _, paged = pool.lookup(cache, tables, nfull, bits, (1 << G) - 1)
+    got = _check_resident_pool(pool, cache, tables, nfull, bits, (1 << G) - 1)
+    st = pool.take_stats()
+    assert st["lookups"] == wanted + 1 and st["hits"] == 0  # page (7, 0) is needed twice, paged in once
+    if slots >= wanted:
+        assert len(got) == wanted and st["fills"] == wanted and st["bypass"] == 0 and int(paged) == wanted
+        pool.lookup(cache, tables, nfull, bits, (1 << G) - 1)
+        assert pool.take_stats() == {"lookups": wanted + 1, "hits": wanted + 1, "fills": 0, "bypass": 0}
+        cache.bump_generation(torch.tensor([7]))  # block 7 rewritten: its pages refill in place
+        before = pool.slot_of.clone()
+        pool.lookup(cache, tables, nfull, bits, (1 << G) - 1)
+        assert pool.take_stats()["fills"] == 2 and torch.equal(pool.slot_of, before)  # (7, 0) and (7, 1)
+        assert len(_check_resident_pool(pool, cache, tables, nfull, bits, (1 << G) - 1)) == wanted
+    else:  # more wanted pages than slots: 3 served, the rest bypass; the next call evicts the oldest
+        assert len(got) == slots and st["fills"] == slots and st["bypass"] == wanted - slots
+        first = set(got)
+        pool.lookup(cache, tables, nfull, bits, (1 << G) - 1)
+        again = _check_resident_pool(pool, cache, tables, nfull, bits, (1 << G) - 1)
+        assert len(again) == slots and not (again & first)  # the hand went round: three new pages
+
+
 @_cuda_only
 @pytest.mark.parametrize("sub,channel_major", [(1, False), (2, True)])
 def test_pool_lookup_kernels_equal_the_torch_reference(sub, channel_major, gen):
