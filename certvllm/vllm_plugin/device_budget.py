@@ -11,7 +11,9 @@ count so that pages and pools together fit the memory vLLM planned for pages alo
 with, per vLLM block and across this rank's layers, ``page = L · H_kv · B · C`` and
 ``pool = L · (f · H_kv · B/16 · slot + 8 · B/16) + 2 · p · H_kv · B/16 · slot + L · (8 p + 4) · H_kv · B/16``
 (``f`` = ``promotion_cache_fraction``, a slot is one ``[16, D]`` key page in the model's dtype plus its
-two int64 tags, 8 bytes of write generation per 16-token block; ``p`` = ``prefetch_fraction``: the step
+two int64 tags — with ``decode_pass: resident`` (``ResidentPool``) also its value page and a 4-byte fill flag,
+plus 4 bytes of ``slot_of`` per (16-token block, KV head) and 16 fixed bytes per layer —, 8 bytes of write
+generation per 16-token block; ``p`` = ``prefetch_fraction``: the step
 prefetch's ring of two slots shared by all layers, and per layer its page list and grid map,
 ``certvllm.kv.prefetch``), and ``fixed = (L + 2) · slot + 8 L`` for what rounding up may add.
 """
@@ -26,6 +28,7 @@ import torch
 from certvllm.config import CertConfig
 from certvllm.formats.layout import BLOCK_SIZE
 from certvllm.kv.prefetch import DEPTH
+from certvllm.kv.residency import pool_values
 from certvllm.vllm_plugin.host_tier import vllm_page_layout
 
 logger = logging.getLogger("vllm.certvllm")
@@ -52,15 +55,19 @@ def blocks_with_pool(
     if fraction <= 0 or num_blocks <= 0:
         return num_blocks
     subs = block_size // BLOCK_SIZE
-    slot = BLOCK_SIZE * head_size * itemsize + TAG_BYTES
+    resident = pool_values(cfg.decode_pass)
+    key_slot = BLOCK_SIZE * head_size * itemsize + TAG_BYTES
+    slot = key_slot + (BLOCK_SIZE * head_size * itemsize + 4 if resident else 0)
     page = layers * kv_heads * block_size * vllm_page_layout(head_size, cfg.value_group_size).bytes_per_token
     pool = layers * (fraction * kv_heads * subs * slot + GENERATION_BYTES * subs)
+    if resident:  # slot_of: one int32 per (16-token block, KV head) of the layer
+        pool += layers * 4 * kv_heads * subs
     prefetch = cfg.step_prefetch_fraction
-    if prefetch > 0:  # the ring (all layers) and, per layer, the page list and the grid map
-        pool += DEPTH * prefetch * kv_heads * subs * slot + layers * (8 * prefetch + 4) * kv_heads * subs
-    fixed = layers * slot  # each pool's slot count rounds up
+    if prefetch > 0:  # the ring (all layers: key pages) and, per layer, the page list and the grid map
+        pool += DEPTH * prefetch * kv_heads * subs * key_slot + layers * (8 * prefetch + 4) * kv_heads * subs
+    fixed = layers * (slot + (16 if resident else 0))  # each pool's slot count rounds up; the hand and its count
     if prefetch > 0:  # and the ring's and the page lists'
-        fixed += DEPTH * slot + 8 * layers
+        fixed += DEPTH * key_slot + 8 * layers
     return max(int((num_blocks * page - fixed) // (page + pool)), 0)
 
 

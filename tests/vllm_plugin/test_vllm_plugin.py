@@ -212,28 +212,40 @@ def test_promotion_pool_fits_in_the_planned_kv_memory(
     """On CUDA the block count leaves room for every layer's promotion pool (as PromotionCache sizes it) and
     keeps as many blocks as fit: pages + pools + generation counters + the step prefetch's ring, page lists
     and grid maps (when it runs: ``cuda_graphs`` off) ≤ the planned pages' bytes."""
-    import math
 
     from certvllm.config import CertConfig
+
+    for decode_pass in ("two_pass", "resident"):
+        _check_block_budget(CertConfig(promotion_cache_fraction=fraction, cuda_graphs=graphs, decode_pass=decode_pass),
+                            fraction, layers, kv_heads, block_size, head_size, itemsize, graphs)  # fmt: skip
+
+
+def _check_block_budget(cfg, fraction, layers, kv_heads, block_size, head_size, itemsize, graphs) -> None:
+    import math
+
     from certvllm.formats.layout import PageLayout
     from certvllm.vllm_plugin.device_budget import blocks_with_pool
 
-    cfg = CertConfig(promotion_cache_fraction=fraction, cuda_graphs=graphs)
     c = PageLayout(head_size, cfg.value_group_size).bytes_per_token
     page = layers * kv_heads * block_size * c
     subs = block_size // 16
+    resident = cfg.decode_pass == "resident"
 
     def used(blocks: int) -> int:
         if fraction == 0:
             return blocks * page
         slots = max(1, math.ceil(fraction * blocks * subs * kv_heads))  # promotion_cache.pool_slots
-        slot_bytes = 16 * head_size * itemsize + 16  # promotion_cache.bytes_per_slot
+        key_slot = 16 * head_size * itemsize + 16  # promotion_cache.bytes_per_slot
         pages = blocks * subs * kv_heads
-        used = blocks * page + layers * (slots * slot_bytes + 8 * blocks * subs)
+        if resident:  # ResidentPool: value pages and fill flags, slot_of per page, hand and count
+            pool = slots * (key_slot + 16 * head_size * itemsize + 4) + 4 * pages + 16
+        else:
+            pool = slots * key_slot
+        used = blocks * page + layers * (pool + 8 * blocks * subs)
         if graphs:  # no step prefetch
             return used
         cap = max(1, math.ceil(cfg.prefetch_fraction * pages))  # prefetch.StepPrefetcher.for_cache
-        return used + 2 * cap * slot_bytes + layers * (8 * cap + 4 * pages)  # ring; page lists and grid maps
+        return used + 2 * cap * key_slot + layers * (8 * cap + 4 * pages)  # ring; page lists and grid maps
 
     for planned in (1, 50, 1000, 123_457):
         kept = blocks_with_pool(planned, layers=layers, kv_heads=kv_heads, block_size=block_size,
