@@ -87,7 +87,9 @@ class CertConfig(BaseModel):
         "again. Costs fraction × (2·D + 1) bytes per token per KV head of device memory (0.0625: 16 B at "
         "D = 128, i.e. 272 of FP16's 512). 0 disables it. Two candidate slots per page; a slot is served only "
         "when its (block, KV head) and the block's write generation both match, so it never serves a "
-        "rewritten block (docs/certification.md §5.1). The CPU path ignores it.",
+        "rewritten block (docs/certification.md §5.1). With decode_pass resident the pool is the resident pass's "
+        "(kv.promotion_cache.ResidentPool): slots allocated explicitly through a per-page slot table (4 B per page) "
+        "and holding value pages too, fraction × (4·D + 1) bytes per token per KV head. The CPU path ignores it.",
     )
     prefetch_fraction: float = Field(
         0.25,
