@@ -17,6 +17,11 @@ never preempted). Merged configurations differ only where the assertions do not 
   phase aborts two streams (ABORTS);
 * ``default_small`` has ``prefill: certified`` (the prefix-caching test needs it); its preemption run only
   checks lengths and freed blocks, and its recomputed prefills then take the certified path.
+
+Every engine runs the model in float16 (``ENGINE_DTYPE``): on CPUs with AMX tiles vLLM's ``auto`` computes
+bfloat16 attention with an AMX kernel whose cache layout the shadow tier cannot hold (``exact.shadow_isa``), so a
+forced rung 4 over the shadow is exact but not bit-identical to bfloat16 ``auto`` there; in float16 both run
+vLLM's same kernel on every x86 CPU, which the token-identity tests need (as ``test_tensor_parallel``).
 """
 
 from __future__ import annotations
@@ -87,6 +92,9 @@ _slots: list[threading.Thread] = []
 _stop = threading.Event()
 
 
+ENGINE_DTYPE = "float16"
+
+
 def _spec(name: str) -> dict:
     forced = {"force_fallback": "layer"}
     small = {"num_gpu_blocks_override": 6, "max_model_len": 640,  # preemption, and
@@ -105,7 +113,9 @@ def _spec(name: str) -> dict:
         "default_small": dict(kv_cache_dtype="certified", cert={"prefill": "certified"}, engine=small,
                               phases={"shared": shared, "preempt": long_requests}),
     }  # fmt: skip
-    return specs[name]
+    spec = specs[name]
+    spec["engine"] = {**spec.get("engine", {}), "dtype": ENGINE_DTYPE}
+    return spec
 
 
 def _run(name: str, bind: str | None) -> dict[str, dict]:
