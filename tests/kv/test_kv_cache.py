@@ -202,3 +202,25 @@ def test_promotion_cache_lookup_contract_on_random_steps():
         _apply_fill(pc, claim)
         cache.bump_generation(torch.randint(0, 24, (2,), generator=gen))  # writes between steps
     assert hits > 0
+
+
+def test_shadow_numa_placement_helpers(tmp_path):
+    """A GPU's NUMA node is read from its PCI device in sysfs (-1 or no entry: none), and ``prefer_node`` binds an
+    untouched allocation's pages to a node this machine has (node 0), refuses one it lacks, and leaves the tensor
+    as it was either way."""
+    from certvllm.kv.host import numa_node_of_pci, prefer_node
+
+    dev = tmp_path / "0000:1a:00.0"
+    dev.mkdir()
+    (dev / "numa_node").write_text("1\n")
+    one = tmp_path / "0000:3b:00.0"
+    one.mkdir()
+    (one / "numa_node").write_text("-1\n")
+    assert numa_node_of_pci(0, 0x1A, 0, tmp_path) == 1
+    assert numa_node_of_pci(0, 0x3B, 0, tmp_path) is None  # one node, or the platform does not say
+    assert numa_node_of_pci(0, 0x99, 0, tmp_path) is None  # no such device
+    t = torch.zeros(1 << 20, dtype=torch.float32)
+    assert prefer_node(t, 0) in (True, False)  # node 0 exists; a sandbox without CAP_SYS_NICE may refuse mbind
+    assert not prefer_node(t, 4095)  # a node the machine does not have
+    t += 1
+    assert float(t.sum()) == t.numel()
