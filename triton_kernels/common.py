@@ -31,6 +31,7 @@ __all__ = [
     "tanh_f32",
     "interpreting",
     "key_scale_sigma",
+    "load_key_terms",
     "launch_device_ok",
     "next_pow2",
     "page_base",
@@ -38,6 +39,7 @@ __all__ = [
     "split_columns",
     "split_plan",
     "split_program",
+    "store_split_sums",
 ]
 
 
@@ -392,3 +394,33 @@ def store_page_tile(dst, x, D: tl.constexpr, DP: tl.constexpr):
     t = tl.arange(0, 16)
     d = tl.arange(0, DP)
     tl.store(dst + t[:, None] * D + d[None, :], x, mask=d[None, :] < D)
+
+
+@triton.jit
+def load_key_terms(pages_u8, pages_i8, pages_f16, pages_f32, base, valid, vm, dv, HEADER: tl.constexpr,
+                   K_OFFSET: tl.constexpr, K_SCODE: tl.constexpr):  # fmt: skip
+    """A page's header and key metadata (pages at byte offsets ``base``, loaded where ``valid`` / ``vm``):
+    ``(η, ν, flags, E, ℓ̃ float32, σ)``, σ = LUT[code]·2^E (:func:`key_scale_sigma`)."""
+    e_b = tl.load(pages_f32 + (base + HEADER) // 4, mask=valid, other=0.0)
+    n_b = tl.load(pages_f32 + (base + HEADER) // 4 + 1, mask=valid, other=0.0)
+    flags = tl.load(pages_u8 + base + HEADER + 9, mask=valid, other=1).to(tl.int32)
+    ex = tl.load(pages_i8 + base + HEADER + 8, mask=valid, other=0).to(tl.int32)
+    off = tl.load(pages_f16 + (base + K_OFFSET) // 2 + dv, mask=vm, other=0.0).to(tl.float32)
+    sc = tl.load(pages_u8 + base + K_SCODE + dv, mask=vm, other=0).to(tl.int32)
+    return e_b, n_b, flags, ex, off, key_scale_sigma(sc, ex)
+
+
+@triton.jit
+def store_split_sums(acc, den, aval, atail, rk, split, S, acc_e, acc_o, den64, av64, at64, G: tl.constexpr,
+                     GP: tl.constexpr, D: tl.constexpr, DH: tl.constexpr):  # fmt: skip
+    """Store one split-K program's float64 partial sums (``[BLK, GP, DH]`` even/odd channels and ``[BLK, GP, 1]``
+    masses, reduced over BLK here) into the attend pass's ``[R, H, S, G, ·]`` outputs."""
+    gq = tl.arange(0, GP)[:, None]
+    orow = (rk * S + split) * G + gq  # [GP, 1]
+    om = gq < G
+    kq = tl.arange(0, DH)[None, :]
+    tl.store(acc + orow * D + 2 * kq, tl.sum(acc_e, axis=0), mask=om & (kq < D // 2))
+    tl.store(acc + orow * D + 2 * kq + 1, tl.sum(acc_o, axis=0), mask=om & (kq < D // 2))
+    tl.store(den + orow, tl.sum(den64, axis=0), mask=om)
+    tl.store(aval + orow, tl.sum(av64, axis=0), mask=om)
+    tl.store(atail + orow, tl.sum(at64, axis=0), mask=om)

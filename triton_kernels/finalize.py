@@ -347,7 +347,7 @@ def _finalize_head(acc, den_p, aval_p, atail_p, s_tail, tail_v, l_tail, m, mspli
 
 @dataclass
 class Finalized:
-    """What :func:`finalize_into` wrote: ``out`` ``[R, H_q, D]`` float32, the ``report`` (views of the buffers
+    """What :func:`finalize` wrote: ``out`` ``[R, H_q, D]`` float32, the ``report`` (views of the buffers
     below) and the kernel's raw output buffers, which a later call with ``active`` writes into."""
 
     out: torch.Tensor
@@ -379,46 +379,19 @@ def finalize(
     bad_page: torch.Tensor,
     policy: LadderPolicy,
     msplit: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, CertReport]:
-    """Output ``[R, H_q, D]`` float32 and the report of a layer call (shapes in ``_finalize_kernel``'s
-    argument comments; ``v_max``/``eta_max`` may carry a trailing 1, ``widened`` is bool). ``msplit``: the
-    splits' own maxima of a resident pass (``m`` is then not read)."""
-    done = finalize_into(parts, s_tail, tail_v, l_tail, m, sabs, score_abs1, base_round, v_max, eta_max, bits, l8,
-                         exact_lm, delta, nfull, lens, widened, canary, bad_page, policy, msplit=msplit)  # fmt: skip
-    return done.out, done.report
-
-
-def finalize_into(
-    parts,
-    s_tail: torch.Tensor,
-    tail_v: torch.Tensor,
-    l_tail: torch.Tensor,
-    m: torch.Tensor,
-    sabs: torch.Tensor,
-    score_abs1: torch.Tensor,
-    base_round: torch.Tensor,
-    v_max: torch.Tensor,
-    eta_max: torch.Tensor,
-    bits: torch.Tensor,
-    l8: torch.Tensor,
-    exact_lm: torch.Tensor,
-    delta: torch.Tensor,
-    nfull: torch.Tensor,
-    lens: torch.Tensor,
-    widened: torch.Tensor,
-    canary: torch.Tensor,
-    bad_page: torch.Tensor,
-    policy: LadderPolicy,
-    msplit: torch.Tensor | None = None,
     *,
     into: Finalized | None = None,
     active: torch.Tensor | None = None,
     need: torch.Tensor | None = None,
 ) -> Finalized:
-    """:func:`finalize`, with the resident pass's options: ``into`` (write into an earlier call's buffers),
-    ``active`` (``[R, K]`` int32: only these groups' heads are computed and written) and ``need`` (``[R, K]``
-    int32, zeroed by the caller: set to 1 where a head of the group misses ``policy``'s key_tol or v_tol, the
-    rung-1 tail threshold under coverage selection, or the rung-3 checks, and is not at rung 4)."""
+    """Output ``[R, H_q, D]`` float32 and the report of a layer call (shapes in ``_finalize_kernel``'s argument
+    comments; ``v_max``/``eta_max`` may carry a trailing 1, ``widened`` is bool), as :class:`Finalized`.
+
+    The resident pass's options: ``msplit`` (the splits' own maxima; ``m`` is then not read), ``into`` (write into
+    an earlier call's buffers), ``active`` (``[R, K]`` int32: only these groups' heads are computed and written)
+    and ``need`` (``[R, K]`` int32, zeroed by the caller: set to 1 where a head of the group misses ``policy``'s
+    key_tol or v_tol, the rung-1 tail threshold under coverage selection, or the rung-3 checks, and is not at
+    rung 4)."""
     launch_device_ok(l8)
     R, K, G, B = l8.shape
     D = tail_v.shape[-1]

@@ -47,14 +47,15 @@ from .common import (
     device_arg,
     exp_f32,
     interpreting,
-    key_scale_sigma,
     launch_device_ok,
+    load_key_terms,
     log_f32,
     next_pow2,
     page_base,
     precise,
     split_columns,
     split_program,
+    store_split_sums,
 )
 from .shape_class import JIT_OPTIONS
 
@@ -168,13 +169,9 @@ def _fused_kernel(
         bid, base = page_base(tables, r, TB_STRIDE, bv, inb, num_blocks, h, H, M, PAGE_BYTES)
         vm = valid & dmv
         # ---- page metadata (as phase 1)
-        e_b = tl.load(pages_f32 + (base + HEADER) // 4, mask=valid, other=0.0)
-        n_b = tl.load(pages_f32 + (base + HEADER) // 4 + 1, mask=valid, other=0.0)
-        flags = tl.load(pages_u8 + base + HEADER + 9, mask=valid, other=1).to(tl.int32)
-        ex = tl.load(pages_i8 + base + HEADER + 8, mask=valid, other=0).to(tl.int32)
-        off = tl.load(pages_f16 + (base + K_OFFSET) // 2 + dv, mask=vm, other=0.0).to(tl.float32)  # [BLK, 1, DP]
-        sc = tl.load(pages_u8 + base + K_SCODE + dv, mask=vm, other=0).to(tl.int32)
-        sigma = key_scale_sigma(sc, ex)
+        e_b, n_b, flags, ex, off, sigma = load_key_terms(
+            pages_u8, pages_i8, pages_f16, pages_f32, base, valid, vm, dv, HEADER, K_OFFSET, K_SCODE
+        )  # [BLK, 1, DP] ℓ̃ and σ
         kmag = tl.maximum(tl.abs(off), tl.abs(off + 255.0 * sigma)) + sigma
         badb = (valid & (((flags & 2) != 0) | ((flags & 1) == 0))).to(tl.int32)
         # ---- F: pool hits under the current generation, or the caller's key bits
@@ -335,15 +332,7 @@ def _fused_kernel(
         tl.store(l8 + orow, tl.where(valid, tl.where(fk, l_all, lm), float("-inf")), mask=om)
     if CANARY:  # one atomic per program (0 or 1)
         tl.atomic_max(canary + r, tl.max(tl.max(tl.max(viol, axis=2), axis=1), axis=0))
-    gq2 = tl.arange(0, GP)[:, None]
-    orow2 = (rk * S + split) * G + gq2  # [GP, 1]
-    om2 = gq2 < G
-    kq = tl.arange(0, DH)[None, :]
-    tl.store(acc + orow2 * D + 2 * kq, tl.sum(acc_e, axis=0), mask=om2 & (kq < D // 2))
-    tl.store(acc + orow2 * D + 2 * kq + 1, tl.sum(acc_o, axis=0), mask=om2 & (kq < D // 2))
-    tl.store(den + orow2, tl.sum(den64, axis=0), mask=om2)
-    tl.store(aval + orow2, tl.sum(av64, axis=0), mask=om2)
-    tl.store(atail + orow2, tl.sum(at64, axis=0), mask=om2)
+    store_split_sums(acc, den, aval, atail, rk, split, S, acc_e, acc_o, den64, av64, at64, G, GP, D, DH)
     gm = gr < G
     tl.store(msplit + (rk * G + gr) * S + split, m_run, mask=gm)
     tl.store(sabs + (rk * G + gr) * S + split, sabs_run, mask=gm)

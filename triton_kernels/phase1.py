@@ -32,8 +32,8 @@ from certvllm.formats.layout import PageLayout
 from .common import (
     GluonGate,
     interpreting,
-    key_scale_sigma,
     launch_device_ok,
+    load_key_terms,
     next_pow2,
     page_base,
     split_columns,
@@ -96,13 +96,9 @@ def _phase1_kernel(
         bv, inb, valid = split_columns(it, jv, split, BPS, B, nf, BLK)  # [BLK, 1, 1] block columns
         _, base = page_base(tables, r, TB_STRIDE, bv, inb, num_blocks, h, H, M, PAGE_BYTES)  # [BLK, 1, 1]
         vm = valid & dmv
-        e_b = tl.load(pages_f32 + (base + HEADER) // 4, mask=valid, other=0.0)
-        n_b = tl.load(pages_f32 + (base + HEADER) // 4 + 1, mask=valid, other=0.0)
-        flags = tl.load(pages_u8 + base + HEADER + 9, mask=valid, other=1).to(tl.int32)
-        ex = tl.load(pages_i8 + base + HEADER + 8, mask=valid, other=0).to(tl.int32)
-        off = tl.load(pages_f16 + (base + K_OFFSET) // 2 + dv, mask=vm, other=0.0).to(tl.float32)  # [BLK, 1, DP]
-        sc = tl.load(pages_u8 + base + K_SCODE + dv, mask=vm, other=0).to(tl.int32)
-        sigma = key_scale_sigma(sc, ex)  # = LUT[sc]·2^E (no gather)
+        e_b, n_b, flags, ex, off, sigma = load_key_terms(
+            pages_u8, pages_i8, pages_f16, pages_f32, base, valid, vm, dv, HEADER, K_OFFSET, K_SCODE
+        )  # [BLK, 1, DP] ℓ̃ and σ
         codes = tl.load((pages_u8 + base) + (nv * D + dv), mask=vm, other=0)  # [BLK, N, DP]
         khat = off + codes.to(tl.float32) * sigma  # [BLK, N, DP]
         kmag = tl.maximum(tl.abs(off), tl.abs(off + 255.0 * sigma)) + sigma  # [BLK, 1, DP]

@@ -46,6 +46,7 @@ from .common import (
     precise,
     split_columns,
     split_program,
+    store_split_sums,
 )
 from .shape_class import JIT_OPTIONS
 from .tuning import DEFAULT_TUNING, KernelTuning
@@ -266,15 +267,7 @@ def _attend_kernel(
         mg_all = tl.load(mmax + rk * G + gv, mask=gv < G, other=0.0)  # [1, GP, 1]
         lm = tl.where(den_all > 0, mg_all + tl.log(tl.where(den_all > 0, den_all, 1.0)), float("-inf"))
         tl.store(exact_lm + (rk * G + gv) * B + bv, lm, mask=kb & valid & (gv < G))
-    gq = tl.arange(0, GP)[:, None]
-    orow = (rk * S + split) * G + gq  # [GP, 1]
-    om = gq < G
-    kq = tl.arange(0, DH)[None, :]
-    tl.store(acc + orow * D + 2 * kq, tl.sum(acc_e, axis=0), mask=om & (kq < D // 2))
-    tl.store(acc + orow * D + 2 * kq + 1, tl.sum(acc_o, axis=0), mask=om & (kq < D // 2))
-    tl.store(den + orow, tl.sum(den64, axis=0), mask=om)
-    tl.store(aval + orow, tl.sum(av64, axis=0), mask=om)
-    tl.store(atail + orow, tl.sum(at64, axis=0), mask=om)
+    store_split_sums(acc, den, aval, atail, rk, split, S, acc_e, acc_o, den64, av64, at64, G, GP, D, DH)
 
 
 @dataclass

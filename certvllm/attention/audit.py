@@ -48,6 +48,7 @@ import random
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -266,16 +267,22 @@ class Auditor:
         on_forced: called with ``(layer, rows)`` for the rows a fallback entry forced to exact attention.
         defer: act on a call's checks only once they are resolved later, never inside the call (None: on CUDA
             pages only, as there the values land after the call; True on the CPU reproduces that behaviour).
+        on_checked: called in the layer call, once its checks are queued, with ``(rows, violated, tag)``: the
+            audited head-steps' ``[n]`` int64 batch rows and ``[n]`` bool verdicts, still on the pages' device (device
+            work only: nothing is read), and the ``tag`` the call was run with (the engine's per-request accounting:
+            ``certvllm.metrics.requests``). Not called for calls run without a tag.
     """
 
     def __init__(self, config: CertConfig, on_outcome: Callable[[AuditOutcome], None] | None = None,
-                 on_forced: Callable[[int, int], None] | None = None, defer: bool | None = None) -> None:  # fmt: skip
+                 on_forced: Callable[[int, int], None] | None = None, defer: bool | None = None,
+                 on_checked: Callable[[torch.Tensor, torch.Tensor, Any], None] | None = None) -> None:  # fmt: skip
         if config.audit_policy not in POLICIES:
             raise ValueError(f"audit_policy={config.audit_policy!r}: choose one of {', '.join(POLICIES)}")
         self.policy = config.audit_policy
         self.sampler = HeadStepSampler(config.audit_rate, config.seed)
         self.on_outcome = on_outcome
         self.on_forced = on_forced
+        self.on_checked = on_checked
         self.defer = defer
         self.audited = 0  # head-steps audited and resolved so far
         self.violations = 0
@@ -304,6 +311,7 @@ class Auditor:
         *,
         exact_rows: ExactRows | None = None,
         dense_backend: str = "auto",
+        tag: Any = None,
     ) -> CertifiedOutput:
         """One audited layer call: ``call(force_exact)`` runs the op (``force_exact`` ``[R]`` bool on the pages'
         device, or None when no fallback entry concerns this layer), then the sampled head-steps are checked.
@@ -315,6 +323,7 @@ class Auditor:
                 dtype), or None (the op's float32 path). It sets the rung-3/4 tolerance's dtype and, on the
                 CPU, recomputes a violating row at once under ``fallback``/``abort``.
             dense_backend: ``CertConfig.dense_backend``, for that recompute when ``exact_rows`` is None.
+            tag: handed to ``on_checked`` with the call's checks (None: ``on_checked`` is not called).
 
         Returns:
             the call's output (violating rows recomputed exactly on the CPU unless the policy is ``log``).
@@ -332,7 +341,10 @@ class Auditor:
         rows = _index([i // Hq for i in picked], dev)
         heads = _index([i % Hq for i in picked], dev)
         exact_dtype = cache.dtype if exact_rows is not None else torch.float32
-        read = self._check(q, cache, tables, lens, scale, res, rows, heads, exact_dtype)
+        checked = self._check(q, cache, tables, lens, scale, res, rows, heads, exact_dtype)
+        if self.on_checked is not None and tag is not None:
+            self.on_checked(checked[0], checked[6], tag)
+        read = DeferredRead(checked)
         with self._lock:
             self._pending.append(_Pending(layer, step, read))
         if self.defer or (self.defer is None and dev.type == "cuda"):
@@ -347,8 +359,9 @@ class Auditor:
 
     def _check(self, q: torch.Tensor, cache: LayerKVCache, tables: torch.Tensor, lens: torch.Tensor, scale: float,
                res: CertifiedOutput, rows: torch.Tensor, heads: torch.Tensor,
-               exact_dtype: torch.dtype) -> DeferredRead:  # fmt: skip
-        """Queue the checks of the pairs ``rows``/``heads`` (device work only) and the read of their results."""
+               exact_dtype: torch.dtype) -> list[torch.Tensor]:  # fmt: skip
+        """Queue the checks of the pairs ``rows``/``heads`` (device work only); their results, on the device, in
+        :meth:`_outcome`'s order (rows, heads, rung, error, allowed, ratio, violated, lens, key block, column)."""
         dev = cache.pages.device
         N = cache.layout.block_size
         rep = res.report
@@ -365,7 +378,7 @@ class Auditor:
         lens_d = lens.to(dev, torch.int64)[rows]
         column = (lens_d - 1) // N
         key_block = tables.to(dev, torch.int64)[rows, column]
-        return DeferredRead([rows, heads, rung, error, allowed, ratio, violated, lens_d, key_block, column])
+        return [rows, heads, rung, error, allowed, ratio, violated, lens_d, key_block, column]
 
     def _pagein(self, device: torch.device) -> PageInEngine:
         """The audit's own page-in engine (its traffic is not the call's: it is not exported)."""

@@ -163,6 +163,29 @@ class DeviceRerun:
         out.copy_(torch.where(exact.unsqueeze(-1), exact_out, out))
 
 
+def begin_call(layer_call: LayerCall, glue_kernels) -> tuple[_Call, torch.Tensor, object]:
+    """What every CUDA layer call starts with: the checks, the call's tensors on the pages' device (scaled
+    float32 queries, int64 tables and lengths, full-block counts and masks; ``glue_kernels(width)`` says whether
+    the glue runs as kernels), and the gather of each row's trailing partial block from the shadow, on the side
+    stream where the page-in engine has one: ``(call, tail_raw [R, H_kv, 2, N, D], event or None)``."""
+    q, cache, pagein = layer_call.q, layer_call.cache, layer_call.pagein
+    check_group(q.shape[1], cache.num_kv_heads)
+    dev = cache.pages.device
+    ensure_device_readable(cache)
+    tables = layer_call.tables.to(dev, torch.int64).contiguous()
+    lens = layer_call.lens.to(dev, torch.int64)
+    nfull = lens // cache.layout.block_size
+    B = tables.shape[1]
+    call = _Call(cache, layer_call.cfg, (q.to(dev).float() * layer_call.scale).contiguous(), tables, lens, nfull,
+                 torch.arange(B, device=dev) < nfull.unsqueeze(1), glue_kernels(B))  # fmt: skip
+    tail_ids = tables.gather(1, nfull.clamp(max=B - 1).unsqueeze(1)).squeeze(1).clamp(0, cache.num_blocks - 1)
+    if isinstance(pagein, CudaPageInEngine):
+        tail_raw, tail_event = pagein.gather_blocks_async(cache, tail_ids)
+    else:
+        tail_raw, tail_event = pagein.gather_blocks(cache, tail_ids.cpu()).to(dev), None
+    return call, tail_raw, tail_event
+
+
 def certified_rows(
     layer_call: LayerCall,
     pool: PromotionCache | None,
@@ -173,31 +196,11 @@ def certified_rows(
     """The call's rows over the cache on its device → ``(out [R, H_q, D] float32, report, rerun)``; rungs 3/4
     are left to ``rerun.apply``. ``pool`` is the layer's promotion pool and ``prefetch`` its
     ``(StepPrefetcher, layer index)`` (either may be None). Runs on CPU tensors under ``TRITON_INTERPRET=1``."""
-    q, cache, cfg, pagein = layer_call.q, layer_call.cache, layer_call.cfg, layer_call.pagein
-    block_tables, seq_lens, scale, generator = (
-        layer_call.tables,
-        layer_call.lens,
-        layer_call.scale,
-        layer_call.generator,
-    )
-    check_group(q.shape[1], cache.num_kv_heads)
-    dev = cache.pages.device
-    ensure_device_readable(cache)
+    cache, pagein, generator = layer_call.cache, layer_call.pagein, layer_call.generator
     mark(timings, "start")
-    tables = block_tables.to(dev, torch.int64).contiguous()
-    lens = seq_lens.to(dev, torch.int64)
-    nfull = lens // cache.layout.block_size
-    B = tables.shape[1]
-    call = _Call(cache, cfg, (q.to(dev).float() * scale).contiguous(), tables, lens, nfull,
-                 torch.arange(B, device=dev) < nfull.unsqueeze(1), _glue_kernels(options, B))  # fmt: skip
+    call, tail_raw, tail_event = begin_call(layer_call, lambda width: _glue_kernels(options, width))
     R, K, G, B, D = call.shape
-
-    # ---- trailing partial block on the side stream, overlapping phase 1
-    tail_ids = tables.gather(1, nfull.clamp(max=B - 1).unsqueeze(1)).squeeze(1).clamp(0, cache.num_blocks - 1)
-    if isinstance(pagein, CudaPageInEngine):
-        tail_raw, tail_event = pagein.gather_blocks_async(cache, tail_ids)
-    else:
-        tail_raw, tail_event = pagein.gather_blocks(cache, tail_ids.cpu()).to(dev), None
+    dev, tables, nfull, lens = call.qs.device, call.tables, call.nfull, call.lens
     splits, bps = split_plan(B, R * K, options.blocks_per_split, tuning=options.tuning)
     p1 = phase1(call.qs, cache.pages, tables, nfull, _lut(dev), cache.layout, K, cache.sub_blocks,
                 delta_factor(D), rounding_factor(D), splits, bps, tuning=options.tuning)  # fmt: skip
@@ -324,9 +327,10 @@ def _finish(
     bad_page = p1.bad.amax(dim=(1, 2)) > 0  # (R,)
     s = summary
     if call.glue_kernels:
-        return finalize(parts, s.s_tail, s.tail_v, s.l_tail, m, sabs, s.score_abs1, s.base_round, s.v_max,
+        done = finalize(parts, s.s_tail, s.tail_v, s.l_tail, m, sabs, s.score_abs1, s.base_round, s.v_max,
                         s.eta_max, bits, p1.l8, exact_lm, p1.delta, call.nfull, call.lens, widened, canary, bad_page,
                         call.cfg.ladder)  # fmt: skip
+        return done.out, done.report
     shifts = torch.arange(G, device=dev, dtype=torch.int32).view(1, 1, G, 1)
     key_mask = ((bits.unsqueeze(2) >> shifts) & 1).bool()
     value_mask = ((bits.unsqueeze(2) >> (shifts + G)) & 1).bool()

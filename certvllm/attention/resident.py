@@ -29,15 +29,15 @@ from dataclasses import dataclass
 import torch
 
 from certvllm.attention.call import LayerCall
-from certvllm.attention.gpu import DEFAULT_OPTIONS, CudaOptions, _Call, check_group, mark
+from certvllm.attention.gpu import DEFAULT_OPTIONS, CudaOptions, _Call, begin_call, mark
 from certvllm.attention.selection import VALUE_BUDGET_MARGIN
 from certvllm.bounds import delta_factor, rounding_factor
 from certvllm.bounds.report import RUNG_LAYER_DENSE, CertReport
 from certvllm.bounds.summary import Phase1Summary
-from certvllm.kv.cuda_pagein import CudaPageInEngine, ensure_device_readable
+from certvllm.kv.cuda_pagein import CudaPageInEngine
 from certvllm.kv.promotion_cache import PromotionCache
 from certvllm.triton_kernels.common import split_plan
-from certvllm.triton_kernels.finalize import Finalized, combine_exact, finalize_into
+from certvllm.triton_kernels.finalize import Finalized, combine_exact, finalize
 from certvllm.triton_kernels.fused import FusedGeometry, FusedOut, fused_pass
 from certvllm.triton_kernels.prepare import prepare
 from certvllm.triton_kernels.select import select_blocks
@@ -67,11 +67,11 @@ class _Pass:
                           run_canary=run_canary, canary=canary, exact_all=exact_all)  # fmt: skip
 
     def certify(self, p: FusedOut, widened: torch.Tensor, canary: torch.Tensor, **kw) -> Finalized:
-        """``finalize_into`` over pass ``p`` (``into``, ``active``, ``need``: its options)."""
+        """``finalize`` over pass ``p`` (``into``, ``active``, ``need``: its options)."""
         c, s = self.call, self.summary
-        return finalize_into(p, s.s_tail, s.tail_v, s.l_tail, p.msplit, p.sabs, s.score_abs1, s.base_round, s.v_max,
-                             s.eta_max, p.fbits, p.l8, p.exact_lm, p.delta, c.nfull, c.lens, widened, canary,
-                             self.bad_page, c.cfg.ladder, msplit=p.msplit, **kw)  # fmt: skip
+        return finalize(p, s.s_tail, s.tail_v, s.l_tail, p.msplit, p.sabs, s.score_abs1, s.base_round, s.v_max,
+                        s.eta_max, p.fbits, p.l8, p.exact_lm, p.delta, c.nfull, c.lens, widened, canary, self.bad_page,
+                        c.cfg.ladder, msplit=p.msplit, **kw)  # fmt: skip
 
 
 def resident_rows(
@@ -82,24 +82,11 @@ def resident_rows(
 ) -> tuple[torch.Tensor, CertReport, ResidentRerun]:
     """The call's rows → ``(out [R, H_q, D] float32, report, rerun)`` (module docstring); rungs 3/4 are left to
     ``rerun.apply``. Runs on CPU tensors under ``TRITON_INTERPRET=1``."""
-    q, cache, cfg, pagein = layer_call.q, layer_call.cache, layer_call.cfg, layer_call.pagein
-    check_group(q.shape[1], cache.num_kv_heads)
-    dev = cache.pages.device
-    ensure_device_readable(cache)
+    cache, cfg, pagein = layer_call.cache, layer_call.cfg, layer_call.pagein
     mark(timings, "start")
-    tables = layer_call.tables.to(dev, torch.int64).contiguous()
-    lens = layer_call.lens.to(dev, torch.int64)
-    nfull = lens // cache.layout.block_size
-    B = tables.shape[1]
-    call = _Call(cache, cfg, (q.to(dev).float() * layer_call.scale).contiguous(), tables, lens, nfull,
-                 torch.arange(B, device=dev) < nfull.unsqueeze(1), True)  # fmt: skip
+    call, tail_raw, tail_event = begin_call(layer_call, lambda width: True)
     R, K, G, B, D = call.shape
-
-    tail_ids = tables.gather(1, nfull.clamp(max=B - 1).unsqueeze(1)).squeeze(1).clamp(0, cache.num_blocks - 1)
-    if isinstance(pagein, CudaPageInEngine):
-        tail_raw, tail_event = pagein.gather_blocks_async(cache, tail_ids)
-    else:
-        tail_raw, tail_event = pagein.gather_blocks(cache, tail_ids.cpu()).to(dev), None
+    dev, lens = call.qs.device, call.lens
     splits, bps = split_plan(B, R * K, options.blocks_per_split, tuning=options.tuning)
     geo = FusedGeometry(cache.layout, K, G, cache.sub_blocks, cache.num_blocks, splits, bps,
                         cache.keys_channel_major, gluon_warps=options.tuning.resident_warps,
