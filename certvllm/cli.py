@@ -8,7 +8,10 @@
     certvllm eval ppl|niah|ruler|all  evaluation suite: dense vs certified vs naive (docs/evaluation.md)
 
 ``--cert-FIELD`` exists for every field of :class:`certvllm.config.CertConfig` (``--cert-v-tol 0.02``,
-``--cert-rank-check false``, ``--cert-host-memory-gb 8`` …). The settings are validated before vLLM
+``--cert-rank-check false``, ``--cert-host-memory-gb 8`` …). ``--cert-return-certificate [request|always|off]``
+(a server setting, not a ``CertConfig`` field) returns per-request certificates in the responses' ``certvllm``
+field: ``request`` to requests that ask (``"kv_transfer_params": {"certvllm": true}``), ``always`` (the flag
+alone) to every request, ``off`` (the default) to none (``docs/metrics.md``). The settings are validated before vLLM
 starts and travel to every vLLM process in ``--additional-config '{"certvllm": {...}}'``. Before vLLM is imported,
 ``serve`` also refuses a ``--cert-host-memory-gb`` below one full-length request of the model, picks float32
 activations on a CPU without native bf16/fp16 (unless ``--dtype`` is given) and, with ``--api-key``, guards the
@@ -21,10 +24,12 @@ import json
 import sys
 
 from certvllm.config import CertConfig, CertConfigError, load_config, preset_names
-from certvllm.vllm_plugin import preflight
+from certvllm.vllm_plugin import preflight, settings
 
 USAGE = __doc__ or ""
 CERT_FLAGS = {"--cert-" + name.replace("_", "-"): name for name in CertConfig.model_fields}
+RETURN_CERTIFICATE = "--cert-return-certificate"
+CERTIFICATE_CHOICES = (*settings.CERTIFICATE_MODES, "off")
 
 
 class UsageError(ValueError):
@@ -77,8 +82,50 @@ def _pop_option(args: list[str], name: str) -> str | None:
     return None
 
 
+def pop_certificate_mode(args: list[str]) -> str | None:
+    """Remove ``--cert-return-certificate [MODE]`` from ``args``: the mode (``request`` or ``always``; the flag
+    alone means ``always``), None for ``off`` or no flag."""
+    mode = None
+    for i, arg in enumerate(args):
+        if arg.startswith(RETURN_CERTIFICATE + "="):
+            mode = arg.split("=", 1)[1]
+            del args[i]
+            break
+        if arg == RETURN_CERTIFICATE:
+            given = args[i + 1] if i + 1 < len(args) and not args[i + 1].startswith("-") else None
+            if given is not None and given in CERTIFICATE_CHOICES:
+                mode = given
+                del args[i : i + 2]
+            else:
+                mode = "always"
+                del args[i]
+            break
+    if mode is not None and mode not in CERTIFICATE_CHOICES:
+        raise UsageError(f"{RETURN_CERTIFICATE} takes one of {', '.join(CERTIFICATE_CHOICES)}, got {mode!r}")
+    return None if mode == "off" else mode
+
+
+def _return_certificates(vllm_args: list[str], mode: str | None) -> None:
+    """``--cert-return-certificate MODE``: certvllm's KV connector in ``--kv-transfer-config`` (it carries each
+    request's certificate back from the workers) and its middleware (the responses' ``certvllm`` field)."""
+    if mode is None:
+        return
+    if preflight.option(vllm_args, "--kv-cache-dtype") != "certified":
+        raise UsageError(f"{RETURN_CERTIFICATE} needs --kv-cache-dtype certified (there is no certificate to return)")
+    if preflight.option(vllm_args, "--kv-transfer-config") is not None:
+        raise UsageError(
+            f"{RETURN_CERTIFICATE} brings its own --kv-transfer-config (certvllm's connector carries the "
+            "certificates); drop one of the two, or combine them yourself with vLLM's MultiConnector "
+            f"({json.dumps(settings.certificate_transfer_config(mode))} as one of its connectors)"
+        )
+    vllm_args += ["--kv-transfer-config", json.dumps(settings.certificate_transfer_config(mode)),
+                  "--middleware", settings.CERTIFICATE_MIDDLEWARE]  # fmt: skip
+
+
 def build_serve_args(args: list[str]) -> tuple[list[str], dict]:
     """The vLLM arguments and ``additional_config`` for ``certvllm serve``; validates everything first."""
+    args = list(args)
+    certificates = pop_certificate_mode(args)
     vllm_args, preset, raw = split_cert_args(args)
     config = load_config(preset, **raw)  # CertConfigError names the field, the range and the value
     options: dict = {"preset": preset} if preset else {}
@@ -99,6 +146,7 @@ def build_serve_args(args: list[str]) -> tuple[list[str], dict]:
         refusal = preflight.host_tier_refusal(vllm_args, config.host_memory_gb)
         if refusal is not None:
             raise refusal
+    _return_certificates(vllm_args, certificates)
     _guard_tokenizer_routes(vllm_args)
     return vllm_args, extra
 

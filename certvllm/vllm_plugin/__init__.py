@@ -4,12 +4,14 @@
 cheap: it makes ``--kv-cache-dtype certified`` a valid value, registers the certified backend in
 vLLM's CUSTOM slot, routes ``certified`` to it (the CPU platform otherwise ignores every backend
 choice), forces 16-token blocks, caps the block count by the host-tier budget, registers the
-``certvllm-peaked-dummy`` load format (``peaked_dummy.py``, for benchmarks) and runs a self-test.
+``certvllm-peaked-dummy`` load format (``peaked_dummy.py``, for benchmarks) and the ``CertvllmConnector`` KV
+connector (per-request certificates, ``certificates.py``) and runs a self-test.
 An unsupported vLLM version is logged and leaves vLLM untouched.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 
@@ -45,10 +47,23 @@ def register() -> None:
     from certvllm.vllm_plugin import peaked_dummy
 
     peaked_dummy.register_loader()  # --load-format certvllm-peaked-dummy (benchmarks without real weights)
+    _register_certificate_connector()
     _compat.dtype_self_test()
     routing.self_test()
     _maybe_enable_multiprocess_metrics()
     _registered = True
+
+
+def _register_certificate_connector() -> None:
+    """``CertvllmConnector`` in vLLM's KV connector factory (loaded lazily by module path: nothing is imported
+    here), for ``--kv-transfer-config '{"kv_connector": "CertvllmConnector", "kv_role": "kv_producer"}'``;
+    ``certvllm serve --cert-return-certificate`` names the module path itself (``settings.py``)."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    from certvllm.vllm_plugin import settings
+
+    with contextlib.suppress(ValueError):  # registered already in this process
+        KVConnectorFactory.register_connector(settings.CONNECTOR_NAME, settings.CONNECTOR_MODULE, "CertvllmConnector")
 
 
 def _maybe_enable_multiprocess_metrics() -> None:

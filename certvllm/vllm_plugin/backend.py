@@ -20,6 +20,7 @@ metrics) or exact.
 from __future__ import annotations
 
 import logging
+import sys
 from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
@@ -116,6 +117,9 @@ class CertifiedMetadata:
         exact_plan: the exact kernel's plan for those tokens' requests.
         exact_all: every token is exact and ``exact_plan`` is the batch's own plan.
         exact_counts: exact tokens by reason, for the metrics.
+        row_slots_dev: ``[R]`` int64 on the attention device, each certified row's request slot in the worker's
+            per-request ledger (None when the run returns no certificates: ``certificates.py``).
+        exact_requests: ``(request id, reason, tokens)`` of the exact tokens, for the same ledger.
     """
 
     num_actual_tokens: int
@@ -129,6 +133,8 @@ class CertifiedMetadata:
     exact_plan: ExactPlan | None
     exact_all: bool
     exact_counts: dict[str, int] = field(default_factory=dict)
+    row_slots_dev: torch.Tensor | None = None
+    exact_requests: tuple[tuple[str, str, int], ...] = ()
 
 
 def exact_reason(query_len: int, context: int, cfg: CertConfig) -> str | None:
@@ -144,8 +150,34 @@ def exact_reason(query_len: int, context: int, cfg: CertConfig) -> str | None:
     return "prefill_cached"
 
 
+def find_model_runner(max_depth: int = 40) -> Any:
+    """The vLLM model runner that is constructing the caller (None if there is none on the stack).
+
+    vLLM 0.32's attention metadata carries no request ids (``CommonAttentionMetadata.req_idx`` is model runner V2
+    only), but the runner that builds it holds the step's batch: request ``i`` of ``build()``'s metadata is
+    ``runner.input_batch.req_ids[i]``. The builder is constructed by the runner itself
+    (``GPUModelRunner.initialize_attn_backend``, also the CPU runner's), so the runner is the ``self`` of a frame
+    above: looked up once, read each step (a list the runner keeps, no copy)."""
+    frame = sys._getframe(1)
+    for _ in range(max_depth):
+        if frame is None:
+            return None
+        owner = frame.f_locals.get("self")
+        if owner is not None and type(owner).__name__.endswith("ModelRunner") and hasattr(owner, "input_batch"):
+            return owner
+        frame = frame.f_back
+    return None
+
+
 class CertifiedMetadataBuilder(AttentionMetadataBuilder[CertifiedMetadata]):
-    """Splits each step into certified rows and exact tokens (decodes are not reordered)."""
+    """Splits each step into certified rows and exact tokens (decodes are not reordered).
+
+    Where the run returns per-request certificates (``runtime.ledger``), it also names each row's request: the
+    batch's request ``i`` is ``input_batch.req_ids[i]`` of the model runner that builds the metadata (vLLM lays the
+    step's tokens out in that order; :func:`find_model_runner`).
+    """
+
+    _runner: Any = None  # the model runner whose batch this builder describes (None: rows name no request)
 
     def __init__(self, kv_cache_spec: AttentionSpec, layer_names: list[str], vllm_config: VllmConfig,
                  device: torch.device) -> None:  # fmt: skip
@@ -159,6 +191,11 @@ class CertifiedMetadataBuilder(AttentionMetadataBuilder[CertifiedMetadata]):
         self.exact = ExactAttention(num_heads, kv_cache_spec.num_kv_heads, kv_cache_spec.head_size, model.dtype,
                                     1.0, kv_cache_spec.block_size, device.type == "cpu",
                                     self.config.dense_backend)  # fmt: skip
+        if self.runtime.ledger is not None:
+            self._runner = find_model_runner()
+            if self._runner is None:
+                logger.warning("certvllm: the model runner building this batch was not found; responses will carry "
+                               "no per-request certificates")  # fmt: skip
         # before the engine reports ready: no request may wait on a kernel compile
         self.runtime.warm_up(num_heads, kv_cache_spec.num_kv_heads, kv_cache_spec.head_size, model.dtype,
                              model.max_model_len, vllm_config.scheduler_config.max_num_seqs,
@@ -207,6 +244,7 @@ class CertifiedMetadataBuilder(AttentionMetadataBuilder[CertifiedMetadata]):
             sub_qsl = torch.cat((torch.zeros(1, dtype=torch.int64), sub_q.cumsum(0)))
             plan = self.exact.plan(sub_qsl, seq_lens[idx], block_table[self._to_device(idx)])
             exact_tokens = torch.cat([torch.arange(int(qsl[i]), int(qsl[i + 1])) for i in exact_req])
+        slots_dev, exact_requests = self._requests(n_req, q_lens, context, cat(row_req))
         sub = self.kv_cache_spec.block_size // BLOCK_SIZE
         row_lens = cat(row_len)
         # only the columns the longest row uses: vLLM's table is max_model_len wide, and the certified
@@ -228,7 +266,29 @@ class CertifiedMetadataBuilder(AttentionMetadataBuilder[CertifiedMetadata]):
             exact_plan=plan,
             exact_all=exact_all,
             exact_counts=counts,
+            row_slots_dev=slots_dev,
+            exact_requests=exact_requests,
         )
+
+    def _requests(self, n_req: int, q_lens: torch.Tensor, context: torch.Tensor,
+                  rows_req: torch.Tensor) -> tuple[torch.Tensor | None, tuple[tuple[str, str, int], ...]]:  # fmt: skip
+        """The per-request ledger's view of the step (``runtime.ledger``; None and () without one): each certified
+        row's slot on the device, and each exact request's tokens by reason. Sets ``runtime.step_requests``."""
+        ledger = getattr(self.runtime, "ledger", None)
+        if ledger is None:
+            return None, ()
+        names = list(self._runner.input_batch.req_ids) if self._runner is not None else []
+        # padded requests of a graphed batch (and dummy runs) are past the runner's batch: they name no request
+        ids: list[str | None] = [names[i] if i < len(names) else None for i in range(n_req)]
+        self.runtime.step_requests = [r for r in ids if r is not None]
+        exact = []
+        for i, rid in enumerate(ids):
+            ql = int(q_lens[i])
+            reason = exact_reason(ql, int(context[i]), self.config) if ql else None
+            if reason is not None and rid is not None:
+                exact.append((rid, reason, ql))
+        slots = ledger.slots([ids[i] for i in rows_req.tolist()], self.device)
+        return self._to_device(slots), tuple(exact)
 
     def _host_seq_lens(self, cm: CommonAttentionMetadata, n_req: int) -> torch.Tensor:
         """``[n_req]`` int64 lengths on the host: vLLM's CPU copy where it is exact (its upper bound is the length
@@ -334,7 +394,7 @@ class CertifiedAttentionImpl(AttentionImpl[CertifiedMetadata]):
             # recomputes them on the device, inside the layer call (a CUDA graph's replay where the runtime has one)
             exact_rows = self._exact_rows(exact, meta, rows_q, cache, pagein) if exact.on_cpu else None
             res = self.runtime.certified(state, rows_q, meta.row_block_table, meta.row_seq_lens_dev, self.scale,
-                                         self.generator, exact_rows)  # fmt: skip
+                                         self.generator, exact_rows, slots=meta.row_slots_dev)  # fmt: skip
             out[meta.row_tokens_dev] = res.out.to(out.dtype)
             key_pages = self._count_key_pages(state) if state.residency.pool is not None else None
             metrics.record(res.report, state.index, page_in=pagein.take_stats_deferred(), key_pages=key_pages)
@@ -355,6 +415,9 @@ class CertifiedAttentionImpl(AttentionImpl[CertifiedMetadata]):
             if state.index == 0:
                 for reason, count in meta.exact_counts.items():
                     metrics.count_exact_tokens(reason, count)
+                if self.runtime.ledger is not None:
+                    for request, reason, count in meta.exact_requests:
+                        self.runtime.ledger.record_exact(request, reason, count)
             pagein.take_stats_deferred()  # exact traffic is not exported: reset the counters without a sync
         return output
 

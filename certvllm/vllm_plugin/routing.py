@@ -131,7 +131,8 @@ def _prepare_certified(vllm_config: Any) -> None:
             "the certified write path; drop it with --kv-cache-dtype certified."
         )
     transfer = vllm_config.kv_transfer_config
-    if transfer is not None and getattr(transfer, "kv_connector", None):
+    connector = getattr(transfer, "kv_connector", None) if transfer is not None else None
+    if connector and connector != settings.CONNECTOR_NAME:  # certvllm's own transfers no KV (certificates.py)
         raise ValueError(
             f"KV connector {transfer.kv_connector!r} writes device pages directly, bypassing the certified "
             "write path and the host shadow tier; it cannot be combined with --kv-cache-dtype certified."

@@ -25,6 +25,7 @@ from certvllm.kv.cache import LayerKVCache
 from certvllm.kv.pagein import PageInEngine, PageInError, engine_for
 from certvllm.kv.residency import Residency, pool_values
 from certvllm.metrics import CertMetrics
+from certvllm.metrics.requests import RequestLedger
 from certvllm.vllm_plugin import settings
 from certvllm.vllm_plugin.host_tier import layer_cache
 
@@ -75,9 +76,13 @@ class WorkerRuntime:
     def __init__(self, config: CertConfig, model_name: str, engine: str, rank: str = "0") -> None:
         self.config = config
         self.metrics = CertMetrics(model_name, engine, rank=rank)
+        # per-request certificates (certificates.py): None unless the engine returns them to its clients
+        self.ledger: RequestLedger | None = None
+        self.step_requests: list[str] = []  # the requests of the step being run (the metadata builder's batch)
         # audit mode: sampled head-steps re-checked against exact attention (certvllm.attention.audit); its
         # checks are read when their device values land, at the latest by the metrics' flush
-        self.audit = Auditor(config, on_outcome=self._audited, on_forced=self.metrics.count_audit_fallback)
+        self.audit = Auditor(config, on_outcome=self._audited, on_forced=self.metrics.count_audit_fallback,
+                             on_checked=self._audit_checked)  # fmt: skip
         self.metrics.add_drain(lambda: self.audit.resolve(wait=True))
         self.layers: dict[str, LayerState] = {}
         self.prefetcher: Any = None  # certvllm.kv.prefetch.StepPrefetcher of the CUDA layers
@@ -103,7 +108,15 @@ class WorkerRuntime:
             parallel = vllm_config.parallel_config  # rank: set by vLLM's worker before the model is built
             current = cls(config, str(name), str(parallel.data_parallel_rank), str(getattr(parallel, "rank", 0)))
             cls._current = current
+        if current.ledger is None and settings.certificate_mode(vllm_config) is not None:
+            max_seqs = getattr(vllm_config.scheduler_config, "max_num_seqs", 0) or 0
+            current.ledger = RequestLedger(capacity=2 * max_seqs + 1)
         return current
+
+    @classmethod
+    def current(cls) -> WorkerRuntime | None:
+        """This process's runtime, if one was made (the certificate connector's worker side reads it)."""
+        return cls._current
 
     # -- layers -------------------------------------------------------------------------------------
     def bind(self, name: str, kv_cache: torch.Tensor, head_dim: int, dtype: torch.dtype) -> LayerState:
@@ -188,12 +201,14 @@ class WorkerRuntime:
 
     # -- per step -----------------------------------------------------------------------------------
     def certified(self, state: LayerState, q: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, scale: float,
-                  generator: torch.Generator | None, exact_rows: Any = None) -> CertifiedOutput:  # fmt: skip
+                  generator: torch.Generator | None, exact_rows: Any = None,
+                  slots: torch.Tensor | None = None) -> CertifiedOutput:  # fmt: skip
         """One layer's certified rows (``certified_attention``'s arguments): replayed from the layer's CUDA graph
         where this worker graphs its calls (``CertConfig.cuda_graphs``, CUDA, at most ``max_decode_rows`` rows,
         rungs 3/4 on the device, no step prefetch, no audit fallback active for the layer), else the op called
         directly. Audited (``self.audit``: sampled head-steps checked against exact attention, audit fallbacks
-        applied). Consume the result before the next call."""
+        applied) and, with ``slots`` (``[R]`` the rows' request slots on the device, :meth:`RequestLedger.slots`),
+        added to the rows' per-request totals. Consume the result before the next call."""
         pagein = self.pagein(q.device)
         graphs = self._layer_graphs(q.device) if exact_rows is None else None
 
@@ -207,14 +222,18 @@ class WorkerRuntime:
                                        generator=generator, residency=state.residency, exact_rows=exact_rows,
                                        force_exact=force_exact)  # fmt: skip
 
+        tag = slots if self.ledger is not None else None
         try:
-            return self.audit.run(state.index, q, state.cache, tables, lens, scale, call, exact_rows=exact_rows,
-                                  dense_backend=self.config.dense_backend)  # fmt: skip
+            res = self.audit.run(state.index, q, state.cache, tables, lens, scale, call, exact_rows=exact_rows,
+                                 dense_backend=self.config.dense_backend, tag=tag)  # fmt: skip
         except Exception as err:
             reason = host_failure(err)
             if reason is None or exact_rows is None:
                 raise  # a bug, or no exact path that avoids the host copies (CUDA): the error ends the step
-            return self._exact_after_failure(state, q, exact_rows, reason, err)
+            res = self._exact_after_failure(state, q, exact_rows, reason, err)
+        if tag is not None:
+            self.ledger.record(res.report, tag)
+        return res
 
     def _exact_after_failure(self, state: LayerState, q: torch.Tensor, exact_rows: Any, reason: str,
                              err: BaseException) -> CertifiedOutput:  # fmt: skip
@@ -232,6 +251,11 @@ class WorkerRuntime:
         logger.error("certvllm: layer %d: %s; its %d rows of this step were recomputed exactly from the shadow "
                      "(vllm:cert_layer_fallbacks_total reason=%s)", state.index, err, len(rows), reason)  # fmt: skip
         return CertifiedOutput(out, report)
+
+    def _audit_checked(self, rows: torch.Tensor, violated: torch.Tensor, slots: torch.Tensor) -> None:
+        """A call's audited head-steps (device tensors) into their requests' totals."""
+        if self.ledger is not None:
+            self.ledger.record_audit(slots[rows], violated)
 
     def _audited(self, outcome: Any) -> None:
         """An audit outcome (``certvllm.attention.audit.AuditOutcome``) into the metrics."""
