@@ -91,14 +91,10 @@ def pop_certificate_mode(args: list[str]) -> str | None:
             mode = arg.split("=", 1)[1]
             del args[i]
             break
-        if arg == RETURN_CERTIFICATE:
+        if arg == RETURN_CERTIFICATE:  # the model comes first: a word after the flag is its value
             given = args[i + 1] if i + 1 < len(args) and not args[i + 1].startswith("-") else None
-            if given is not None and given in CERTIFICATE_CHOICES:
-                mode = given
-                del args[i : i + 2]
-            else:
-                mode = "always"
-                del args[i]
+            mode = given or "always"
+            del args[i : i + (2 if given else 1)]
             break
     if mode is not None and mode not in CERTIFICATE_CHOICES:
         raise UsageError(f"{RETURN_CERTIFICATE} takes one of {', '.join(CERTIFICATE_CHOICES)}, got {mode!r}")

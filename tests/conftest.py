@@ -59,7 +59,9 @@ def certified_server(tmp_path_factory) -> Iterator[str]:
     ``--cert-config default --cert-bound-tol 0.001``: the default preset with a bound tolerance that sends a share
     of the head-steps to rung 3, so that the fallback series exist for the dashboard's queries; the rest stay
     certified (rungs 0-2), so every series of the server tests is exported too, and those tests check only
-    what holds on every rung (token accounting, the answer, freed blocks). ``PROMETHEUS_MULTIPROC_DIR`` is
+    what holds on every rung (token accounting, the answer, freed blocks). ``--cert-return-certificate request``:
+    a request that asks for its certificate gets it (tests/vllm_plugin/test_certificates.py); the others are served
+    as without the flag. ``PROMETHEUS_MULTIPROC_DIR`` is
     left for ``certvllm serve`` to set. The server stops after the last test that uses it
     (:func:`pytest_runtest_teardown`), not at the end of the session, and then no process of its group may be
     left. Under pytest-xdist its users form one group (``XDIST_GROUPS``: "server"), so one worker runs them all.
@@ -73,7 +75,8 @@ def certified_server(tmp_path_factory) -> Iterator[str]:
     folder = tmp_path_factory.mktemp("server")
     env = serve_env(kv_cache_gib=1)
     cmd = certified_serve_command(port, max_model_len=2048,
-                                  cert_args=("--cert-config", "default", "--cert-bound-tol", "0.001"))  # fmt: skip
+                                  cert_args=("--cert-config", "default", "--cert-bound-tol", "0.001",
+                                             "--cert-return-certificate", "request"))  # fmt: skip
     stack = contextlib.ExitStack()
     base, proc = stack.enter_context(serving(cmd, port, env, folder / "serve.log", start_timeout=240))
     _SERVER.update(stack=stack, proc=proc)
@@ -120,6 +123,9 @@ XDIST_GROUPS = {
     "tests/test_deploy.py::test_dashboard_metrics_exist_in_a_real_scrape": "server",
     "tests/test_soak.py::test_short_soak_against_the_shared_server": "server",
     "tests/vllm_plugin/test_bad_requests.py": "server",
+    "tests/vllm_plugin/test_certificates.py::test_a_request_alone_gets_the_numbers_it_added_to_the_metrics": "server",
+    "tests/vllm_plugin/test_certificates.py::test_a_stream_ends_with_its_certificate": "server",
+    "tests/vllm_plugin/test_certificates.py::test_two_concurrent_requests_get_their_own_numbers": "server",
 }
 XDIST_GROUP_ORDER = ("engines", "server")
 

@@ -32,7 +32,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from certvllm.bounds.report import RUNG_LAYER_DENSE, RUNG_VALUES, CertReport
 from certvllm.kv.deferred import DeferredRead
@@ -247,14 +246,16 @@ class RequestLedger:
         self._stash, self._stash_slots = [], None
         rung, e_key, e_val, v_max, k_star, v_promoted = (torch.stack(f) for f in zip(*stash, strict=True))
         rung = rung.long()  # [L, R, H]
-        by_rung = F.one_hot(rung, RUNGS).sum(dim=(0, 2))  # [R, 5]
+        # [R, 5] (not F.one_hot: on CUDA it reads its input's range on the host)
+        by_rung = (rung.unsqueeze(-1) == torch.arange(RUNGS, device=rung.device)).sum(dim=(0, 2))
         layers = (rung == RUNG_LAYER_DENSE).any(dim=2).sum(dim=0, keepdim=True).T  # [R, 1]: rows at rung 4, per call
         promoted = torch.stack([t.sum(dim=(0, 2), dtype=torch.int64) for t in (k_star, v_promoted)], dim=1)  # [R, 2]
         add = torch.cat((by_rung, layers, promoted, torch.zeros_like(promoted)), dim=1)  # audits: record_audit
         self.counts.index_add_(0, slots, add)
         bound = torch.where(rung <= RUNG_VALUES, e_key + e_val, 0.0)  # certified head-steps only
         both = torch.stack((bound.amax(dim=(0, 2)), (bound / v_max.clamp_min(1e-30)).amax(dim=(0, 2))), dim=1)
-        self.maxes.index_reduce_(0, slots, both.nan_to_num(nan=math.inf), "amax")  # relative: the histogram's quotient
+        both = both.nan_to_num(nan=math.inf)  # relative: the histogram's own quotient
+        self.maxes.scatter_reduce_(0, slots.unsqueeze(1).expand(-1, len(MAXES)), both, "amax")
 
     def record_audit(self, slots: torch.Tensor, violated: torch.Tensor) -> None:
         """Audited head-steps (``[n]`` slots of their rows and ``[n]`` bool violated, on the ledger's device)."""
@@ -278,9 +279,10 @@ class RequestLedger:
             return LedgerSnapshot(ids, read, exact)
         device = self.counts.device
         index = to_device(torch.tensor([self._slot_of.get(r, NO_REQUEST) for r in ids], dtype=torch.int64), device)
-        seen = to_device(torch.tensor([[r in self._slot_of] for r in ids]), device)  # exact tokens only: zeros
-        counts = torch.where(seen, self.counts.index_select(0, index), 0)
-        maxes = torch.where(seen, self.maxes.index_select(0, index), 0.0)
+        counts, maxes = self.counts.index_select(0, index), self.maxes.index_select(0, index)
+        if any(r not in self._slot_of for r in ids):  # exact tokens only (no certified row yet): zeros
+            seen = to_device(torch.tensor([[r in self._slot_of] for r in ids]), device)
+            counts, maxes = torch.where(seen, counts, 0), torch.where(seen, maxes, 0.0)
         return LedgerSnapshot(ids, DeferredRead([counts, maxes]), exact)
 
     def release(self, requests: Iterable[str]) -> None:
