@@ -25,7 +25,7 @@ LAUNCHED: dict[str, tuple[str, ...]] = {
     "finalize": ("_finalize_kernel", "_combine_exact_kernel"),
     "fused": ("_fused_kernel",),
     "fused_gluon": ("_fused_gluon_kernel",),
-    "pool": ("_claim1", "_claim2", "_claim3", "_fill"),
+    "pool": ("_claim1", "_claim2", "_claim3", "_fill", "_resident_claim", "_resident_fill"),
     "prefetch": ("_stage_pages_kernel", "_snapshot_tags_kernel", "_serve_record_kernel"),
     "encode": ("_encode_pages_kernel",),
     "gather": ("_gather_pages_kernel", "_fill_pool_kernel"),
