@@ -193,9 +193,12 @@ class CertifiedMetadataBuilder(AttentionMetadataBuilder[CertifiedMetadata]):
                                     self.config.dense_backend)  # fmt: skip
         if self.runtime.ledger is not None:
             self._runner = find_model_runner()
-            if self._runner is None:
-                logger.warning("certvllm: the model runner building this batch was not found; responses will carry "
-                               "no per-request certificates")  # fmt: skip
+            if self._runner is None:  # rows would name no request: every certificate would read 0, a false one
+                raise RuntimeError(
+                    "certvllm: per-request certificates need the model runner that builds the batch (vLLM's "
+                    "GPUModelRunner or CPUModelRunner), and none constructs this metadata builder; start without "
+                    "--cert-return-certificate"
+                )
         # before the engine reports ready: no request may wait on a kernel compile
         self.runtime.warm_up(num_heads, kv_cache_spec.num_kv_heads, kv_cache_spec.head_size, model.dtype,
                              model.max_model_len, vllm_config.scheduler_config.max_num_seqs,

@@ -157,6 +157,41 @@ def test_the_connector_transfers_no_kv_and_keeps_the_certified_layout():
     assert KVConnectorFactory.get_connector_class_by_name(settings.CONNECTOR_NAME) is type(connector)
 
 
+def test_the_runtime_adds_each_call_and_its_audits_to_the_rows_requests(gen):
+    """``WorkerRuntime.certified`` with request slots, every head-step audited: each request's totals are its rows'
+    rungs, and its audits are its own head-steps (the audit's device-side hook), as the series count them."""
+    pytest.importorskip("vllm")
+    from prometheus_client import CollectorRegistry
+
+    from certvllm.config import load_config
+    from certvllm.metrics import CertMetrics
+    from certvllm.metrics.requests import COUNTS
+    from certvllm.testing import make_case, paged_batch
+    from certvllm.vllm_plugin.runtime import LayerState, WorkerRuntime
+
+    h_q, h_kv, d = 8, 2, 64
+    runtime = WorkerRuntime(load_config("default", audit_rate=1.0), "cert", "0")
+    registry = CollectorRegistry()
+    runtime.metrics = CertMetrics("cert", "0", registry=registry, flush_seconds=3600)
+    runtime.ledger = RequestLedger()
+    cases = [make_case("sink_and_recency", t, h_q, h_kv, d, torch.bfloat16, gen) for t in (300, 70, 150)]
+    cache, tables, lens = paged_batch(cases)
+    state = LayerState("model.layers.0.self_attn.attn", 0, cache)
+    q = torch.stack([c.q for c in cases]).to(torch.bfloat16)
+    slots = runtime.ledger.slots(["a", "b", "a"], "cpu")  # rows 0 and 2 are one request's (a certified prefill)
+    res = runtime.certified(state, q, tables, lens, 1 / d**0.5, None, slots=slots)
+    runtime.metrics.flush()
+    snapshot = runtime.ledger.snapshot(["a", "b"]).totals()
+    totals = {r: dict(zip(COUNTS, t.counts, strict=True)) for r, t in snapshot.items()}
+    for rid, rows in (("a", [0, 2]), ("b", [1])):
+        rungs = res.report.rung[rows].long().flatten()
+        for k in range(5):
+            assert totals[rid][f"rung_{k}"] == int((rungs == k).sum()), (rid, k)
+        assert totals[rid]["audits"] == len(rows) * h_q and totals[rid]["audit_violations"] == 0
+    audited = sum(s.value for f in registry.collect() for s in f.samples if s.name == "vllm:cert_audits_total")
+    assert audited == 3 * h_q
+
+
 # -- the API server side -------------------------------------------------------------------------------------------
 CERT = {"head_steps": {"0": 5, "1": 0, "2": 1, "3": 0, "4": 0}, "certified_head_steps": 6, "bound_max": 0.5,
         "bound_relative_max": 0.01, "heads_recomputed": 0, "layers_recomputed": 0, "promoted_key_blocks": 1,
