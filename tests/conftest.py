@@ -126,6 +126,7 @@ XDIST_GROUPS = {
     "tests/vllm_plugin/test_certificates.py::test_a_request_alone_gets_the_numbers_it_added_to_the_metrics": "server",
     "tests/vllm_plugin/test_certificates.py::test_a_stream_ends_with_its_certificate": "server",
     "tests/vllm_plugin/test_certificates.py::test_two_concurrent_requests_get_their_own_numbers": "server",
+    "tests/vllm_plugin/test_certificates.py::test_prompts_and_samples_of_one_response_share_one_certificate": "server",
 }
 XDIST_GROUP_ORDER = ("engines", "server")
 

@@ -12,7 +12,8 @@ with ``--cert-return-certificate request``): a request that asks gets its certif
 none; the numbers of a request run alone equal the Prometheus deltas it caused (head-steps by rung, promoted
 blocks, audits, exact prefill tokens; its largest relative bound lies in the top occupied bucket of
 ``vllm:cert_bound_relative``); the last chunk of a stream (completion and chat) carries it; two concurrent requests
-get their own numbers, which add up to the pair's deltas.
+get their own numbers, which add up to the pair's deltas; the prompts and samples of one completion share one
+object.
 """
 
 from __future__ import annotations
@@ -483,6 +484,24 @@ def test_a_stream_ends_with_its_certificate(certified_server):
         assert sum(cert["head_steps"].values()) == (10 - 1) * LAYERS * HEADS, route
         _assert_equals_deltas(cert, before, after)
     assert "usage" in events[-1]  # with include_usage the usage chunk is the last one and carries it
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_prompts_and_samples_of_one_response_share_one_certificate(certified_server):
+    """Two prompts with ``n`` = 2 samples each: four engine requests, one ``certvllm`` object over all of them."""
+    from servers import SERVED_NAME
+
+    base = certified_server
+    body = {"model": SERVED_NAME, "prompt": ["The capital of France is", "Water boils at"], "max_tokens": 6, "n": 2,
+            "temperature": 0.8, "seed": 3, "ignore_eos": True, "kv_transfer_params": {"certvllm": True}}  # fmt: skip
+    before = _settled(base)
+    out = _post(base, "/v1/completions", body)
+    after = _settled(base)
+    cert = out["certvllm"]
+    assert len(out["choices"]) == 4 and cert["requests"] == 4
+    assert sum(cert["head_steps"].values()) == 4 * (6 - 1) * LAYERS * HEADS
+    _assert_equals_deltas(cert, before, after)
 
 
 @pytest.mark.vllm
