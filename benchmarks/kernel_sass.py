@@ -3,7 +3,7 @@ instructions of one main-loop iteration (one 16-token block per warp), per confi
 
 Usage: python benchmarks/kernel_sass.py [--tuning attend_maxnreg=0 ...] [--out runs/kernel_sass.json]
 
-Compiles the attend and phase-1 Gluon kernels with the installed Triton for sm_90
+Compiles the attend, phase-1 and resident-pass Gluon kernels with the installed Triton for sm_90
 (``triton_kernels/offline_compile.py``, in a child process) at LLaMA-3.1-8B shapes (G = 4, D = 128) and a
 few others, with the launchers' constants for ``KernelTuning`` (the defaults, with the ``--tuning``
 fields replaced), and prints one row per kernel with the loop's most frequent opcodes.
@@ -47,13 +47,14 @@ def main() -> None:
     tuning = parse_tuning(a.tuning)
     shapes = [(32, 8, 128), (64, 8, 128), (8, 8, 64), (8, 4, 256)]
     jobs = [{"kernel": k, "hq": hq, "hkv": hkv, "d": d, "tuning": tuning}
-            for hq, hkv, d in shapes for k in ("attend", "phase1")]  # fmt: skip
+            for hq, hkv, d in shapes for k in ("attend", "phase1", "resident")]  # fmt: skip
     rows = [dict(job, **res) for job, res in zip(jobs, run_jobs(jobs), strict=True)]
     for r in rows:
         if "missing" in r:
             raise SystemExit(r["missing"])
-        print(f"{r['kernel']:7s} G={r['hq'] // r['hkv']:<2d} D={r['d']:<3d} {r['registers']:4d} registers, "
-              f"{r['stack']:4d} B stack, {r['loop_instructions']:5d} instructions per iteration  "
+        print(f"{r['kernel']:8s} G={r['hq'] // r['hkv']:<2d} D={r['d']:<3d} {r['registers']:4d} registers, "
+              f"{r['stack']:4d} B stack, {r['loop_instructions']:5d} instructions per iteration "
+              f"({r['common_path_instructions']:5d} on the common path)  "
               + " ".join(f"{k}:{v}" for k, v in r["loop_top"].items()), flush=True)  # fmt: skip
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps({"arch": 90, "tuning": tuning, "rows": rows}, indent=1))

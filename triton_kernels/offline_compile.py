@@ -62,12 +62,14 @@ class ToolMissing(RuntimeError):
 @dataclass
 class Compiled:
     """One kernel compiled for a CUDA target: registers and stack bytes per thread, the SASS, and the
-    opcode counts of one iteration of its main loop."""
+    opcode counts of one iteration of its main loop (``loop``: without its largest rare branch, ``common``: without
+    every rare branch, :func:`common_path_mix`)."""
 
     registers: int
     stack: int
     sass: str
     loop: collections.Counter = field(default_factory=collections.Counter)
+    common: collections.Counter = field(default_factory=collections.Counter)
 
     @property
     def loop_instructions(self) -> int:
@@ -122,7 +124,7 @@ def compile_gluon(kernel, pointers: dict, constants: dict, arch: int = 90) -> Co
     m = re.search(r"REG:(\d+) STACK:(\d+)", usage)
     if m is None:
         raise RuntimeError(f"no resource usage in cuobjdump's output: {usage[-400:]}")
-    return Compiled(int(m.group(1)), int(m.group(2)), sass, main_loop_mix(sass))
+    return Compiled(int(m.group(1)), int(m.group(2)), sass, main_loop_mix(sass), common_path_mix(sass))
 
 
 def main_loop_mix(sass: str) -> collections.Counter:
@@ -154,6 +156,49 @@ def main_loop_mix(sass: str) -> collections.Counter:
     for addr, ins in lines:
         if start <= addr <= end and not skip[0] < addr < skip[1]:
             toks = ins.split()
+            op = toks[1] if toks[0].startswith("@") else toks[0]
+            mix[op.split(".")[0]] += 1
+    return mix
+
+
+def common_path_mix(sass: str, rare: int = 100) -> collections.Counter:
+    """Opcode counts of the main loop's common path: the longest loop of ``sass`` without the body of every
+    conditional forward branch longer than ``rare`` instructions (taken as rarely run: the resident pass's exact-key
+    branch, its running-maximum rescaling, its exact-value token loop); of an if/else, the longer arm is dropped."""
+    lines = []
+    for line in sass.splitlines():
+        m = re.match(r"\s+/\*([0-9a-f]{4,6})\*/\s+(.*?)\s*;", line)
+        if m:
+            lines.append((int(m.group(1), 16), m.group(2)))
+    at = {addr: i for i, (addr, _) in enumerate(lines)}
+
+    def target(ins: str) -> int | None:
+        t = re.search(r"BRA\s.*?0x([0-9a-f]+)", ins)
+        return int(t.group(1), 16) if t else None
+
+    lo = hi = 0
+    for addr, ins in lines:
+        dest = target(ins) if "BRA" in ins else None
+        if dest is not None and dest < addr and dest in at and at[addr] - at[dest] > hi - lo:
+            lo, hi = at[dest], at[addr]
+    skip: set[int] = set()
+    for addr, ins in lines[lo:hi]:
+        dest = target(ins) if "BRA" in ins and ins.startswith("@") else None
+        if dest is None or dest <= addr or dest not in at or at[dest] > hi or at[dest] - at[addr] <= rare:
+            continue
+        i0, i1 = at[addr], at[dest]
+        last = lines[i1 - 1][1]
+        other = target(last) if last.startswith("BRA") else None
+        if other is not None and other in at and at[other] - i1 < i1 - i0:  # if/else: keep the shorter arm
+            skip.update(range(i0, i1))
+        elif other is not None and other in at:
+            skip.update(range(i1, at[other]))
+        else:
+            skip.update(range(i0, i1))
+    mix: collections.Counter = collections.Counter()
+    for i in range(lo, hi + 1):
+        if i not in skip:
+            toks = lines[i][1].split()
             op = toks[1] if toks[0].startswith("@") else toks[0]
             mix[op.split(".")[0]] += 1
     return mix
@@ -204,7 +249,7 @@ def _run_job(spec: dict) -> dict:
                                                    tuning.phase1_warps)  # fmt: skip
         c = compile_gluon(kernel, pointers, consts)
         return {"registers": c.registers, "stack": c.stack, "loop_instructions": c.loop_instructions,
-                "loop_top": dict(c.loop.most_common(12))}  # fmt: skip
+                "common_path_instructions": sum(c.common.values()), "loop_top": dict(c.loop.most_common(12))}  # fmt: skip
     except ToolMissing as err:
         return {"missing": str(err)}
 
