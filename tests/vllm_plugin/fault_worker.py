@@ -156,10 +156,10 @@ def _install() -> None:
     certified = runtime_mod.WorkerRuntime.certified
     compiled = cpu_fused.certified_rows
 
-    def certified_with_faults(self, state, q, tables, lens, scale, generator, exact_rows=None):  # noqa: ANN001
+    def certified_with_faults(self, state, q, tables, lens, scale, generator, *args, **kwargs):  # noqa: ANN001
         faults.before_call(self, state, tables, lens)
-        try:
-            return certified(self, state, q, tables, lens, scale, generator, exact_rows)
+        try:  # every further argument (exact_rows, the per-request slots …) as the runtime's own method takes it
+            return certified(self, state, q, tables, lens, scale, generator, *args, **kwargs)
         finally:
             if faults.command["kind"] in ("page_in", "host_memory", "corrupt"):
                 faults.write_state(self)
