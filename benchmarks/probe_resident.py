@@ -1,6 +1,7 @@
 """The resident decode pass on a GPU, checked and timed in one short run (a lease's worth of device time).
 
-Usage: python benchmarks/probe_resident.py [--points 8x32768 8x131072 1x8192] [--steps 4] [--out runs/probe.json]
+Usage: python benchmarks/probe_resident.py [--points 8x32768 8x131072 1x8192] [--steps 4] [--maxnreg 168 128]
+                                          [--out runs/probe.json]
 
 Per point (batch × context, LLaMA-3.1-8B shapes, ``bench_decode.synthetic_kv``): a paged cache with its pool;
 ``steps`` decode calls of the resident pass (budget preset, drifting queries: q ← q + 0.05·N(0, 1) per
@@ -57,7 +58,7 @@ def check(res, ref: torch.Tensor) -> dict:
             "rungs": [int(x) for x in torch.bincount(rung.flatten().long().cpu(), minlength=5)]}  # fmt: skip
 
 
-def point(batch: int, ctx: int, steps: int, iters: int, deadline: float) -> dict:
+def point(batch: int, ctx: int, steps: int, iters: int, deadline: float, maxnregs: tuple[int, ...] = ()) -> dict:
     bench = _bench()
     from certvllm.triton_kernels.fused import FUSED_GLUON_GATE
     from certvllm.triton_kernels.tuning import KernelTuning
@@ -108,7 +109,21 @@ def point(batch: int, ctx: int, steps: int, iters: int, deadline: float) -> dict
         float((ga.out - tr.out).abs()[both].max()) / vmax if bool(both.any()) else None
     )
     q = qs[-1]
-    times = {}
+    times: dict = {}
+    for cap in maxnregs:  # the Gluon kernel under register caps (KernelTuning.resident_maxnreg), warm pool as above
+        if time.time() > deadline:
+            break
+        cfg, residency, eng, _, _ = calls["resident_gluon"]
+        opts = CudaOptions(tuning=KernelTuning(resident_maxnreg=cap))
+        fn = lambda cfg=cfg, residency=residency, eng=eng, opts=opts: certified_attention(  # noqa: E731
+            q, cache, tables, seq, cfg, scale, pagein=eng, residency=residency, cuda_options=opts
+        )
+        res = fn()
+        torch.cuda.synchronize()
+        rec[f"resident_gluon_maxnreg{cap}_check"] = check(res, exact64(q, k, v, lens))
+        times[f"resident_gluon_maxnreg{cap}"] = bench.time_graph(fn, iters)
+        print(f"    resident_gluon, maxnreg {cap}: {times[f'resident_gluon_maxnreg{cap}']} ms, "
+              f"{rec[f'resident_gluon_maxnreg{cap}_check']}", flush=True)  # fmt: skip
     for name in ("resident_gluon", "resident_triton", "default", "budget", "naive"):
         if time.time() > deadline:
             print("  (deadline: remaining timings skipped)", flush=True)
@@ -158,6 +173,13 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--budget-s", type=float, default=480.0, help="stop starting timings after this many seconds")
+    ap.add_argument(
+        "--maxnreg",
+        type=int,
+        nargs="*",
+        default=[],
+        help="also time the Gluon resident kernel under these register caps (resident_maxnreg)",
+    )
     ap.add_argument("--out", type=Path, default=Path("runs/probe_resident.json"))
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -167,7 +189,7 @@ def main() -> None:
         if time.time() > deadline:
             break
         b, c = (int(x) for x in p.split("x"))
-        results.append(point(b, c, args.steps, args.iters, deadline))
+        results.append(point(b, c, args.steps, args.iters, deadline, tuple(args.maxnreg)))
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "results": results}, indent=1))
     print("\n| batch | context | resident Gluon | resident Triton | default | budget | naive | dense | violations |")

@@ -379,6 +379,7 @@ class FusedGeometry:
     warps: int = 1
     vec: int = 16
     gluon_warps: int = 4
+    gluon_maxnreg: int = 0
     dialect: str = "auto"
 
 
@@ -470,6 +471,8 @@ def fused_pass(
         from . import fused_gluon
 
         consts = fused_gluon.launch_constants(geo, geo.gluon_warps, CANARY_SLACK, **flags)
+        if geo.gluon_maxnreg:
+            consts["maxnreg"] = geo.gluon_maxnreg
         FUSED_GLUON_GATE.run(lambda: fused_gluon.launch(args, (R * K, S), _lut(qs.device), consts), launch_triton)
     else:
         launch_triton()

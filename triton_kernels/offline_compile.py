@@ -239,6 +239,8 @@ def _run_job(spec: dict) -> dict:
                      "run_canary": True, **spec.get("flags", {})}  # fmt: skip
             kernel, pointers = fused_gluon._fused_gluon_kernel, RESIDENT_POINTERS
             consts = fused_gluon.launch_constants(geo, tuning.resident_warps, CANARY_SLACK, **flags)
+            if tuning.resident_maxnreg:
+                consts["maxnreg"] = tuning.resident_maxnreg
         elif spec["kernel"] == "attend":
             geo = Phase2Geometry(PageLayout(d), hkv, hq // hkv, 1, 1024, 4, 64, tuning=tuning)
             kernel, pointers = attend_gluon._attend_gluon_kernel, ATTEND_POINTERS

@@ -13,6 +13,9 @@ configuration computes the same certified quantities (``tests/triton_kernels/tes
   value channels; ``attend_chunk_bytes``: Gluon attend value bytes per lane and token;
   ``attend_maxnreg``: Gluon attend registers per thread at most, applied at G ≤ 4 only (0: no cap; at
   G = 8 the cap would spill).
+* ``resident_maxnreg``: registers per thread of the Gluon resident pass at most (0: no cap). Uncapped it takes ~254
+  (2 four-warp programs per SM); 168 or 128 admit 3 or 4 programs and spill 336 / 520 bytes (Triton 3.6, offline):
+  which wins is the H200's to say (``benchmarks/probe_resident.py --tuning resident_maxnreg=168``).
 * ``resident_warps``: warps per program of the Gluon resident pass (``fused_gluon``: one block per warp); the
   Triton resident pass (the interpreter's and the fallback) runs one warp per program, one block per
   iteration, its best layout at D = 128 (``docs/performance.md``).
@@ -46,6 +49,7 @@ _RULES = {
     "attend_chunk_bytes": (lambda x: _pow2(x) and x <= 16, "a power of two in [1, 16]"),
     "attend_maxnreg": (lambda x: x == 0 or 16 <= x <= 255, "0 (no cap) or an integer in [16, 255]"),
     "resident_warps": (lambda x: _pow2(x) and x <= 16, "a power of two in [1, 16]"),
+    "resident_maxnreg": (lambda x: x == 0 or 24 <= x <= 255, "0 (no cap) or an integer in [24, 255]"),
     "prefetch_programs": (lambda x: 1 <= x <= 1024, "an integer in [1, 1024]"),
     "prefetch_unroll": (lambda x: _pow2(x) and x <= 64, "a power of two in [1, 64]"),
 }
@@ -64,6 +68,7 @@ class KernelTuning:
     attend_chunk_bytes: int = 2
     attend_maxnreg: int = 128
     resident_warps: int = 4
+    resident_maxnreg: int = 0
     prefetch_programs: int = 8
     prefetch_unroll: int = 4
     dialect: Literal["auto", "triton"] = "auto"

@@ -90,7 +90,7 @@ def resident_rows(
     splits, bps = split_plan(B, R * K, options.blocks_per_split, tuning=options.tuning)
     geo = FusedGeometry(cache.layout, K, G, cache.sub_blocks, cache.num_blocks, splits, bps,
                         cache.keys_channel_major, gluon_warps=options.tuning.resident_warps,
-                        dialect=options.tuning.dialect)  # fmt: skip
+                        gluon_maxnreg=options.tuning.resident_maxnreg, dialect=options.tuning.dialect)  # fmt: skip
     certified = cfg.mode == "certified"
     run_canary = cfg.ladder.checks_canary
     state = _Pass(call, geo, pool if certified else None, None, None)  # type: ignore[arg-type]
