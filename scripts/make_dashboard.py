@@ -389,6 +389,24 @@ def build() -> dict:
     )
     lay.add(
         timeseries(
+            "Attention layers: certified and native",
+            "Attention layers holding certified pages, and those a hybrid model keeps in its own dtype (sliding-window "
+            "layers, --kv-cache-dtype-skip-layers), per engine.",
+            [
+                (
+                    f"count by (engine) (max by (engine, layer) (vllm:cert_layer_certified{F}) == 1)",
+                    "engine {{engine}} certified",
+                ),
+                (
+                    f"count by (engine) (max by (engine, layer) (vllm:cert_layer_certified{F}) == 0)",
+                    "engine {{engine}} native",
+                ),
+            ],
+        ),
+        8,
+    )
+    lay.add(
+        timeseries(
             "Exact tokens by policy",
             "Query tokens served by exact attention by policy (not a fallback): prefill, prefill_cached, dense_mode.",
             [(f"sum by (reason) (rate(vllm:cert_exact_tokens_total{F}[{RATE}]))", "{{reason}}")],

@@ -91,6 +91,10 @@ SPECS = (
                "dense_mode = mode: dense).", ("reason",)),
     MetricSpec("vllm:cert_host_tier_bytes", "gauge", "Host memory held by shadow pages (tier 2), by worker rank.",
                ("rank",)),
+    MetricSpec("vllm:cert_layer_certified", "gauge",
+               "Attention layers of the worker by KV cache: 1 = certified pages (INT8 keys, INT4 values, host shadow), "
+               "0 = native pages in the model's dtype served by vLLM's own attention (sliding-window layers of a "
+               "hybrid model, --kv-cache-dtype-skip-layers), by layer and worker rank.", ("layer", "rank")),
     MetricSpec("vllm:cert_audits_total", "counter",
                "Head-steps re-checked by audit mode against exact attention over the shadow originals, by the "
                "rung they were served at.", ("rung",)),
@@ -242,6 +246,10 @@ class CertMetrics:
 
     def set_host_tier_bytes(self, nbytes: int) -> None:
         self._child("vllm:cert_host_tier_bytes").set(nbytes)
+
+    def set_layer_certified(self, layer: str, certified: bool) -> None:
+        """Whether attention layer ``layer`` (its number) holds certified pages (1) or native ones (0)."""
+        self._child("vllm:cert_layer_certified", layer=layer).set(1 if certified else 0)
 
     def count_key_pages(self, pool: int, prefetch: int, host: int) -> None:
         """Key pages the promotion pass read from the pool, the step prefetch's ring and over PCIe."""

@@ -150,6 +150,19 @@ def exact_reason(query_len: int, context: int, cfg: CertConfig) -> str | None:
     return "prefill_cached"
 
 
+def attention_layer_kinds(vllm_config: VllmConfig) -> dict[str, bool]:
+    """Every attention layer of this worker's model, by name: whether it holds certified pages (its KV cache dtype is
+    ``certified``) or native ones (vLLM kept it in the model's dtype: a hybrid model's sliding-window layers,
+    ``--kv-cache-dtype-skip-layers``)."""
+    from vllm.config import get_layers_from_vllm_config
+    from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+
+    layers = get_layers_from_vllm_config(vllm_config, AttentionLayerBase)  # type: ignore[type-abstract]
+    # attention layers only: the other AttentionLayerBase kinds (Mamba, linear attention) have no KV cache dtype
+    return {name: layer.kv_cache_dtype == KV_CACHE_DTYPE for name, layer in layers.items()
+            if isinstance(getattr(layer, "kv_cache_dtype", None), str)}  # fmt: skip
+
+
 def find_model_runner(max_depth: int = 40) -> Any:
     """The vLLM model runner that is constructing the caller (None if there is none on the stack).
 
@@ -181,9 +194,16 @@ class CertifiedMetadataBuilder(AttentionMetadataBuilder[CertifiedMetadata]):
 
     def __init__(self, kv_cache_spec: AttentionSpec, layer_names: list[str], vllm_config: VllmConfig,
                  device: torch.device) -> None:  # fmt: skip
+        if type(self) is not CertifiedMetadataBuilder:  # vLLM wraps the builder of chunked-local / static-sink layers
+            raise ValueError(
+                f"--kv-cache-dtype certified cannot serve layers {', '.join(layer_names)}: {type(self).__name__} "
+                "rewrites their batches (chunked local attention or static sinks), which the certified path does not "
+                "support; serve this model with --kv-cache-dtype auto."
+            )
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.config: CertConfig = settings.cert_config(vllm_config)
         self.runtime = WorkerRuntime.of(vllm_config)
+        self.runtime.note_layers(attention_layer_kinds(vllm_config))  # vllm:cert_layer_certified
         self._host_lens_exact = getattr(vllm_config, "speculative_config", None) is None
         model = vllm_config.model_config
         num_heads = model.get_num_attention_heads(vllm_config.parallel_config)
@@ -415,7 +435,7 @@ class CertifiedAttentionImpl(AttentionImpl[CertifiedMetadata]):
                 part = torch.empty(idx.numel(), self.num_heads, self.head_size, dtype=out.dtype, device=out.device)
                 exact.run(meta.exact_plan, q[idx].contiguous(), cache, part, pagein, fresh=(k_new[idx], v_new[idx]))
                 out[idx] = part
-            if state.index == 0:
+            if state.index == self.runtime.counting_layer:  # once per step: the model's first certified layer
                 for reason, count in meta.exact_counts.items():
                     metrics.count_exact_tokens(reason, count)
                 if self.runtime.ledger is not None:

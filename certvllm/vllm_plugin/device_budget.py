@@ -29,6 +29,7 @@ from certvllm.config import CertConfig
 from certvllm.formats.layout import BLOCK_SIZE
 from certvllm.kv.prefetch import DEPTH
 from certvllm.kv.residency import pool_values
+from certvllm.vllm_plugin import hybrid
 from certvllm.vllm_plugin.host_tier import vllm_page_layout
 
 logger = logging.getLogger("vllm.certvllm")
@@ -38,18 +39,29 @@ GENERATION_BYTES = 8  # int64 write counter per 16-token block
 
 
 def blocks_with_pool(
-    num_blocks: int, *, layers: int, kv_heads: int, block_size: int, head_size: int, itemsize: int, cfg: CertConfig
+    num_blocks: int,
+    *,
+    layers: int,
+    kv_heads: int,
+    block_size: int,
+    head_size: int,
+    itemsize: int,
+    cfg: CertConfig,
+    page_bytes: int | None = None,
 ) -> int:
     """The largest vLLM block count whose pages plus promotion pools fit in ``num_blocks`` pages' memory.
 
     Args:
         num_blocks: blocks vLLM planned (pages only).
-        layers, kv_heads: attention layers and KV heads of this rank.
-        block_size: tokens per vLLM block (a multiple of 16).
+        layers, kv_heads: certified attention layers and KV heads of this rank.
+        block_size: tokens per vLLM block of the certified layers (a multiple of 16).
         head_size: D.
         itemsize: bytes per element of the model's dtype (the shadow's and the pool's).
         cfg: the run's settings (``promotion_cache_fraction``, 0 leaves ``num_blocks`` unchanged;
             ``prefetch_fraction``).
+        page_bytes: device bytes of one pool block as vLLM planned it (a hybrid model's pool also holds its native
+            layers' pages, and its groups share blocks: ``hybrid.CertifiedLayout.pool_bytes_per_block``); default
+            ``layers`` certified pages.
     """
     fraction = cfg.promotion_cache_fraction
     if fraction <= 0 or num_blocks <= 0:
@@ -59,6 +71,8 @@ def blocks_with_pool(
     key_slot = BLOCK_SIZE * head_size * itemsize + TAG_BYTES
     slot = key_slot + (BLOCK_SIZE * head_size * itemsize + 4 if resident else 0)
     page = layers * kv_heads * block_size * vllm_page_layout(head_size, cfg.value_group_size).bytes_per_token
+    if page_bytes is not None:
+        page = page_bytes
     pool = layers * (fraction * kv_heads * subs * slot + GENERATION_BYTES * subs)
     if resident:  # slot_of: one int32 per (16-token block, KV head) of the layer
         pool += layers * 4 * kv_heads * subs
@@ -78,15 +92,23 @@ def fit_promotion_pool(vllm_config: Any, cfg: CertConfig, num_blocks: int) -> in
     if not current_platform.is_cuda_alike() or cfg.promotion_cache_fraction <= 0:
         return num_blocks
     model, parallel = vllm_config.model_config, vllm_config.parallel_config
-    fitted = blocks_with_pool(
-        num_blocks,
-        layers=model.get_num_layers(parallel),
-        kv_heads=model.get_num_kv_heads(parallel),
-        block_size=vllm_config.cache_config.block_size,
-        head_size=model.get_head_size(),
-        itemsize=torch.empty((), dtype=model.dtype).element_size(),
-        cfg=cfg,
-    )
+    itemsize = torch.empty((), dtype=model.dtype).element_size()
+    layout = hybrid.planned_layout()
+    if layout is not None:  # vLLM's KV cache groups: the certified layers only, at their block size, in the pool
+        fitted = blocks_with_pool(
+            num_blocks, layers=len(layout.certified), kv_heads=layout.kv_heads, block_size=layout.block_size,
+            head_size=layout.head_size, itemsize=itemsize, cfg=cfg, page_bytes=layout.pool_bytes_per_block,
+        )  # fmt: skip
+    else:
+        fitted = blocks_with_pool(
+            num_blocks,
+            layers=model.get_num_layers(parallel),
+            kv_heads=model.get_num_kv_heads(parallel),
+            block_size=vllm_config.cache_config.block_size,
+            head_size=model.get_head_size(),
+            itemsize=itemsize,
+            cfg=cfg,
+        )
     logger.info(
         "certvllm: %d of %d planned KV blocks kept to leave room for the promotion cache "
         "(promotion_cache_fraction=%g; 0 turns it off and keeps every block)",

@@ -8,8 +8,8 @@ engine keeps runs independent (vLLM spawns its own workers, and each run gets it
 
 SPEC: ``{"model": DIR, "kv_cache_dtype": "auto"|"certified", "cert": {...additional_config...},
 "engine": {...LLM kwargs...}, "requests": [{"prompt": str | "prompt_token_ids": [...], "max_tokens": n,
-"ignore_eos": bool, "prompt_logprobs": bool, "skip_reading_prefix_cache": bool, "detokenize": bool,
-"abort_after_tokens": n}], "batch": bool,
+"ignore_eos": bool, "prompt_logprobs": bool, "logprobs": bool, "skip_reading_prefix_cache": bool,
+"detokenize": bool, "abort_after_tokens": n}], "batch": bool,
 "repeat": int}``, or several such groups as ``"phases": [...]``, run one after the other in the same engine;
 ``"environment": {VAR: value}`` is set in the process before vLLM is imported.
 RESULT: ``{"outputs": [{"token_ids": [...], "text": str, "prompt_tokens": n, "cached_tokens": n,
@@ -26,7 +26,9 @@ to every counter. A request with ``"prompt_logprobs": true`` also gets
 tokens before it (vLLM's ``SamplingParams(prompt_logprobs=0)``), ``None`` for the first. vLLM skips the
 prefix cache for such requests unless ``"skip_reading_prefix_cache": false``; then only the positions
 after the cached prefix are computed, and the earlier entries are ``None`` (pass ``"detokenize": false``:
-vLLM would otherwise detokenize the uncomputed entries' token ids).
+vLLM would otherwise detokenize the uncomputed entries' token ids). A request with ``"logprobs": true`` gets
+``"logprobs": [lp_1, ...]``: the log-probability of each generated token as sampled (vLLM's
+``SamplingParams(logprobs=0)``), the finest view two runs' decode steps can be compared at.
 
 A request with ``"abort_after_tokens": n`` is aborted once it has produced ``n`` tokens (at least; the
 tokens received by then are its output, with ``"aborted": true``), as vLLM's server aborts the request of
@@ -147,7 +149,7 @@ def _run(spec: dict[str, Any]) -> dict[str, Any]:
     def params(r: dict[str, Any]) -> Any:
         return SamplingParams(
             max_tokens=r.get("max_tokens", 32), temperature=0.0, ignore_eos=r.get("ignore_eos", False),
-            prompt_logprobs=0 if r.get("prompt_logprobs") else None,
+            prompt_logprobs=0 if r.get("prompt_logprobs") else None, logprobs=0 if r.get("logprobs") else None,
             skip_reading_prefix_cache=r.get("skip_reading_prefix_cache"), detokenize=r.get("detokenize", True),
         )  # fmt: skip
 
@@ -211,6 +213,10 @@ def _run(spec: dict[str, Any]) -> dict[str, Any]:
             for out, r, o in zip(outputs, requests, got, strict=True):
                 if r.get("prompt_logprobs"):
                     out["prompt_logprobs"] = prompt_logprobs(o)
+                if r.get("logprobs"):
+                    sample = o.outputs[0]
+                    out["logprobs"] = [float(lp[t].logprob) for t, lp in zip(sample.token_ids, sample.logprobs or [],
+                                                                            strict=True)]  # fmt: skip
         return {"outputs": outputs, "seconds": seconds}
 
     progress = spec.get("progress")

@@ -9,6 +9,12 @@ simply rewritten by their next owner, and nothing is held per request. The worke
 Budget: ``host_memory_gb`` (``--cert-host-memory-gb``), or half of the available host memory when
 unset. The KV planner's block count is capped to what the budget can shadow (logged); a budget that
 cannot shadow one full-length request refuses to start, naming the flag.
+
+Only certified layers have shadows. In a hybrid model (``hybrid.py``) the sliding-window layers keep native pages
+and no shadow, and certified layers whose KV tensors are the same memory (vLLM lays the KV cache groups of one pool
+over each other) share one: the arithmetic then comes from vLLM's KV cache groups (:class:`hybrid.CertifiedLayout`,
+read while vLLM plans the block count), and before the groups exist (the startup check) from the model config's
+layer types, as a lower bound.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from certvllm.config import CertConfig
 from certvllm.formats.layout import PageLayout
 from certvllm.kv.cache import LayerKVCache
 from certvllm.kv.host import allocate_host
-from certvllm.vllm_plugin import settings
+from certvllm.vllm_plugin import hybrid, settings
 from certvllm.vllm_plugin.preflight import (
     StartupRefusal,
     default_budget_bytes,
@@ -36,13 +42,42 @@ logger = logging.getLogger("vllm.certvllm")  # under "vllm": shares vLLM's log h
 GIB = 1 << 30
 
 
-def shadow_bytes_per_block(vllm_config: Any) -> int:
-    """Host bytes one vLLM block's shadow pages take across all layers of this rank."""
+def _itemsize(vllm_config: Any) -> int:
+    return torch.empty((), dtype=vllm_config.model_config.dtype).element_size()
+
+
+def native_layer_count(vllm_config: Any) -> int:
+    """Attention layers the model config keeps in the model's dtype (sliding windows, ``--kv-cache-dtype-skip-layers``
+    indices: ``hybrid.native_layers``); 0 for a model without (or a config without a readable ``hf_text_config``)."""
+    model = vllm_config.model_config
+    text = getattr(model, "hf_text_config", None)
+    total = getattr(text, "num_hidden_layers", None)
+    if text is None or not isinstance(total, int):
+        return 0
+    skip = getattr(vllm_config.cache_config, "kv_cache_dtype_skip_layers", None)
+    return len(hybrid.native_layers(text, total, skip) or ())
+
+
+def certified_layers(vllm_config: Any) -> int:
+    """This rank's attention layers with certified pages before vLLM's KV cache groups exist: its layers minus the
+    model's native ones (a lower bound on a pipeline stage, which holds a part of the layers)."""
     model, parallel = vllm_config.model_config, vllm_config.parallel_config
-    layers = model.get_num_layers(parallel)
+    return max(0, model.get_num_layers(parallel) - native_layer_count(vllm_config))
+
+
+def shadow_bytes_per_block(vllm_config: Any, layout: hybrid.CertifiedLayout | None = None) -> int:
+    """Host bytes one pool block's shadow pages take on this rank: ``layout``'s (or, while vLLM plans the block
+    count, the planned groups', ``hybrid.planned_layout``), else every certified layer of the model config at
+    ``--block-size``."""
+    layout = layout or hybrid.planned_layout()
+    if layout is not None:
+        return layout.shadow_bytes_per_block(_itemsize(vllm_config))
+    model, parallel = vllm_config.model_config, vllm_config.parallel_config
     heads = model.get_num_kv_heads(parallel)
-    itemsize = torch.empty((), dtype=model.dtype).element_size()
-    return vllm_config.cache_config.block_size * shadow_bytes_per_token(layers, heads, model.get_head_size(), itemsize)
+    per_token = shadow_bytes_per_token(
+        certified_layers(vllm_config), heads, model.get_head_size(), _itemsize(vllm_config)
+    )
+    return vllm_config.cache_config.block_size * per_token
 
 
 def node_ranks(vllm_config: Any) -> int:
@@ -51,9 +86,9 @@ def node_ranks(vllm_config: Any) -> int:
     return max(1, int(getattr(vllm_config.parallel_config, "tensor_parallel_size", 1) or 1))
 
 
-def node_bytes_per_block(vllm_config: Any) -> int:
-    """Host bytes one vLLM block's shadow pages take on this node: every layer, every rank."""
-    return shadow_bytes_per_block(vllm_config) * node_ranks(vllm_config)
+def node_bytes_per_block(vllm_config: Any, layout: hybrid.CertifiedLayout | None = None) -> int:
+    """Host bytes one vLLM block's shadow pages take on this node: every certified layer, every rank."""
+    return shadow_bytes_per_block(vllm_config, layout) * node_ranks(vllm_config)
 
 
 def budget_bytes(cfg: CertConfig) -> int:
@@ -65,14 +100,24 @@ def budget_bytes(cfg: CertConfig) -> int:
     return default_budget_bytes()
 
 
-def min_blocks(vllm_config: Any) -> int:
-    """vLLM blocks one request of ``max_model_len`` tokens needs: the least useful capacity."""
-    return min_request_blocks(vllm_config.model_config.max_model_len, vllm_config.cache_config.block_size)
+def min_blocks(vllm_config: Any, layout: hybrid.CertifiedLayout | None = None) -> int:
+    """Pool blocks one request of ``max_model_len`` tokens needs, the least useful capacity: with the KV cache groups
+    (``layout``, or the planned ones), vLLM's figure for every group together plus one; before them, the blocks of
+    one group (plus one, except for a hybrid model, whose figure is then only a lower bound: its native groups and
+    block size are not known yet)."""
+    layout = layout or hybrid.planned_layout()
+    if layout is not None:
+        return layout.request_blocks + 1
+    max_len, block = vllm_config.model_config.max_model_len, vllm_config.cache_config.block_size
+    if native_layer_count(vllm_config):
+        return math.ceil(max_len / block)
+    return min_request_blocks(max_len, block)
 
 
-def _refuse(vllm_config: Any, cfg: CertConfig, capacity: int, per_block: int) -> StartupRefusal:
+def _refuse(vllm_config: Any, cfg: CertConfig, capacity: int, per_block: int,
+            layout: hybrid.CertifiedLayout | None = None) -> StartupRefusal:  # fmt: skip
     """The refusal of a budget below one full-length request (``certvllm serve`` prints it as one line, exit 2)."""
-    need = min_blocks(vllm_config)
+    need = min_blocks(vllm_config, layout)
     budget = "" if cfg.host_memory_gb is None else f" {cfg.host_memory_gb:g}"
     origin = "" if cfg.host_memory_gb is not None else " (unset: half of the host memory available at startup)"
     return StartupRefusal(
@@ -94,27 +139,39 @@ def check_minimum(vllm_config: Any, cfg: CertConfig) -> None:
 
 
 def cap_blocks(vllm_config: Any, num_blocks: int) -> int:
-    """The KV planner's block count, capped by the host budget (engine-core process)."""
+    """The KV planner's block count, capped by the host budget (engine-core process; with the planned KV cache
+    groups' layout where vLLM is planning them, ``hybrid.planning``)."""
     cfg = settings.cert_config(vllm_config)
-    per_block = node_bytes_per_block(vllm_config)
+    layout = hybrid.planned_layout()
+    per_block = node_bytes_per_block(vllm_config, layout)
     capacity = budget_bytes(cfg) // per_block
-    if capacity < min_blocks(vllm_config):
-        raise _refuse(vllm_config, cfg, capacity, per_block)
+    if capacity < min_blocks(vllm_config, layout):
+        raise _refuse(vllm_config, cfg, capacity, per_block, layout)
+    block_tokens = layout.block_size if layout is not None else vllm_config.cache_config.block_size
     if num_blocks > capacity:
         logger.warning(
             "certvllm: capping the KV cache at %d blocks (%d tokens): the host tier budget of %.2f GiB shadows "
             "%d MiB per block; the device could hold %d blocks. Raise --cert-host-memory-gb to use them.",
-            capacity, capacity * vllm_config.cache_config.block_size, budget_bytes(cfg) / GIB, per_block >> 20,
-            num_blocks,
+            capacity, capacity * block_tokens, budget_bytes(cfg) / GIB, per_block >> 20, num_blocks,
         )  # fmt: skip
         num_blocks = capacity
     ranks = node_ranks(vllm_config)
+    n = len(layout.certified) if layout is not None else 0
+    which = "all layers" if layout is None or not layout.hybrid else f"{n} certified layer{'s' * (n != 1)} only"
     logger.info(
-        "certvllm: host tier shadows %d blocks = %.2f GiB (%.1f KiB per token, all layers%s)",
-        num_blocks, num_blocks * per_block / GIB, per_block / vllm_config.cache_config.block_size / 1024,
+        "certvllm: host tier shadows %d blocks = %.2f GiB (%.1f KiB per token, %s%s)",
+        num_blocks, num_blocks * per_block / GIB, per_block / block_tokens / 1024, which,
         f"; split across {ranks} tensor-parallel ranks, {num_blocks * per_block / ranks / GIB:.2f} GiB each"
         if ranks > 1 else "",
     )  # fmt: skip
+    if layout is not None and layout.hybrid:
+        device = layout.pool_bytes_per_block
+        logger.info(
+            "certvllm: hybrid KV cache: %s; %d pool blocks x %.1f KiB on the device (%.2f GiB), x %.1f KiB of shadow "
+            "on the host (%.2f GiB)",
+            layout.describe(), num_blocks, device / 1024, num_blocks * device / GIB, per_block / 1024,
+            num_blocks * per_block / GIB,
+        )  # fmt: skip
     return num_blocks
 
 
@@ -135,10 +192,13 @@ def check_page_fits(head_dim: int, value_group: int) -> None:
         )
 
 
-def layer_cache(name: str, kv_cache: torch.Tensor, head_dim: int, dtype: torch.dtype, value_group: int) -> LayerKVCache:
+def layer_cache(name: str, kv_cache: torch.Tensor, head_dim: int, dtype: torch.dtype, value_group: int,
+                shadow: torch.Tensor | None = None) -> LayerKVCache:  # fmt: skip
     """The tiered cache of layer ``name`` over vLLM's ``[num_blocks, H_kv, N, C]`` uint8 KV tensor, with a new
     shadow in host memory (pinned with CUDA when the tensor is on a GPU; on the CPU the shadow doubles as
-    a cache for vLLM's own CPU kernel, which stores keys transposed)."""
+    a cache for vLLM's own CPU kernel, which stores keys transposed), or ``shadow``: the shadow of another
+    certified layer whose KV tensor is the same memory (``runtime.WorkerRuntime.bind``: a hybrid model's KV cache
+    groups share their tensors, and a block id belongs to one group at a time)."""
     num_blocks, heads, n, c = kv_cache.shape
     layout = vllm_page_layout(head_dim, value_group)
     if n % layout.block_size != 0 or c != layout.bytes_per_token:
@@ -148,6 +208,10 @@ def layer_cache(name: str, kv_cache: torch.Tensor, head_dim: int, dtype: torch.d
         )
     on_cpu = kv_cache.device.type == "cpu"
     shape = (num_blocks, heads, 2, n, head_dim)
+    if shadow is not None:
+        if tuple(shadow.shape) != shape or shadow.dtype != dtype:
+            raise ValueError(f"layer {name}: a shared shadow {list(shadow.shape)} {shadow.dtype} is not {list(shape)}")
+        return LayerKVCache(kv_cache.view(num_blocks, heads, n * c), shadow, layout, keys_channel_major=on_cpu)
     try:
         shadow = allocate_host(shape, dtype, pin=not on_cpu)
     except (RuntimeError, MemoryError) as err:

@@ -16,6 +16,7 @@ Nothing here imports vLLM or torch.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import platform
@@ -23,6 +24,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from certvllm.vllm_plugin.layer_kinds import certified_layer_count
 
 GIB = 1 << 30
 DEFAULT_BLOCK = 16  # the smallest block size certified runs with (pages hold 16-token blocks)
@@ -92,6 +95,18 @@ def option(args: list[str], *names: str) -> str | None:
     return value
 
 
+def option_values(args: list[str], name: str) -> list[str]:
+    """The values of the last ``NAME V1 V2 ...`` (up to the next ``-`` flag) / ``NAME=V1,V2`` in ``args``, as
+    vLLM's list options take them (``--kv-cache-dtype-skip-layers sliding_window 0 5``); [] if absent."""
+    values: list[str] = []
+    for i, arg in enumerate(args):
+        if arg == name:
+            values = list(itertools.takewhile(lambda a: not a.startswith("-"), args[i + 1 :]))
+        elif arg.startswith(name + "="):
+            values = [v for v in arg.split("=", 1)[1].split(",") if v]
+    return values
+
+
 def model_argument(args: list[str]) -> str | None:
     """The model of ``vllm serve`` arguments: the first positional argument or ``--model``."""
     if args and not args[0].startswith("-"):
@@ -153,6 +168,7 @@ class ShadowGeometry:
     max_model_len: int
     block_size: int
     ranks: int = 1
+    hybrid: bool = False
 
     @property
     def per_token(self) -> int:
@@ -160,6 +176,10 @@ class ShadowGeometry:
 
     @property
     def blocks(self) -> int:
+        """Blocks of one full-length request; a hybrid model's (``layers`` = its certified layers only) without the
+        block being written, a lower bound on what vLLM's KV cache groups will need (``host_tier.min_blocks``)."""
+        if self.hybrid:
+            return math.ceil(self.max_model_len / self.block_size)
         return min_request_blocks(self.max_model_len, self.block_size)
 
     @property
@@ -196,7 +216,16 @@ def shadow_geometry(args: list[str], config: dict[str, Any]) -> ShadowGeometry |
     if not max_len or max_len <= 0 or not block:
         return None
     itemsize = 4 if (option(args, "--dtype") or "auto").lower() in FLOAT32_NAMES else 2
-    return ShadowGeometry(layers, max(1, kv_heads // tp), head_dim, itemsize, max_len, block, tp)
+    certified = layers
+    if "--disable-sliding-window" in args:  # every layer certified, the length capped at the window
+        window = config.get("sliding_window")
+        max_len = min(max_len, window) if isinstance(window, int) and window > 0 else max_len
+    else:  # a hybrid model's sliding-window layers keep native pages (hybrid.prepare): no shadow
+        certified = certified_layer_count(config, layers, option_values(args, "--kv-cache-dtype-skip-layers"))
+        if not certified:
+            return None  # open, or nothing certified: vLLM's own check refuses it with the fix (hybrid.prepare)
+    return ShadowGeometry(certified, max(1, kv_heads // tp), head_dim, itemsize, max_len, block, tp,
+                          hybrid=certified < layers)  # fmt: skip
 
 
 DEFAULT_AVAILABLE_FRACTION = 0.5
@@ -250,8 +279,9 @@ def host_tier_refusal(args: list[str], host_memory_gb: float | None) -> StartupR
     return StartupRefusal(
         f"--cert-host-memory-gb {host_memory_gb:g} cannot hold the host shadow of one {g.max_model_len}-token "
         f"request of {model}: that needs at least {gib_at_least(g.min_bytes):.2f} GiB ({g.blocks} blocks of "
-        f"{g.block_size} tokens x {g.per_token / 1024:.1f} KiB per token = {g.layers} layers x {g.kv_heads} KV heads x "
-        f"2 x {g.head_dim} x {g.itemsize} bytes{ranks}). Use --cert-host-memory-gb {gib_at_least(g.min_bytes):.2f} or "
+        f"{g.block_size} tokens x {g.per_token / 1024:.1f} KiB per token = {g.layers} {'certified ' * g.hybrid}"
+        f"layers x {g.kv_heads} KV heads x 2 x {g.head_dim} x {g.itemsize} bytes{ranks}). Use --cert-host-memory-gb "
+        f"{gib_at_least(g.min_bytes):.2f} or "
         "more, or a smaller --max-model-len."
     )
 

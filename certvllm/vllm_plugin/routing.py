@@ -3,19 +3,22 @@
 * backend selection: ``certified`` → the CUSTOM slot, with clear errors for layers we cannot serve
   (MLA, sliding windows, sinks, encoder or cross attention, unsupported head sizes or dtypes);
 * the CPU platform, which otherwise returns its own backend whatever was selected;
-* platform config: block sizes that are multiples of 16, and the checks that must fail at startup
-  (config, prefix-match units, KV connectors, host-tier budget);
-* KV planning: the block count is capped by what the host tier can shadow.
+* platform config: block sizes that are multiples of 16, the sliding-window layers of a hybrid model kept in the
+  model's dtype (``hybrid.prepare``), and the checks that must fail at startup (config, prefix-match units, KV
+  connectors, host-tier budget);
+* KV planning: the block count is capped by what the host tier can shadow, from vLLM's KV cache groups (which
+  layers are certified: ``hybrid.CertifiedLayout``).
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 from typing import Any
 
 from certvllm import env
 from certvllm.formats.layout import BLOCK_SIZE
-from certvllm.vllm_plugin import settings
+from certvllm.vllm_plugin import hybrid, settings
 from certvllm.vllm_plugin._compat import KV_CACHE_DTYPE
 
 logger = logging.getLogger("vllm.certvllm")  # under "vllm": shares vLLM's log handlers
@@ -51,10 +54,20 @@ def _check_layer(attn_selector_config: Any, backend: Any) -> None:
         problems.append(f"--attention-backend {backend.name} was given; certified uses its own backend (drop the flag)")
     if cfg.use_mla:
         problems.append("MLA attention (latent KV) is not supported")
-    if cfg.has_sliding_window:
-        problems.append("sliding-window layers are not supported")
+    if cfg.has_sliding_window:  # hybrid.prepare skips the layers it finds; this one was not found in the config
+        problems.append(
+            "sliding-window layers cannot be certified (keep them in the model's dtype with "
+            f"--kv-cache-dtype-skip-layers {hybrid.SKIP_SLIDING})"
+        )
     if cfg.has_sink:
-        problems.append("attention sinks are not supported")
+        layer = _calling_layer()
+        index = layer.split(".self_attn")[0].rsplit(".", 1)[-1] if layer else ""
+        problems.append(
+            f"attention sinks are not supported on certified layers{f' (layer {layer})' if layer else ''}: the "
+            "certificate bounds a softmax over the cached tokens alone, and a sink's logit changes every weight; keep "
+            f"every layer with sinks in the model's dtype with --kv-cache-dtype-skip-layers "
+            f"{index if index.isdigit() else 'N'} [N ...]"
+        )
     if cfg.use_sparse:
         problems.append("sparse attention is not supported")
     if cfg.attn_type != AttentionType.DECODER:
@@ -70,6 +83,19 @@ def _check_layer(attn_selector_config: Any, backend: Any) -> None:
             + "; ".join(problems)
             + ". Serve it with --kv-cache-dtype auto."
         )
+
+
+def _calling_layer(max_depth: int = 12) -> str | None:
+    """The name (``prefix``) of the vLLM attention layer being built on this call stack, for error messages."""
+    frame = sys._getframe(1)
+    for _ in range(max_depth):
+        if frame is None:
+            return None
+        prefix = frame.f_locals.get("prefix") if frame.f_code.co_name == "__init__" else None
+        if isinstance(prefix, str) and prefix:
+            return prefix
+        frame = frame.f_back
+    return None
 
 
 def _route_selector() -> None:
@@ -144,6 +170,7 @@ def _prepare_certified(vllm_config: Any) -> None:
 
     if current_platform.is_cuda():  # the CPU platform turns CUDA graphs off itself
         _piecewise_cuda_graphs(vllm_config)
+    hybrid.prepare(vllm_config)  # sliding-window layers: native pages (before the host tier's minimum counts layers)
     host_tier.check_minimum(vllm_config, cfg)
     host_tier.check_page_fits(vllm_config.model_config.get_head_size(), cfg.value_group_size)
     dense_backend.check_request(cfg.dense_backend, current_platform.is_cuda())  # before any request
@@ -182,6 +209,8 @@ def _cap_block_count() -> None:
             continue
         if not hasattr(module, "may_override_num_blocks"):
             continue
+        if hasattr(module, "get_kv_cache_config_from_groups"):
+            _wrap(module, "get_kv_cache_config_from_groups", _plan_with_layout)
 
         def make(original: Any) -> Any:
             def may_override_num_blocks(vllm_config: Any, num_blocks: int) -> int:
@@ -195,6 +224,20 @@ def _cap_block_count() -> None:
 
         _wrap(module, "may_override_num_blocks", make)
         return
+
+
+def _plan_with_layout(original: Any) -> Any:
+    """vLLM's ``get_kv_cache_config_from_groups(vllm_config, kv_cache_groups, available_memory)`` with the groups'
+    certified layout (``hybrid.CertifiedLayout``) readable by the block-count hook while it plans (a certified run)."""
+
+    def get_kv_cache_config_from_groups(vllm_config: Any, kv_cache_groups: Any, *args: Any, **kwargs: Any) -> Any:
+        if vllm_config.cache_config.cache_dtype != KV_CACHE_DTYPE:
+            return original(vllm_config, kv_cache_groups, *args, **kwargs)
+        layout = hybrid.CertifiedLayout.from_groups(vllm_config, list(kv_cache_groups))
+        with hybrid.planning(layout):
+            return original(vllm_config, kv_cache_groups, *args, **kwargs)
+
+    return get_kv_cache_config_from_groups
 
 
 def self_test() -> None:

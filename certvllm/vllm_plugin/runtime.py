@@ -92,6 +92,9 @@ class WorkerRuntime:
         self._warmed: set[tuple[Any, ...]] = set()
         self._graphs: dict[torch.device, Any] = {}  # device → certvllm.attention.graphs.LayerCallGraphs
         self.max_decode_rows = DEFAULT_MAX_DECODE_ROWS  # the engine's max_num_seqs once warm_up has run
+        # the layer whose calls count the step's exact tokens (once per step): the model's first certified layer
+        # (:meth:`note_layers`; layer 0 until then, and in a model without native layers)
+        self.counting_layer = 0
 
     # -- one per worker and run ---------------------------------------------------------------------
     _current: WorkerRuntime | None = None
@@ -131,7 +134,12 @@ class WorkerRuntime:
             return state
         self.layers.pop(name, None)
         start = time.perf_counter()
-        cache = layer_cache(name, kv_cache, head_dim, dtype, self.config.value_group_size)
+        shared = self._shadow_of_same_memory(kv_cache, dtype)
+        cache = layer_cache(name, kv_cache, head_dim, dtype, self.config.value_group_size,
+                            shadow=shared.cache.shadow if shared is not None else None)  # fmt: skip
+        if shared is not None:
+            logger.debug("certvllm: %s shares the shadow of %s (the same KV memory, another KV cache group)", name,
+                         shared.name)  # fmt: skip
         allocated = time.perf_counter()
         state = LayerState(name, layer_index(name), cache, self._residency(name, cache))
         self.layers[name] = state
@@ -144,6 +152,22 @@ class WorkerRuntime:
             "bound, %.1f GiB of shadow)", name, cache.shadow.numel() * cache.shadow.element_size() / 2**30,
             allocated - start, time.perf_counter() - allocated, len(self.layers), self.host_bytes / 2**30)  # fmt: skip
         return state
+
+    def _shadow_of_same_memory(self, kv_cache: torch.Tensor, dtype: torch.dtype) -> LayerState | None:
+        """A bound layer whose KV tensor is ``kv_cache``'s memory (same start, shape and shadow dtype), if any.
+
+        vLLM's hybrid KV cache manager lays its KV cache groups over the same tensors (layer ``k`` of each group)
+        and hands every block id to one group at a time, so certified layers of different groups never hold the
+        same block at once: like their device pages, they share one shadow, indexed by block id (a block's pages and
+        shadow are rewritten by each new owner before it reads them). Within a group every layer has memory of its
+        own."""
+        for state in self.layers.values():
+            pages = state.cache.pages
+            if (pages.data_ptr() == kv_cache.data_ptr() and pages.device == kv_cache.device
+                    and pages.shape[0] == kv_cache.shape[0] and state.cache.shadow.dtype == dtype
+                    and pages.numel() == kv_cache.numel()):  # fmt: skip
+                return state
+        return None
 
     def layer(self, name: str) -> LayerState:
         """The bound state of layer ``name`` (its write path binds it before any forward reads it)."""
@@ -175,8 +199,25 @@ class WorkerRuntime:
 
     @property
     def host_bytes(self) -> int:
-        """Bytes of shadow pages this worker holds."""
-        return sum(s.cache.shadow.numel() * s.cache.shadow.element_size() for s in self.layers.values())
+        """Bytes of shadow pages this worker holds (a shadow shared by several layers counted once)."""
+        shadows = {s.cache.shadow.data_ptr(): s.cache.shadow for s in self.layers.values()}
+        return sum(t.numel() * t.element_size() for t in shadows.values())
+
+    def note_layers(self, kinds: dict[str, bool]) -> None:
+        """Which attention layers of this worker are certified (``{layer name: certified}``, every attention layer
+        this worker holds): ``vllm:cert_layer_certified`` (1 certified, 0 native pages in the model's dtype), and
+        :attr:`counting_layer`, the first certified one where this worker holds the model's first layers (a hybrid
+        model's layer 0 may slide: its calls never reach certvllm). A later pipeline stage counts nothing (-1):
+        the first stage counts every step's exact tokens once."""
+        if not kinds:
+            return
+        indices = {name: layer_index(name) for name in kinds}
+        for name, certified in kinds.items():
+            index = indices[name]
+            self.metrics.set_layer_certified(str(index) if index >= 0 else name, certified)
+        certified_indices = [indices[n] for n, c in kinds.items() if c and indices[n] >= 0]
+        first_stage = min(indices.values()) <= 0
+        self.counting_layer = min(certified_indices) if first_stage and certified_indices else -1
 
     # -- startup ------------------------------------------------------------------------------------
     def warm_up(self, num_q_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, max_model_len: int,
