@@ -220,14 +220,17 @@ def test_promotion_pool_fits_in_the_planned_kv_memory(
                             fraction, layers, kv_heads, block_size, head_size, itemsize, graphs)  # fmt: skip
 
 
-def _check_block_budget(cfg, fraction, layers, kv_heads, block_size, head_size, itemsize, graphs) -> None:
+def _check_block_budget(cfg, fraction, layers, kv_heads, block_size, head_size, itemsize, graphs,
+                        page_bytes=None) -> None:  # fmt: skip
+    """``page_bytes``: a pool block's device bytes where it holds more than the certified layers' pages (a hybrid
+    model's native layers)."""
     import math
 
     from certvllm.formats.layout import PageLayout
     from certvllm.vllm_plugin.device_budget import blocks_with_pool
 
     c = PageLayout(head_size, cfg.value_group_size).bytes_per_token
-    page = layers * kv_heads * block_size * c
+    page = layers * kv_heads * block_size * c if page_bytes is None else page_bytes
     subs = block_size // 16
     resident = cfg.decode_pass == "resident"
 
@@ -249,7 +252,7 @@ def _check_block_budget(cfg, fraction, layers, kv_heads, block_size, head_size, 
 
     for planned in (1, 50, 1000, 123_457):
         kept = blocks_with_pool(planned, layers=layers, kv_heads=kv_heads, block_size=block_size,
-                                head_size=head_size, itemsize=itemsize, cfg=cfg)  # fmt: skip
+                                head_size=head_size, itemsize=itemsize, cfg=cfg, page_bytes=page_bytes)  # fmt: skip
         assert 0 <= kept <= planned
         if fraction == 0:
             assert kept == planned
