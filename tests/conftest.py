@@ -116,6 +116,7 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
 # (the Triton interpreter, the benchmark's engines one at a time, the fast tests) beside the engines.
 XDIST_GROUPS = {
     "tests/vllm_plugin/test_vllm_engine.py": "engines",
+    "tests/vllm_plugin/test_hybrid_engine.py": "engines",
     "tests/eval/test_eval.py::test_eval_smoke_through_the_engine": "engines",
     "tests/vllm_plugin/test_tensor_parallel.py": "engines",
     "tests/vllm_plugin/test_serving_faults.py": "engines",

@@ -211,7 +211,7 @@ class CertifiedLayout:
         block."""
         return (f"certified layers {layer_numbers(self.certified)}; native layers {layer_numbers(self.native) or '-'}; "
                 f"{self.groups} KV cache groups; {self.block_size}-token certified blocks; {self.shadow_slots} shadow "
-                "pages per pool block")  # fmt: skip
+                f"page{'s' * (self.shadow_slots != 1)} per pool block")  # fmt: skip
 
 
 def layer_numbers(names: tuple[str, ...] | list[str]) -> str:
