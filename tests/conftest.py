@@ -30,11 +30,16 @@ def gen() -> torch.Generator:
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    """Model folders and sizing of the GPU engine tests (tests/vllm_plugin/test_gpu_vllm.py)."""
+    """Model folders and sizing of the GPU engine tests (tests/vllm_plugin/test_gpu_vllm.py, test_gpu_hybrid.py)."""
     group = parser.getgroup("certvllm GPU engines")
     group.addoption(
         "--dummy8b-dir", default=None,
         help="Llama-3.1-8B-shaped dummy model folder (default .device/llama8b-dummy, written when missing)",
+    )  # fmt: skip
+    group.addoption(
+        "--hybrid8b-dir", default=None,
+        help="OLMo-3-7B-shaped (hybrid: sliding-window and full attention) dummy model folder (default "
+        ".device/olmo3-7b-dummy, written when missing; tests/vllm_plugin/test_gpu_hybrid.py)",
     )  # fmt: skip
     group.addoption(
         "--smollm2-dir", default=None,

@@ -6,7 +6,9 @@ geometry and the attention-sink refusal. The engines: ``test_hybrid_engine.py``.
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -347,3 +349,27 @@ def test_attention_sinks_on_a_certified_layer_are_refused_naming_the_layer():
     text = str(info.value)
     assert "attention sinks are not supported on certified layers (layer model.layers.5.self_attn.attn)" in text
     assert "--kv-cache-dtype-skip-layers 5 [N ...]" in text and "--kv-cache-dtype auto" in text
+
+
+# -- the GPU test's model, built here ----------------------------------------------------------------------------
+
+
+def test_the_gpu_hybrid_model_folder_is_built_here(tmp_path):
+    """``test_gpu_hybrid.py``'s OLMo-3-7B-shaped folder (``python -m certvllm.models dummy DIR --shape olmo-3-7b``):
+    transformers reads it as OLMo 3 with 8 full-attention layers of 32, and vLLM's startup check on this machine
+    keeps the other 24 native."""
+    from test_vllm_plugin import _engine_config
+    from transformers import AutoConfig
+
+    from certvllm.models import DEFAULT_MODEL_DIR, main, prepare_default_model
+    from certvllm.vllm_plugin.preflight import shadow_geometry
+
+    tokenizer = prepare_default_model(Path(__file__).resolve().parents[2] / DEFAULT_MODEL_DIR)
+    assert main(["dummy", str(tmp_path / "olmo3"), "--shape", "olmo-3-7b", "--tokenizer-dir", str(tokenizer)]) == 0
+    config = AutoConfig.from_pretrained(tmp_path / "olmo3")
+    assert type(config).__name__ == "Olmo3Config" and config.sliding_window == 4096
+    assert [i for i, t in enumerate(config.layer_types) if t == FULL] == list(range(3, 32, 4))
+    raw = json.loads((tmp_path / "olmo3" / "config.json").read_text())
+    assert shadow_geometry([str(tmp_path / "olmo3"), "--max-model-len", "16384"], raw).layers == 8
+    cfg = _engine_config(str(tmp_path / "olmo3"), max_model_len=16384)
+    assert cfg.cache_config.kv_cache_dtype_skip_layers == ["sliding_window"]
