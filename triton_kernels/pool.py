@@ -225,21 +225,31 @@ def _resident_fill(src, pool, vpool, gen, tag, tag_gen, hand, call_fills, fill_f
                    H: tl.constexpr, M: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, CHANNEL_MAJOR: tl.constexpr,
                    SPP: tl.constexpr, VALUES: tl.constexpr):  # fmt: skip
     """Per slot marked by ``_resident_claim``: copy its tenant's keys (and values) from the shadow and tag it with
-    the block's generation; program 0 advances the FIFO hand by this call's new slots."""
-    if tl.program_id(0) == 0:
-        n = tl.minimum(tl.load(call_fills), P)
-        tl.store(hand, (tl.load(hand) + n) % P)
+    the block's generation, and clear its mark; program 0 advances the FIFO hand by this call's new slots.
+
+    Warps of one program run unsynchronised, so every value the program overwrites (the marks, the hand and the
+    counter) is read by all of its warps before the barrier and written only after it: a warp that cleared a mark
+    before a slower one had read it would leave that warp's part of the page uncopied (seen on the H200)."""
+    pid = tl.program_id(0)
+    js = tl.arange(0, SPP)
+    ps = pid.to(tl.int64) * SPP + js
+    flags = tl.load(fill_flag + ps, mask=ps < P, other=0)
+    fills = tl.minimum(tl.load(call_fills), P)
+    turn = tl.load(hand)
+    tl.debug_barrier()
+    tl.store(fill_flag + ps, 0, mask=(ps < P) & (flags != 0))
+    if pid == 0:
+        tl.store(hand, (turn + fills) % P)
         tl.store(call_fills, 0)
     for j in range(0, SPP):
-        p = tl.program_id(0).to(tl.int64) * SPP + j
-        if tl.load(fill_flag + p, mask=p < P, other=0) != 0:
+        p = pid.to(tl.int64) * SPP + j
+        if tl.sum(tl.where(js == j, flags, 0), axis=0) != 0:
             e = tl.load(tag + p)
             tl.store(tag_gen + p, tl.load(gen + e // H))
             copy_page(src, e, 0, pool, p, H, M, D, DP, CHANNEL_MAJOR)
             if VALUES:
                 copy_page(src, e, 1, vpool, p, H, M, D, DP, CHANNEL_MAJOR)
-            tl.store(fill_flag + p, 0)
-            tl.atomic_add(step + 2, 1)
+    tl.atomic_add(step + 2, tl.sum((flags != 0).to(tl.int64), axis=0))
 
 
 def resident_page_in(pool, shadow: torch.Tensor, tables: torch.Tensor, nfull: torch.Tensor, bits: torch.Tensor,
