@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable, Iterator
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -39,15 +39,37 @@ ExactRows = Callable[[list[int]], torch.Tensor]
 """Exact attention for a list of row indices → ``[n, H_q, D]`` (any float dtype)."""
 
 
+def _precision_knobs() -> list[Any]:
+    """The per-backend float32 matmul precision settings of this torch (CUDA's and oneDNN's ``fp32_precision``,
+    torch ≥ 2.9); empty for an older torch, which has only the global setting."""
+    backends = (torch.backends.cuda.matmul, getattr(torch.backends.mkldnn, "matmul", None))
+    return [b for b in backends if b is not None and hasattr(b, "fp32_precision")]
+
+
 @contextlib.contextmanager
 def exact_float32() -> Iterator[None]:
-    """Full-precision float32 matmuls (no TF32/bf16 shortcuts): the rounding terms assume it."""
-    previous = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("highest")
+    """Full-precision float32 matmuls (no TF32/bf16 shortcuts): the rounding terms assume it.
+
+    Per backend where torch has per-backend settings: the global getter raises once a process has set backends
+    apart (vLLM's batch-invariant mode sets CUDA matmuls to ``ieee``; a user may set ``tf32``), and every certified
+    call would then fail."""
+    knobs = _precision_knobs()
+    if not knobs:
+        previous = torch.get_float32_matmul_precision()
+        torch.set_float32_matmul_precision("highest")
+        try:
+            yield
+        finally:
+            torch.set_float32_matmul_precision(previous)
+        return
+    saved = [knob.fp32_precision for knob in knobs]
+    for knob in knobs:
+        knob.fp32_precision = "ieee"
     try:
         yield
     finally:
-        torch.set_float32_matmul_precision(previous)
+        for knob, value in zip(knobs, saved, strict=True):
+            knob.fp32_precision = value
 
 
 def validate_shapes(q: torch.Tensor, cache: LayerKVCache, block_tables: torch.Tensor, seq_lens: torch.Tensor) -> None:

@@ -331,3 +331,33 @@ def test_fused_kernel_output_is_within_twice_the_references_float32_error(family
     atol = 2.0**-23 * max(float(c.v.float().abs().max()) for c in cases)
     assert_within_lowp_error(fused.out[same], exact[same], ref.out[same], factor=2.0, atol=atol,
                              what=f"CPU kernel, {family}")  # fmt: skip
+
+
+def test_a_process_with_mixed_matmul_precision_settings_still_serves(gen):
+    """vLLM's batch-invariant mode (or a user) sets CUDA matmuls' ``fp32_precision`` apart from the other backends;
+    torch's global precision getter then raises, and a certified call must not: it runs with full-precision
+    float32 matmuls (``ieee``) on every backend and gives every setting back afterwards."""
+    from certvllm.attention.op import _precision_knobs, exact_float32
+
+    knobs = _precision_knobs()
+    if not knobs:
+        pytest.skip(f"torch {torch.__version__} has no per-backend float32 precision settings")
+    saved = [k.fp32_precision for k in knobs]
+    cuda = torch.backends.cuda.matmul
+    try:
+        cuda.fp32_precision = "tf32"
+        torch.backends.cudnn.allow_tf32 = True
+        cases = [make_case("random", 300, 4, 2, 64, torch.float16, gen)]
+        cache, tables, lens = paged_batch(cases)
+        with exact_float32():
+            assert all(k.fp32_precision == "ieee" for k in knobs)
+        assert cuda.fp32_precision == "tf32"
+        case = cases[0]
+        res = certified_attention(case.q.unsqueeze(0), cache, tables, lens, load_config("default"))
+        err = torch.linalg.vector_norm(res.out[0].double() - exact_attention(case.q, case.k, case.v), dim=-1)
+        cert = res.report.rung[0] <= 2
+        assert bool((err[cert] <= res.report.bound[0][cert].double()).all())
+        assert cuda.fp32_precision == "tf32"
+    finally:
+        for k, value in zip(knobs, saved, strict=True):
+            k.fp32_precision = value
