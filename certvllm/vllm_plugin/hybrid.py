@@ -91,8 +91,9 @@ def prepare(vllm_config: Any) -> None:
         raise StartupRefusal(
             f"certvllm: every one of the {num_layers} attention layers of this model {what} or is listed in "
             f"--kv-cache-dtype-skip-layers ({' '.join(skip) or '-'}): none can hold certified pages (a window "
-            "cannot be certified; such layers keep native pages). Serve it with --kv-cache-dtype auto, or with "
-            "--disable-sliding-window (vLLM then caps --max-model-len at the window) to certify every layer."
+            "cannot be certified; such layers keep native pages). Serve it with --kv-cache-dtype auto, list fewer "
+            "layers in --kv-cache-dtype-skip-layers, or use --disable-sliding-window (vLLM then caps --max-model-len "
+            "at the window) to certify every layer."
         )
     if sliding and SKIP_SLIDING not in skip:
         # sorted, as vLLM keeps it (the list is a hash factor of the compile cache)

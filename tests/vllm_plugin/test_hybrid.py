@@ -96,7 +96,8 @@ def test_engine_config_of_an_all_sliding_model_is_refused(tmp_path):
     folder = write_model(tmp_path / "gemma3-sliding", "gemma3", layer_types=[SLIDE] * 6)
     out = _startup_refusal(model=str(folder), max_model_len=512, dtype="float32")
     assert "every one of the 6 attention layers of this model has a sliding window (64 tokens)" in out
-    assert "Serve it with --kv-cache-dtype auto, or with --disable-sliding-window" in out
+    assert "Serve it with --kv-cache-dtype auto, list fewer layers in --kv-cache-dtype-skip-layers, or use " in out
+    assert "--disable-sliding-window (vLLM then caps --max-model-len at the window)" in out
 
 
 # -- the engine core: vLLM's KV cache groups ------------------------------------------------------------------
