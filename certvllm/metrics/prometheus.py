@@ -5,7 +5,8 @@ Metrics are created lazily in the process that records them (the vLLM worker) an
 ``/metrics``. Names follow vLLM's conventions (``vllm:`` prefix, ``_total`` counters, ``_seconds``,
 ``_bytes``) and every series carries ``model_name`` and ``engine`` labels so dashboards join with
 vLLM's own metrics. The series of a worker's own resources (its shadow tier's host memory, its page-in
-traffic and time, where its promoted key pages came from: :data:`PER_RANK`) also carry ``rank``, the
+traffic and time, where its promoted key pages came from, which of its layers are certified: :data:`PER_RANK`)
+also carry ``rank``, the
 worker's rank in its engine (``"0"`` with one worker): with tensor parallelism every rank is a process with
 its own shadow, host link and promotion pool, and its series stay apart in ``/metrics``; the other series
 count head-steps and decisions, summed over the ranks. Recording is per attention call: counts are reduced with

@@ -199,6 +199,8 @@ from certvllm.metrics import CertMetrics
 rank = sys.argv[1]
 m = CertMetrics("tp", "0", flush_seconds=3600, rank=rank)
 m.set_host_tier_bytes(1000 * (int(rank) + 1))
+m.set_layer_certified("3", True)
+m.set_layer_certified("4", False)
 report = CertReport.zeros(2, 3)
 report.rung[1] = 4
 report.canary_fail[1] = True
@@ -210,8 +212,8 @@ m.flush()
 def test_worker_ranks_stay_apart_where_they_own_the_resource(tmp_path):
     """Two worker processes (tensor-parallel ranks 0 and 1) record into one ``PROMETHEUS_MULTIPROC_DIR``; the API
     server's collector (prometheus_client's ``MultiProcessCollector``, as vLLM's ``/metrics``) keeps the
-    ``PER_RANK`` series apart by ``rank`` (host-tier bytes, page-in bytes and seconds, key-page sources) and sums
-    the rest over the ranks (head-steps, layer fallbacks by layer and reason)."""
+    ``PER_RANK`` series apart by ``rank`` (host-tier bytes, page-in bytes and seconds, key-page sources, which
+    layers are certified) and sums the rest over the ranks (head-steps, layer fallbacks by layer and reason)."""
     import os
     import subprocess
     import sys
@@ -221,7 +223,7 @@ def test_worker_ranks_stay_apart_where_they_own_the_resource(tmp_path):
     from certvllm.metrics.prometheus import PER_RANK
 
     owned = {"vllm:cert_host_tier_bytes", "vllm:cert_page_in_bytes_total", "vllm:cert_page_in_seconds",
-             "vllm:cert_key_pages_total"}  # fmt: skip
+             "vllm:cert_key_pages_total", "vllm:cert_layer_certified"}  # fmt: skip
     assert owned == PER_RANK
     env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}
     for rank in ("0", "1"):
@@ -234,6 +236,8 @@ def test_worker_ranks_stay_apart_where_they_own_the_resource(tmp_path):
         assert got[f"vllm:cert_page_in_bytes_total{{engine=0,rank={rank}}}"] == 10 * k
         assert got[f"vllm:cert_page_in_seconds_count{{engine=0,rank={rank}}}"] == 1
         assert got[f"vllm:cert_key_pages_total{{engine=0,rank={rank},source=host}}"] == 0
+        assert got[f"vllm:cert_layer_certified{{engine=0,layer=3,rank={rank}}}"] == 1  # not 2: one per rank
+        assert got[f"vllm:cert_layer_certified{{engine=0,layer=4,rank={rank}}}"] == 0
     assert got["vllm:cert_head_steps_total{engine=0,rung=0}"] == 2 * 3  # row 0 of both ranks
     assert got["vllm:cert_head_steps_total{engine=0,rung=4}"] == 2 * 3
     assert got["vllm:cert_layer_fallbacks_total{engine=0,layer=7,reason=canary}"] == 2  # one row on each rank
