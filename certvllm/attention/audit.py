@@ -214,6 +214,7 @@ def reference_heads(
     heads: torch.Tensor,
     scale: float,
     pagein: PageInEngine,
+    compiled: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Exact attention of single (row, query head) pairs over the shadow originals, in float64.
 
@@ -227,11 +228,19 @@ def reference_heads(
             ids; lens ``[R]`` int context lengths (both on any device); rows, heads ``[n]`` int64 on the pages'
             device; scale: the softmax scale.
 
+        compiled: on CPU pages, use the compiled reference (``csrc/cpu/audit_reference.cpp``: the same float64
+            attention, one pass in the calling thread, only the block-table columns that hold the row's tokens
+            gathered); None: when it is built. False: the torch path (any device).
+
     Returns:
         ``(out [n, D], v_max [n], score_max [n])`` float64: the exact output, the largest value norm and the
         largest |score| bound λΣ_c|q_c||k_tc| over each pair's valid tokens.
     """
     dev = cache.pages.device
+    if dev.type == "cpu" and compiled is not False:
+        ext = _audit_extension(required=bool(compiled))
+        if ext is not None:
+            return _reference_heads_compiled(ext, q, cache, tables, lens, rows, heads, scale, pagein)
     n_pairs = rows.shape[0]
     W, N, D = tables.shape[1], cache.layout.block_size, cache.layout.head_dim
     T = W * N
@@ -258,6 +267,71 @@ def reference_heads(
     return torch.cat(outs), torch.cat(vmaxes), torch.cat(smaxes)
 
 
+def _audit_extension(required: bool) -> Any:
+    """The compiled reference's module, or None when it cannot be built (``required``: raise instead)."""
+    from certvllm.kernels import cpu as cpu_kernels
+
+    try:
+        return cpu_kernels.load_audit()
+    except RuntimeError:
+        if required:
+            raise
+        return None
+
+
+def _reference_heads_compiled(
+    ext: Any,
+    q: torch.Tensor,
+    cache: LayerKVCache,
+    tables: torch.Tensor,
+    lens: torch.Tensor,
+    rows: torch.Tensor,
+    heads: torch.Tensor,
+    scale: float,
+    pagein: PageInEngine,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`reference_heads` on CPU pages, in the compiled routine (same arguments and results).
+
+    Only the block-table columns ``[0, ⌈len/N⌉)`` of each pair are read (the table is as wide as the longest
+    context the engine allows). With the stock host page-in engine (``engine_for("cpu")``, whose gather is a plain
+    copy of the shadow's bytes) the routine reads the pages in place, as the compiled decode kernel does: no copy,
+    no torch op that could open a parallel region right after the decode kernel's (on a busy 2-core machine
+    such a gather waited ≈ 30 ms for the pool's threads, for 0.3 ms of work). Any other engine (the fault
+    injection's) is asked for the pages, in chunks of at most :data:`PAIR_CHUNK_ELEMENTS` shadow elements."""
+    N, W = cache.layout.block_size, tables.shape[1]
+    group = q.shape[1] // cache.num_kv_heads
+    lens_p = lens.to(torch.int64)[rows].clamp(0, W * N).contiguous()  # (n,) tokens each pair reads
+    blocks = tables.to(torch.int64)[rows].clamp(0, cache.num_blocks - 1).contiguous()  # (n, W)
+    kv_heads = (heads // group).contiguous()
+    qd = q[rows, heads].double().contiguous()  # (n, D)
+    if type(pagein) is PageInEngine and cache.shadow.is_contiguous():
+        out, vmax, smax = ext.audit_reference_shadow_cpu(cache.shadow, cache.keys_channel_major, blocks, kv_heads,
+                                                         lens_p, qd, scale, N)  # fmt: skip
+        return out, vmax, smax
+    counts = (lens_p + N - 1) // N  # (n,) pages
+    per_page = 2 * N * cache.layout.head_dim
+    outs, vmaxes, smaxes = [], [], []
+    start, n, count_list = 0, rows.shape[0], counts.tolist()
+    while start < n:
+        end, pages = start + 1, count_list[start]
+        while end < n and (pages + count_list[end]) * per_page <= PAIR_CHUNK_ELEMENTS:
+            pages += count_list[end]
+            end += 1
+        c = counts[start:end]
+        ids = blocks[start:end][torch.arange(W) < c[:, None]]  # (pages,) row-major: each pair's pages consecutive
+        if pages:
+            kv = pagein.gather_kv(cache, ids, kv_heads[start:end].repeat_interleave(c)).contiguous()
+        else:
+            kv = torch.empty(0, 2, N, cache.layout.head_dim, dtype=cache.shadow.dtype)
+        out, vmax, smax = ext.audit_reference_cpu(kv, torch.cumsum(c, 0) - c, lens_p[start:end].contiguous(),
+                                                  qd[start:end].contiguous(), scale)  # fmt: skip
+        outs.append(out)
+        vmaxes.append(vmax)
+        smaxes.append(smax)
+        start = end
+    return torch.cat(outs), torch.cat(vmaxes), torch.cat(smaxes)
+
+
 class Auditor:
     """Audit mode of one worker (see the module docstring): sampling, the checks, the fallback entries.
 
@@ -280,6 +354,7 @@ class Auditor:
             raise ValueError(f"audit_policy={config.audit_policy!r}: choose one of {', '.join(POLICIES)}")
         self.policy = config.audit_policy
         self.sampler = HeadStepSampler(config.audit_rate, config.seed)
+        self._seed = config.seed
         self.on_outcome = on_outcome
         self.on_forced = on_forced
         self.on_checked = on_checked
@@ -297,6 +372,11 @@ class Auditor:
     @property
     def enabled(self) -> bool:
         return self.sampler.rate > 0.0
+
+    def set_rate(self, rate: float) -> None:
+        """Draw from now on with probability ``rate`` (a fresh sampler on the same seed; counts, pending checks and
+        fallback entries are kept). For benchmarks that compare rates inside one running engine."""
+        self.sampler = HeadStepSampler(rate, self._seed)
 
     # -- one layer call -----------------------------------------------------------------------------------
     def run(

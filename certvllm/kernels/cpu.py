@@ -37,6 +37,16 @@ _EXT = JitExtension(
 )
 
 
+_AUDIT_EXT = JitExtension(
+    "certvllm_audit_v1" + ("-" + "".join(f.strip("-m") for f in arch_flags()) if arch_flags() else ""),
+    [csrc_file("cpu", "audit_reference.cpp")],
+    "the audit's reference uses the PyTorch path",
+    extra_cflags=["-O3", "-fopenmp", *arch_flags()],
+    extra_ldflags=["-fopenmp"],
+)
+"""Audit mode's float64 reference (``csrc/cpu/audit_reference.cpp``; ``certvllm.attention.audit``)."""
+
+
 def build_dir() -> Path:
     return _EXT.build_dir
 
@@ -54,6 +64,22 @@ def available() -> bool:
         return False
 
 
+def load_audit() -> ModuleType:
+    """Build (once) and import the audit's reference extension; raises RuntimeError with the compiler's reason."""
+    return _AUDIT_EXT.load()
+
+
+def audit_available() -> bool:
+    """Whether the audit's compiled reference can be used (else ``reference_heads`` runs its torch path)."""
+    try:
+        load_audit()
+        return True
+    except RuntimeError:
+        return False
+
+
 if __name__ == "__main__":
     load()
     print(f"certvllm: CPU kernel built in {build_dir()}")
+    if audit_available():
+        print(f"certvllm: audit reference built in {_AUDIT_EXT.build_dir}")

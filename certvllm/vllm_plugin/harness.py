@@ -10,8 +10,12 @@ SPEC: ``{"model": DIR, "kv_cache_dtype": "auto"|"certified", "cert": {...additio
 "engine": {...LLM kwargs...}, "requests": [{"prompt": str | "prompt_token_ids": [...], "max_tokens": n,
 "ignore_eos": bool, "prompt_logprobs": bool, "logprobs": bool, "skip_reading_prefix_cache": bool,
 "detokenize": bool, "abort_after_tokens": n}], "batch": bool,
-"repeat": int}``, or several such groups as ``"phases": [...]``, run one after the other in the same engine;
-``"environment": {VAR: value}`` is set in the process before vLLM is imported.
+"repeat": int, "audit_rate": float}``, or several such groups as ``"phases": [...]``, run one after the other in
+the same engine;
+``"environment": {VAR: value}`` is set in the process before vLLM is imported. A group's ``"audit_rate"``
+sets every worker's audit rate (``Auditor.set_rate``) before the group runs, so rates can be compared inside
+one engine (needs ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` in the engine's environment: vLLM sends the setter
+as a function); its phase record then also holds ``"workers"``: each worker's ``{"audited", "threads"}``.
 RESULT: ``{"outputs": [{"token_ids": [...], "text": str, "prompt_tokens": n, "cached_tokens": n,
 "aborted": bool}], "seconds": [...], "init_seconds": s, "metrics": {series: value},
 "phases": [{"outputs", "seconds", "metrics", "metrics_before"}, ...], "engine_config": {...}, "log": str}``
@@ -132,6 +136,20 @@ def greedy_agreement(reference: list[list[int]], candidate: list[list[int]]) -> 
     }
 
 
+def _set_audit_rate(worker: Any, rate: float) -> dict[str, int]:
+    """In a worker (``LLM.collective_rpc``): audit with probability ``rate`` from now on; returns the head-steps
+    audited so far and the worker's torch threads."""
+    import torch
+
+    from certvllm.vllm_plugin.runtime import WorkerRuntime
+
+    runtime = WorkerRuntime.current()
+    if runtime is None:
+        raise RuntimeError("certvllm: no certified runtime in this worker (--kv-cache-dtype certified?)")
+    runtime.audit.set_rate(rate)
+    return {"audited": runtime.audit.audited, "threads": torch.get_num_threads()}
+
+
 def _run(spec: dict[str, Any]) -> dict[str, Any]:
     from vllm import LLM, SamplingParams
 
@@ -197,6 +215,9 @@ def _run(spec: dict[str, Any]) -> dict[str, Any]:
                 return stream(group)
             return llm.generate([prompt(r) for r in group], [params(r) for r in group], use_tqdm=False), set()
 
+        workers = None
+        if phase.get("audit_rate") is not None:
+            workers = llm.collective_rpc(_set_audit_rate, args=(float(phase["audit_rate"]),))
         seconds, outputs = [], []
         for _ in range(phase.get("repeat", 1)):
             got, aborted = [], set()
@@ -217,7 +238,7 @@ def _run(spec: dict[str, Any]) -> dict[str, Any]:
                     sample = o.outputs[0]
                     out["logprobs"] = [float(lp[t].logprob) for t, lp in zip(sample.token_ids, sample.logprobs or [],
                                                                             strict=True)]  # fmt: skip
-        return {"outputs": outputs, "seconds": seconds}
+        return {"outputs": outputs, "seconds": seconds, **({"workers": workers} if workers is not None else {})}
 
     progress = spec.get("progress")
     engine_config = _engine_config(llm)
