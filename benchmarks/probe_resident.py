@@ -5,7 +5,9 @@ Usage: python benchmarks/probe_resident.py [--points 8x32768 8x131072 1x8192] [-
 
 Per point (batch × context, LLaMA-3.1-8B shapes, ``bench_decode.synthetic_kv``): a paged cache with its pool;
 ``steps`` decode calls of the resident pass (budget preset, drifting queries: q ← q + 0.05·N(0, 1) per
-coordinate) with the Gluon kernel and, on a second pool, with the Triton kernel. Every call is checked: each
+coordinate; then the last query again, the steady state) with the Gluon kernel and, on a second pool, with the
+Triton kernel; each call's top-up is recorded (groups it ran for, and why: heads at rung 3, over ``key_tol``, over
+``v_tol`` after the first pass). Every call is checked: each
 certified head's error against float64 attention over the originals is at most its bound (no slack), rung
 3/4 heads within 1e-4·V_max of it; the Gluon and Triton calls agree on rungs for ≥ 95 % of heads. Then the
 median of CUDA-graph replays of one call (warm pool, the last query) for: the resident pass (Gluon, Triton),
@@ -58,6 +60,36 @@ def check(res, ref: torch.Tensor) -> dict:
             "rungs": [int(x) for x in torch.bincount(rung.flatten().long().cpu(), minlength=5)]}  # fmt: skip
 
 
+def top_up_reasons(records: list[dict]):
+    """A context that records, for every resident call's top-up, the groups it ran for and why the first pass
+    sent them (heads at rung 3, over ``key_tol``, over ``v_tol``; read before the top-up overwrites them)."""
+    import contextlib
+
+    import certvllm.attention.resident as resident
+
+    original = resident._top_up
+
+    def spy(state, first, done, need, generator):
+        r, cfg = done.report, state.call.cfg
+        vm = r.v_max
+        records.append({
+            "groups": int((need != 0).sum()), "of": need.numel(), "rung3_heads": int((r.rung == 3).sum()),
+            "over_key_tol": int((r.e_key > cfg.key_tol * vm).sum()),
+            "over_v_tol": int((r.e_val > cfg.v_tol * vm).sum()),
+        })  # fmt: skip
+        return original(state, first, done, need, generator)
+
+    @contextlib.contextmanager
+    def patched():
+        resident._top_up = spy
+        try:
+            yield
+        finally:
+            resident._top_up = original
+
+    return patched()
+
+
 def point(batch: int, ctx: int, steps: int, iters: int, deadline: float, maxnregs: tuple[int, ...] = ()) -> dict:
     bench = _bench()
     from certvllm.triton_kernels.fused import FUSED_GLUON_GATE
@@ -84,20 +116,23 @@ def point(batch: int, ctx: int, steps: int, iters: int, deadline: float, maxnreg
         residency = bench.method_residency(cache, cfg)
         eng = CudaPageInEngine("cuda")
         opts = CudaOptions(tuning=KernelTuning(dialect=dialect))
-        checks = []
+        checks: list[dict] = []
+        why: list[dict] = []
         t0 = time.time()
-        for i, q in enumerate(qs):
-            res = certified_attention(q, cache, tables, seq, cfg, scale, pagein=eng, residency=residency,
-                                      cuda_options=opts)  # fmt: skip
+        for i, q in enumerate([*qs, qs[-1]]):  # the last query twice: the second call shows the steady state
+            with top_up_reasons(why):
+                res = certified_attention(q, cache, tables, seq, cfg, scale, pagein=eng, residency=residency,
+                                          cuda_options=opts)  # fmt: skip
             torch.cuda.synchronize()
             c = check(res, exact64(q, k, v, lens))
             c["ms_first"] = round((time.time() - t0) * 1e3, 1) if i == 0 else None
+            c["top_up"] = why[-1] if len(why) > i else None
             checks.append(c)
             t0 = time.time()
         rec[name] = {"steps": checks}
         calls[name] = (cfg, residency, eng, opts, res)
         text = "; ".join(f"rungs {c['rungs']} viol {c['violations']} exact≠ {c['exact_mismatch']} "
-                         f"err/bound {c['worst_err_over_bound']:.3f}" for c in checks)  # fmt: skip
+                         f"err/bound {c['worst_err_over_bound']:.3f} top-up {c['top_up']}" for c in checks)  # fmt: skip
         print(f"  b={batch} ctx={ctx} {name}: {text}", flush=True)
     rec["gluon_launched"] = bool(FUSED_GLUON_GATE.launched)
     rec["gluon_failure"] = FUSED_GLUON_GATE.failure
