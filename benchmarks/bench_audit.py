@@ -6,9 +6,15 @@ by default: 9 query heads, 3 KV heads, D = 64, bfloat16). Each repeat times ``--
 the rates interleaved so that drift hits them alike; the table gives the median over repeats of the mean time per
 call, the overhead against rate 0, and how many head-steps were audited. A decode step of an L-layer model is L
 such calls, so the relative overhead per call is the relative overhead per decode step of the attention part (the
-rest of the model, which audits do not touch, makes the end-to-end share smaller still).
+rest of the model, which audits do not touch, makes the end-to-end share smaller still;
+``benchmarks/bench_audit_e2e.py`` measures that through vLLM).
+
+The audit's exact reference runs in the compiled routine (``csrc/cpu/audit_reference.cpp``) when it is built;
+``--torch-reference`` adds the rates again with the torch float64 path (what every CPU audit ran before), in the same
+interleaved run, with the same sampler seed (so the same head-steps are audited by both).
 
     .venv/bin/python benchmarks/bench_audit.py            # prints the table, writes benchmarks/results/cpu_audit.json
+    .venv/bin/python benchmarks/bench_audit.py --torch-reference --out benchmarks/results/cpu_audit_paths.json
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import platform
 import statistics
 import time
@@ -42,6 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--preset", default="default")
+    p.add_argument("--torch-reference", action="store_true", help="also time the rates with the torch reference")
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "cpu_audit.json")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -53,58 +61,73 @@ def main(argv: list[str] | None = None) -> int:
     q = torch.stack([c.q for c in cases])
     scale = 1 / math.sqrt(args.head_dim)
     configs = {rate: load_config(args.preset, audit_rate=rate) for rate in RATES}
-    auditors = {rate: Auditor(cfg) for rate, cfg in configs.items()}
+    variants = [(rate, False) for rate in RATES]
+    if args.torch_reference:
+        variants += [(rate, True) for rate in RATES if rate > 0]
+    auditors = {v: Auditor(configs[v[0]]) for v in variants}
+    for (_, torch_ref), auditor in auditors.items():
+        auditor.compiled_reference = False if torch_ref else None
 
-    def one(rate: float) -> None:
-        cfg = configs[rate]
+    def one(variant: tuple[float, bool]) -> None:
+        cfg = configs[variant[0]]
 
         def call(force: torch.Tensor | None):
             return certified_attention(q, cache, tables, lens, cfg, scale, force_exact=force)
 
-        auditors[rate].run(0, q, cache, tables, lens, scale, call)
+        auditors[variant].run(0, q, cache, tables, lens, scale, call)
 
-    for rate in RATES:  # warm-up: kernels loaded, allocator warm
+    for v in variants:  # warm-up: kernels loaded, allocator warm
         for _ in range(5):
-            one(rate)
-    warm = Auditor(load_config(args.preset, audit_rate=1.0))  # the audit's first float64 SDPA call initialises
-    for _ in range(2):  # torch's dispatch (about a second): not part of the steady state being measured
-        warm.run(0, q, cache, tables, lens, scale, lambda f: certified_attention(q, cache, tables, lens, configs[0.0],
-                                                                               scale, force_exact=f))  # fmt: skip
-    start = time.perf_counter()
-    warm.run(0, q, cache, tables, lens, scale, lambda f: certified_attention(q, cache, tables, lens, configs[0.0],
-                                                                           scale, force_exact=f))  # fmt: skip
-    full_audit = time.perf_counter() - start
-    per_call: dict[float, list[float]] = {rate: [] for rate in RATES}
+            one(v)
+    full_audit = {}
+    for torch_ref in sorted({v[1] for v in variants}):
+        warm = Auditor(load_config(args.preset, audit_rate=1.0))  # the first float64 SDPA call initialises torch's
+        warm.compiled_reference = False if torch_ref else None  # dispatch (about a second): not timed
+        for _ in range(3):  # the last one is timed
+            start = time.perf_counter()
+            warm.run(0, q, cache, tables, lens, scale,
+                     lambda f: certified_attention(q, cache, tables, lens, configs[0.0], scale,
+                                                   force_exact=f))  # fmt: skip
+            full_audit["torch" if torch_ref else "compiled"] = time.perf_counter() - start
+    load_before = os.getloadavg()
+    per_call: dict[tuple[float, bool], list[float]] = {v: [] for v in variants}
     for _ in range(args.repeats):
-        for rate in RATES:
+        for v in variants:
             start = time.perf_counter()
             for _ in range(args.calls):
-                one(rate)
-            per_call[rate].append((time.perf_counter() - start) / args.calls)
+                one(v)
+            per_call[v].append((time.perf_counter() - start) / args.calls)
+    load_after = os.getloadavg()
 
-    base = statistics.median(per_call[0.0])
+    base = statistics.median(per_call[(0.0, False)])
     head_steps = args.rows * args.heads * (args.calls * args.repeats + 5)
     rows = []
-    for rate in RATES:
-        med = statistics.median(per_call[rate])
-        a = auditors[rate]
-        rows.append({"audit_rate": rate, "median_ms_per_call": med * 1e3, "overhead": med / base - 1.0,
-                     "runs_ms": [t * 1e3 for t in per_call[rate]], "audited_head_steps": a.audited,
+    for v in variants:
+        rate, torch_ref = v
+        med = statistics.median(per_call[v])
+        a = auditors[v]
+        rows.append({"audit_rate": rate, "reference": "torch" if torch_ref else "compiled",
+                     "median_ms_per_call": med * 1e3, "overhead": med / base - 1.0,
+                     "runs_ms": [t * 1e3 for t in per_call[v]], "audited_head_steps": a.audited,
                      "audited_share": a.audited / head_steps, "violations": a.violations})  # fmt: skip
     print(f"certified layer call, CPU, {args.rows} rows × {args.context} tokens, H_q={args.heads}, "
           f"H_kv={args.kv_heads}, D={args.head_dim}, bf16, {args.threads} threads; median of {args.repeats} × "
-          f"{args.calls} calls")  # fmt: skip
-    print(f"one call at audit_rate 1 ({args.rows * args.heads} head-steps audited): {full_audit * 1e3:.1f} ms "
-          f"(rate 0: {base * 1e3:.1f} ms)")  # fmt: skip
-    print(f"{'audit_rate':>10} {'ms/call':>9} {'overhead':>9} {'audited':>8} {'share':>8} {'violations':>10}")
+          f"{args.calls} calls; load average {load_before[0]:.2f} before, {load_after[0]:.2f} after")  # fmt: skip
+    for name, seconds in full_audit.items():
+        print(f"one call at audit_rate 1 ({args.rows * args.heads} head-steps audited, {name} reference): "
+              f"{seconds * 1e3:.1f} ms (rate 0: {base * 1e3:.1f} ms)")  # fmt: skip
+    print(f"{'audit_rate':>10} {'reference':>9} {'ms/call':>9} {'overhead':>9} {'audited':>8} {'share':>8} "
+          f"{'violations':>10}")  # fmt: skip
     for r in rows:
-        print(f"{r['audit_rate']:>10g} {r['median_ms_per_call']:>9.3f} {100 * r['overhead']:>8.2f}% "
-              f"{r['audited_head_steps']:>8d} {r['audited_share']:>8.4f} {r['violations']:>10d}")  # fmt: skip
+        print(f"{r['audit_rate']:>10g} {r['reference']:>9} {r['median_ms_per_call']:>9.3f} "
+              f"{100 * r['overhead']:>8.2f}% {r['audited_head_steps']:>8d} {r['audited_share']:>8.4f} "
+              f"{r['violations']:>10d}")  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"rows": args.rows, "context": args.context, "heads": args.heads, "kv_heads": args.kv_heads,
             "head_dim": args.head_dim, "calls": args.calls, "repeats": args.repeats, "threads": args.threads,
             "preset": args.preset, "torch": torch.__version__, "machine": platform.processor() or platform.machine(),
-            "cpus": torch.get_num_threads(), "ms_per_call_at_rate_1": full_audit * 1e3}  # fmt: skip
+            "cpus": os.cpu_count(), "ms_per_call_at_rate_1": {k: t * 1e3 for k, t in full_audit.items()},
+            "load_average_before": load_before, "load_average_after": load_after}  # fmt: skip
     args.out.write_text(json.dumps({"config": meta, "results": rows}, indent=2) + "\n")
     print(f"wrote {args.out}")
     return 0

@@ -5,11 +5,12 @@ One engine (``--kv-cache-dtype certified``, the ``default`` preset, started with
 default) serves the same batch of ``--batch`` requests again and again: each ~``--prompt-tokens``-token prompt (distinct
 per request, prefix-cached after the warm-up, so a phase is almost only decode) decodes ``--max-tokens`` tokens with
 ``ignore_eos``. Before each phase every worker's audit rate is set (``Auditor.set_rate`` through the harness's
-``"audit_rate"`` phase key: same engine, same sampler seed, same check); each repeat runs the three rates in a rotated
-order so that drift and the other jobs of the machine hit them alike. Reported per rate: the median over repeats of
-generated tokens per second, the overhead against rate 0 (median of the rates' tok/s ratio), and the head-steps
-audited in its phases (from ``vllm:cert_audits_total``), with violations. The load average is sampled before and
-after.
+``"audit_rate"`` phase key: same engine, same sampler seed, same check); each repeat runs the rates in a rotated
+order so that drift and the other jobs of the machine hit them alike (``--torch-reference`` adds the audited rates
+again with the audit's torch float64 reference, ``Auditor.compiled_reference = False``). Reported per rate: the
+median over repeats of generated tokens per second, the overhead against rate 0 (from the medians, and the median of
+the per-repeat ratios), and the head-steps audited in its phases (from ``vllm:cert_audits_total``), with
+violations. The load average is sampled before and after.
 
     .venv/bin/python benchmarks/bench_audit_e2e.py    # prints the table, writes benchmarks/results/cpu_audit_e2e.json
 """
@@ -45,6 +46,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--dtype", default="float32", help="activations (certvllm serve picks float32 on AVX2-only CPUs)")
     p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument(
+        "--torch-reference",
+        action="store_true",
+        help="also run the audited rates with the torch float64 reference (the pre-compiled path)",
+    )
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "cpu_audit_e2e.json")
     args = p.parse_args(argv)
     prepare_default_model(MODEL)
@@ -52,14 +58,17 @@ def main(argv: list[str] | None = None) -> int:
     sentences = max(1, round(args.prompt_tokens / 19))  # ≈ 19 tokens per sentence
     requests = [{"prompt": f"Document {i}. {SENTENCE * sentences}", "max_tokens": args.max_tokens, "ignore_eos": True}
                 for i in range(args.batch)]  # fmt: skip
+    variants = [(rate, "compiled") for rate in RATES]
+    if args.torch_reference:
+        variants += [(rate, "torch") for rate in RATES if rate > 0]
     # the prefix cache filled, then a warm-up phase (every kernel and the audit path loaded)
     phases = [{"requests": [{**r, "max_tokens": 1} for r in requests], "audit_rate": 0.0},
               {"requests": requests, "audit_rate": RATES[1]}]  # fmt: skip
-    order: list[float] = []
+    order: list[tuple[float, str]] = []
     for rep in range(args.repeats):
-        rotated = RATES[rep % len(RATES) :] + RATES[: rep % len(RATES)]
+        rotated = variants[rep % len(variants) :] + variants[: rep % len(variants)]
         order += rotated
-        phases += [{"requests": requests, "audit_rate": rate} for rate in rotated]
+        phases += [{"requests": requests, "audit_rate": rate, "audit_reference": ref} for rate, ref in rotated]
     spec = {"model": MODEL, "kv_cache_dtype": "certified", "cert": {"audit_rate": 0.001}, "phases": phases,
             "engine": {"max_model_len": args.max_model_len, "dtype": args.dtype}}  # fmt: skip
     load_before = os.getloadavg()
@@ -69,21 +78,21 @@ def main(argv: list[str] | None = None) -> int:
     deltas = phase_deltas(res)[2:]
     measured = res["phases"][2:]
     tokens = args.batch * args.max_tokens
-    by_rate: dict[float, list[dict]] = {rate: [] for rate in RATES}
-    for rate, phase, delta in zip(order, measured, deltas, strict=True):
+    by_variant: dict[tuple[float, str], list[dict]] = {v: [] for v in variants}
+    for v, phase, delta in zip(order, measured, deltas, strict=True):
         head_steps = _sum(delta, "vllm:cert_head_steps_total")
-        by_rate[rate].append({"seconds": phase["seconds"][0], "tok_s": tokens / phase["seconds"][0],
+        by_variant[v].append({"seconds": phase["seconds"][0], "tok_s": tokens / phase["seconds"][0],
                               "audits": _sum(delta, "vllm:cert_audits_total"), "head_steps": head_steps,
                               "violations": _sum(delta, "vllm:cert_audit_violations_total")})  # fmt: skip
     reps = args.repeats
-    base_runs = [r["tok_s"] for r in by_rate[0.0]]
+    base_runs = [r["tok_s"] for r in by_variant[(0.0, "compiled")]]
     rows = []
-    for rate in RATES:
-        runs = by_rate[rate]
+    for v in variants:
+        runs = by_variant[v]
         tok_s = [r["tok_s"] for r in runs]
         ratios = [base_runs[i] / tok_s[i] - 1.0 for i in range(reps)]  # the same repeat: neighbours in time
         audits, steps = sum(r["audits"] for r in runs), sum(r["head_steps"] for r in runs)
-        rows.append({"audit_rate": rate, "median_tok_s": statistics.median(tok_s),
+        rows.append({"audit_rate": v[0], "reference": v[1], "median_tok_s": statistics.median(tok_s),
                      "overhead_vs_median": statistics.median(base_runs) / statistics.median(tok_s) - 1.0,
                      "overhead_median_of_repeats": statistics.median(ratios), "runs_tok_s": tok_s,
                      "runs_overhead": ratios, "audits": audits, "head_steps": steps,
@@ -92,16 +101,17 @@ def main(argv: list[str] | None = None) -> int:
     print(f"decode through vLLM, {args.batch} requests × ~{args.prompt_tokens}-token prompts (prefix-cached) × "
           f"{args.max_tokens} tokens, {args.dtype}, certified (default preset); {reps} repeats, rates interleaved; "
           f"load average {load_before[0]:.2f} before, {load_after[0]:.2f} after")  # fmt: skip
-    print(f"{'audit_rate':>10} {'tok/s':>8} {'overhead':>9} {'(per repeat)':>13} {'audits':>8} {'share':>8} "
-          f"{'violations':>10}")  # fmt: skip
+    print(f"{'audit_rate':>10} {'reference':>9} {'tok/s':>8} {'overhead':>9} {'(per repeat)':>13} {'audits':>8} "
+          f"{'share':>8} {'violations':>10}")  # fmt: skip
     for r in rows:
-        print(f"{r['audit_rate']:>10g} {r['median_tok_s']:>8.2f} {100 * r['overhead_vs_median']:>8.2f}% "
-              f"{100 * r['overhead_median_of_repeats']:>12.2f}% {int(r['audits']):>8d} {r['audited_share']:>8.5f} "
-              f"{int(r['violations']):>10d}")  # fmt: skip
+        print(f"{r['audit_rate']:>10g} {r['reference']:>9} {r['median_tok_s']:>8.2f} "
+              f"{100 * r['overhead_vs_median']:>8.2f}% {100 * r['overhead_median_of_repeats']:>12.2f}% "
+              f"{int(r['audits']):>8d} {r['audited_share']:>8.5f} {int(r['violations']):>10d}")  # fmt: skip
     threads = [line[-300:] for line in res["log"].splitlines() if "thread" in line.lower()]
     meta = {"batch": args.batch, "prompt_tokens": res["phases"][0]["outputs"][0]["prompt_tokens"],
             "max_tokens": args.max_tokens, "repeats": reps, "dtype": args.dtype, "max_model_len": args.max_model_len,
-            "order": order, "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
+            "order": [list(v) for v in order], "machine": platform.processor() or platform.machine(),
+            "cpus": os.cpu_count(),
             "load_average_before": load_before, "load_average_after": load_after, "started": started,
             "wall_s": time.time() - started, "init_s": res["init_seconds"], "worker_threads_log": threads[:6],
             "workers": res["phases"][0].get("workers")}  # fmt: skip

@@ -355,6 +355,9 @@ class Auditor:
         self.policy = config.audit_policy
         self.sampler = HeadStepSampler(config.audit_rate, config.seed)
         self._seed = config.seed
+        # the exact reference's implementation on CPU pages (reference_heads' ``compiled``): None the compiled
+        # routine where built, False the torch path (benchmarks compare them), True the compiled one or an error
+        self.compiled_reference: bool | None = None
         self.on_outcome = on_outcome
         self.on_forced = on_forced
         self.on_checked = on_checked
@@ -448,7 +451,8 @@ class Auditor:
         returned = res.out[rows, heads].double()  # copies: a CUDA graph's buffers may be reused after the call
         rung = rep.rung[rows, heads].long()
         bound = rep.bound[rows, heads].double()
-        exact, v_max, s_max = reference_heads(q, cache, tables, lens, rows, heads, scale, self._pagein(dev))
+        exact, v_max, s_max = reference_heads(q, cache, tables, lens, rows, heads, scale, self._pagein(dev),
+                                              self.compiled_reference)  # fmt: skip
         error = (returned - exact).norm(dim=-1)
         tol = exact_tolerance(v_max, s_max, cache.layout.head_dim, tables.shape[1] * N, exact_dtype)
         allowed = torch.where(rung <= RUNG_VALUES, bound * BOUND_SUM_SLACK + F64_SLACK * v_max, tol)

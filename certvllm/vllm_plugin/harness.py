@@ -9,12 +9,13 @@ engine keeps runs independent (vLLM spawns its own workers, and each run gets it
 SPEC: ``{"model": DIR, "kv_cache_dtype": "auto"|"certified", "cert": {...additional_config...},
 "engine": {...LLM kwargs...}, "requests": [{"prompt": str | "prompt_token_ids": [...], "max_tokens": n,
 "ignore_eos": bool, "prompt_logprobs": bool, "logprobs": bool, "skip_reading_prefix_cache": bool,
-"detokenize": bool, "abort_after_tokens": n}], "batch": bool,
-"repeat": int, "audit_rate": float}``, or several such groups as ``"phases": [...]``, run one after the other in
-the same engine;
+"detokenize": bool, "abort_after_tokens": n}], "batch": bool, "repeat": int, "audit_rate": float,
+"audit_reference": str}``, or several such groups as ``"phases": [...]``, run one after the other in the same
+engine;
 ``"environment": {VAR: value}`` is set in the process before vLLM is imported. A group's ``"audit_rate"``
 sets every worker's audit rate (``Auditor.set_rate``) before the group runs, so rates can be compared inside
-one engine (needs ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` in the engine's environment: vLLM sends the setter
+one engine, and ``"audit_reference"`` (``"compiled"`` or ``"torch"``, ``Auditor.compiled_reference``) the audit's
+exact reference (needs ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` in the engine's environment: vLLM sends the setter
 as a function); its phase record then also holds ``"workers"``: each worker's ``{"audited", "threads"}``.
 RESULT: ``{"outputs": [{"token_ids": [...], "text": str, "prompt_tokens": n, "cached_tokens": n,
 "aborted": bool}], "seconds": [...], "init_seconds": s, "metrics": {series: value},
@@ -136,9 +137,10 @@ def greedy_agreement(reference: list[list[int]], candidate: list[list[int]]) -> 
     }
 
 
-def _set_audit_rate(worker: Any, rate: float) -> dict[str, int]:
-    """In a worker (``LLM.collective_rpc``): audit with probability ``rate`` from now on; returns the head-steps
-    audited so far and the worker's torch threads."""
+def _set_audit_rate(worker: Any, rate: float, reference: str | None = None) -> dict[str, int]:
+    """In a worker (``LLM.collective_rpc``): audit with probability ``rate`` from now on, with the exact reference
+    ``reference`` (``"compiled"``, ``"torch"``; None: unchanged); returns the head-steps audited so far and the
+    worker's torch threads."""
     import torch
 
     from certvllm.vllm_plugin.runtime import WorkerRuntime
@@ -147,6 +149,8 @@ def _set_audit_rate(worker: Any, rate: float) -> dict[str, int]:
     if runtime is None:
         raise RuntimeError("certvllm: no certified runtime in this worker (--kv-cache-dtype certified?)")
     runtime.audit.set_rate(rate)
+    if reference is not None:
+        runtime.audit.compiled_reference = {"compiled": True, "torch": False}[reference]
     return {"audited": runtime.audit.audited, "threads": torch.get_num_threads()}
 
 
@@ -217,7 +221,8 @@ def _run(spec: dict[str, Any]) -> dict[str, Any]:
 
         workers = None
         if phase.get("audit_rate") is not None:
-            workers = llm.collective_rpc(_set_audit_rate, args=(float(phase["audit_rate"]),))
+            workers = llm.collective_rpc(_set_audit_rate,
+                                         args=(float(phase["audit_rate"]), phase.get("audit_reference")))  # fmt: skip
         seconds, outputs = [], []
         for _ in range(phase.get("repeat", 1)):
             got, aborted = [], set()

@@ -32,9 +32,13 @@ from certvllm.attention.audit import (  # noqa: E402
     AuditOutcome,
     HeadStepSampler,
     exact_tolerance,
+    reference_heads,
 )
 from certvllm.attention.op import certified_attention  # noqa: E402
 from certvllm.config import CertConfigError, load_config, make_config  # noqa: E402
+from certvllm.kernels import cpu as cpu_kernels  # noqa: E402
+from certvllm.kv.cache import LayerKVCache  # noqa: E402
+from certvllm.kv.pagein import PageInEngine  # noqa: E402
 from certvllm.metrics import CertMetrics  # noqa: E402
 from certvllm.testing import FAMILIES, exact_attention, make_case, paged_batch  # noqa: E402
 
@@ -380,6 +384,163 @@ def test_rate_zero_does_no_work():
     rec = Recorder(cfg)
     rec.call(cfg, cache, torch.stack([c.q for c in cs]), tables, lens, 0.2)
     assert rec.outcomes == [] and not rec.auditor.enabled and rec.audits() == 0
+
+
+def test_set_rate_changes_the_draws_and_keeps_the_seed():
+    """``Auditor.set_rate`` (benchmarks compare rates inside one engine): a fresh sampler on the config's seed; the
+    counts so far are kept."""
+    cfg = load_config("default", audit_rate=1.0, seed=3)
+    cs = cases("random", 2, lens=(50, 70))
+    cache, tables, lens = paged_batch(cs, cfg.value_group_size)
+    q = torch.stack([c.q for c in cs])
+    rec = Recorder(cfg)
+    rec.call(cfg, cache, q, tables, lens, 0.2)
+    assert rec.auditor.audited == 2 * HQ
+    rec.auditor.set_rate(0.0)
+    rec.call(cfg, cache, q, tables, lens, 0.2)
+    assert rec.auditor.audited == 2 * HQ and not rec.auditor.enabled
+    rec.auditor.set_rate(0.3)
+    fresh = HeadStepSampler(0.3, 3)
+    assert [rec.auditor.sampler.sample(2 * HQ) for _ in range(50)] == [fresh.sample(2 * HQ) for _ in range(50)]
+
+
+# ---- the compiled reference (csrc/cpu/audit_reference.cpp) --------------------------------------------------------
+needs_compiled = pytest.mark.skipif(not cpu_kernels.audit_available(), reason="the audit's C++ reference is not built")
+
+
+class CountingPageIn(PageInEngine):
+    """A host page-in engine other than the stock one (as the fault injection's): counts the pages it is asked for."""
+
+    def __init__(self) -> None:
+        super().__init__("cpu")
+        self.pages = 0
+
+    def gather_kv(self, cache, block_ids, kv_heads):
+        self.pages += int(block_ids.numel())
+        return super().gather_kv(cache, block_ids, kv_heads)
+
+
+def channel_major(cache: LayerKVCache) -> LayerKVCache:
+    """The same originals with the keys stored channel-major (vLLM's CPU key cache layout, the plugin's shadow)."""
+    e, h, _, run, d = cache.shadow.shape
+    shadow = cache.shadow.clone()
+    shadow[:, :, 0] = cache.shadow[:, :, 0].transpose(-1, -2).contiguous().view(e, h, run, d)
+    return LayerKVCache(cache.pages, shadow, cache.layout, keys_channel_major=True)
+
+
+def stock_engine_that_never_gathers() -> PageInEngine:
+    """The stock host engine (the compiled reference reads the shadow in place for it), with its gather disabled."""
+    engine = PageInEngine("cpu")
+
+    def refuse(*args):
+        raise AssertionError("the stock engine's pages are read in place, never gathered")
+
+    engine.gather_kv = refuse
+    return engine
+
+
+@needs_compiled
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("keys", ["token_major", "channel_major"])
+@pytest.mark.parametrize("engine", ["stock", "other"])
+def test_compiled_reference_is_float64_exact_attention(dtype, keys, engine):
+    """Every (row, query head) pair against an independent float64 evaluation over the originals (``exact_attention``)
+    and against the torch path: the output to 1e-12 of its scale, V_max and the |score| bound S to 1e-12 relative.
+    Lengths on and off a block boundary and a 1-token row; the block table is wider than any row (as vLLM's) and
+    its extra columns name other rows' blocks, which must not be read. With the stock engine nothing is gathered;
+    with another engine exactly the pages of the rows' own columns are."""
+    lens_ = (1, 16, 37, 160, 211)
+    cs = cases("sink_and_recency", 40 + lens_.index(211), lens=lens_, dtype=dtype)
+    cache, tables, lens = paged_batch(cs)
+    if keys == "channel_major":
+        cm = channel_major(cache)
+        ids = tables[-1, :10].long()
+        heads_kv = torch.arange(10) % HKV
+        assert torch.equal(cm.shadow_pages(ids, heads_kv), cache.shadow_pages(ids, heads_kv))
+        cache = cm
+    wide = torch.cat([tables, tables.flip(0), tables], dim=1)  # columns past each row's length: other rows' blocks
+    q = torch.stack([c.q for c in cs])
+    scale = 1 / math.sqrt(D)
+    rows = torch.arange(len(cs)).repeat_interleave(HQ)
+    heads = torch.arange(HQ).repeat(len(cs))
+    pagein = stock_engine_that_never_gathers() if engine == "stock" else CountingPageIn()
+    out, v_max, s_max = reference_heads(q, cache, wide, lens, rows, heads, scale, pagein, compiled=True)
+    assert out.dtype == v_max.dtype == s_max.dtype == torch.float64 and out.shape == (len(cs) * HQ, D)
+    ref = exact64(cs, scale)[rows, heads]
+    assert torch.allclose(out, ref, rtol=0, atol=1e-12 * float(ref.abs().max()))
+    group = HQ // HKV
+    for i, (r, h) in enumerate(zip(rows.tolist(), heads.tolist(), strict=True)):
+        k, v, qh = cs[r].k[:, h // group].double(), cs[r].v[:, h // group].double(), cs[r].q[h].double()
+        assert math.isclose(float(v_max[i]), float(v.norm(dim=-1).max()), rel_tol=1e-12)
+        assert math.isclose(float(s_max[i]), float((k.abs() @ qh.abs()).max()) * scale, rel_tol=1e-12)
+    if engine == "other":
+        assert pagein.pages == HQ * sum(-(-t // 16) for t in lens_)
+    torch_path = reference_heads(q, cache, wide, lens, rows, heads, scale, PageInEngine("cpu"), compiled=False)
+    for ours, theirs in zip((out, v_max, s_max), torch_path, strict=True):
+        assert torch.allclose(ours, theirs, rtol=1e-12, atol=1e-12 * float(theirs.abs().max()))
+
+
+@needs_compiled
+@pytest.mark.parametrize("engine", ["stock", "other"])
+def test_compiled_reference_reads_nothing_past_the_length_and_propagates_non_finite_values(engine):
+    """A NaN in a slot past a row's length (its last block's free slots) changes nothing; one in a token the row
+    holds makes that KV head's outputs, V_max and S non-finite, which the audit counts as violations (rate 1)."""
+    cfg = load_config("default", audit_rate=1.0)
+    cs = cases("random", 5, lens=(37, 50))
+    cache, tables, lens = paged_batch(cs, cfg.value_group_size)
+    q = torch.stack([c.q for c in cs])
+    rows, heads = torch.tensor([0, 0, 1]), torch.tensor([0, 3, 0])
+    pagein = stock_engine_that_never_gathers() if engine == "stock" else CountingPageIn()
+    before = reference_heads(q, cache, tables, lens, rows, heads, 0.2, pagein, compiled=True)
+    keys, values = cache._shadow_views()
+    last = int(tables[0, 2])  # row 0: 37 tokens, its third block holds 5
+    m = cache.sub_blocks
+    keys[last // m, 0, last % m, 5:] = float("nan")
+    values[last // m, 0, last % m, 5:] = float("nan")
+    after = reference_heads(q, cache, tables, lens, rows, heads, 0.2, pagein, compiled=True)
+    for a, b in zip(before, after, strict=True):
+        assert torch.equal(a, b)
+    values[last // m, 0, last % m, 4, 0] = float("nan")  # token 36 of row 0, KV head 0 (query heads 0, 1)
+    out, v_max, s_max = reference_heads(q, cache, tables, lens, rows, heads, 0.2, pagein, compiled=True)
+    assert bool(out[0, 0].isnan()) and bool(v_max[0].isnan()) and bool(out[1:].isfinite().all())
+    keys[last // m, 0, last % m, 4, 0] = math.copysign(math.inf, float(q[0, 0, 0]))  # query head 0's score: +inf
+    out, v_max, s_max = reference_heads(q, cache, tables, lens, rows, heads, 0.2, pagein, compiled=True)
+    assert bool(out[0].isnan().all()) and bool(s_max[0].isinf()) and bool(out[1:].isfinite().all())
+    torch_path = reference_heads(q, cache, tables, lens, rows, heads, 0.2, PageInEngine("cpu"), compiled=False)
+    assert torch.equal(out.isnan(), torch_path[0].isnan()) and torch.equal(s_max.isinf(), torch_path[2].isinf())
+    rec = Recorder(cfg)
+    rec.auditor._pageins[torch.device("cpu")] = pagein
+    rec.call(cfg, cache, q, tables, lens, 0.2)
+    o = rec.last()
+    bad = (o.rows == 0) & (o.heads < HQ // HKV)
+    assert bool(o.violated[bad].all()) and rec.auditor.violations >= int(bad.sum())
+
+
+@needs_compiled
+@pytest.mark.parametrize("preset", ["default", "loose"])
+def test_the_audit_with_the_torch_reference_reaches_the_same_verdicts(preset):
+    """The whole audit (error, allowance, verdict) with the compiled reference equals the one with the torch
+    reference on a healthy and on a corrupted cache (value scales of row 0, KV head 0: the loose config lets them
+    through to the audit), so the change of reference changed no decision."""
+    cfg = load_config("default", audit_rate=1.0, audit_policy="log") if preset == "default" else _loose(False)
+    cs = cases("sink_and_recency", 11, lens=(200, 211, 96))
+    cache, tables, lens = paged_batch(cs, cfg.value_group_size)
+    q = torch.stack([c.q for c in cs])
+    for corrupted in (False, True):
+        if corrupted:
+            corrupt(cache, tables[0, :12], 0, "value_scales")
+        outcomes = []
+        for compiled in (True, False):
+            rec = Recorder(cfg)
+            rec.auditor.compiled_reference = compiled
+            rec.call(cfg, cache, q, tables, lens, 0.2)
+            outcomes.append(rec.last())
+        a, b = outcomes
+        assert torch.equal(a.violated, b.violated) and torch.equal(a.rung, b.rung)
+        assert torch.allclose(a.error, b.error, rtol=1e-9, atol=1e-12)
+        assert torch.allclose(a.allowed, b.allowed, rtol=1e-12, atol=0)
+        if not corrupted or preset == "loose":
+            assert bool(a.violated.any()) == corrupted
 
 
 # ---- the CUDA path, in Triton's interpreter ---------------------------------------------------------------------
