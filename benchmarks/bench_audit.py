@@ -2,9 +2,13 @@
 runs per layer and step) at ``audit_rate`` 0, 0.001 and 0.01, in one run.
 
 One "call" is one layer's decode step for ``--rows`` sequences of ``--context`` tokens (SmolLM2-135M's head layout
-by default: 9 query heads, 3 KV heads, D = 64, bfloat16). Each repeat times ``--calls`` consecutive calls per rate,
-the rates interleaved so that drift hits them alike; the table gives the median over repeats of the mean time per
-call, the overhead against rate 0, and how many head-steps were audited. A decode step of an L-layer model is L
+by default: 9 query heads, 3 KV heads, D = 64, bfloat16). Each of ``--rounds`` rounds times a block of ``--block``
+consecutive calls per variant, the order rotated every round, so that the machine's drift (tens of % over seconds on
+a shared VM) hits every variant alike; the table gives the mean time per call over all rounds, the overhead against
+rate 0, and how many head-steps were audited. A rare event (one audit every ≈ 14 calls at 0.001) needs the mean, not
+a median. It also times one audited head-step on its own right after a decode call (``--single`` times per
+reference) and gives the overhead that cost implies (``expected``: rate × head-steps per call × that median / the
+rate-0 call), a figure that the machine's drift does not blur. A decode step of an L-layer model is L
 such calls, so the relative overhead per call is the relative overhead per decode step of the attention part (the
 rest of the model, which audits do not touch, makes the end-to-end share smaller still;
 ``benchmarks/bench_audit_e2e.py`` measures that through vLLM).
@@ -45,8 +49,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--heads", type=int, default=9)
     p.add_argument("--kv-heads", type=int, default=3)
     p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--calls", type=int, default=200, help="calls per rate and repeat")
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--block", type=int, default=10, help="consecutive calls of one variant")
+    p.add_argument("--rounds", type=int, default=60, help="rounds of one block per variant")
+    p.add_argument("--single", type=int, default=200, help="timed single audits per reference")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--preset", default="default")
     p.add_argument("--torch-reference", action="store_true", help="also time the rates with the torch reference")
@@ -89,45 +94,72 @@ def main(argv: list[str] | None = None) -> int:
                      lambda f: certified_attention(q, cache, tables, lens, configs[0.0], scale,
                                                    force_exact=f))  # fmt: skip
             full_audit["torch" if torch_ref else "compiled"] = time.perf_counter() - start
-    load_before = os.getloadavg()
-    per_call: dict[tuple[float, bool], list[float]] = {v: [] for v in variants}
-    for _ in range(args.repeats):
-        for v in variants:
+    # one audited head-step on its own, right after a decode call (the situation of a sampled audit): its cost
+    single: dict[str, list[float]] = {}
+    rows_1, heads_1 = torch.tensor([0]), torch.tensor([0])
+    for torch_ref in sorted({v[1] for v in variants}):
+        auditor = Auditor(configs[0.0])
+        auditor.compiled_reference = False if torch_ref else None
+        times = []
+        for i in range(args.single):
+            res = certified_attention(q, cache, tables, lens, configs[0.0], scale)
+            rows_1[0], heads_1[0] = i % args.rows, (7 * i) % args.heads
             start = time.perf_counter()
-            for _ in range(args.calls):
+            auditor._check(q, cache, tables, lens, scale, res, rows_1, heads_1, torch.float32)
+            times.append(time.perf_counter() - start)
+        single["torch" if torch_ref else "compiled"] = times
+
+    load_before = os.getloadavg()
+    blocks: dict[tuple[float, bool], list[float]] = {v: [] for v in variants}  # seconds per block, by round
+    for rnd in range(args.rounds):  # variants interleaved block by block, the order rotated every round
+        for v in variants[rnd % len(variants) :] + variants[: rnd % len(variants)]:
+            start = time.perf_counter()
+            for _ in range(args.block):
                 one(v)
-            per_call[v].append((time.perf_counter() - start) / args.calls)
+            blocks[v].append(time.perf_counter() - start)
     load_after = os.getloadavg()
 
-    base = statistics.median(per_call[(0.0, False)])
-    head_steps = args.rows * args.heads * (args.calls * args.repeats + 5)
+    base_blocks = blocks[(0.0, False)]
+    base = sum(base_blocks) / (args.rounds * args.block)
+    head_steps = args.rows * args.heads * (args.rounds * args.block + 5)
     rows = []
     for v in variants:
         rate, torch_ref = v
-        med = statistics.median(per_call[v])
+        mean = sum(blocks[v]) / (args.rounds * args.block)
+        ref = "torch" if torch_ref else "compiled"
         a = auditors[v]
-        rows.append({"audit_rate": rate, "reference": "torch" if torch_ref else "compiled",
-                     "median_ms_per_call": med * 1e3, "overhead": med / base - 1.0,
-                     "runs_ms": [t * 1e3 for t in per_call[v]], "audited_head_steps": a.audited,
-                     "audited_share": a.audited / head_steps, "violations": a.violations})  # fmt: skip
+        expected = rate * args.rows * args.heads * statistics.median(single[ref]) / base
+        rows.append({"audit_rate": rate, "reference": ref, "mean_ms_per_call": mean * 1e3,
+                     "overhead": mean / base - 1.0,
+                     "median_block_ms_per_call": statistics.median(blocks[v]) / args.block * 1e3,
+                     "expected_overhead": expected, "blocks_ms_per_call": [t / args.block * 1e3 for t in blocks[v]],
+                     "audited_head_steps": a.audited, "audited_share": a.audited / head_steps,
+                     "violations": a.violations})  # fmt: skip
     print(f"certified layer call, CPU, {args.rows} rows × {args.context} tokens, H_q={args.heads}, "
-          f"H_kv={args.kv_heads}, D={args.head_dim}, bf16, {args.threads} threads; median of {args.repeats} × "
-          f"{args.calls} calls; load average {load_before[0]:.2f} before, {load_after[0]:.2f} after")  # fmt: skip
+          f"H_kv={args.kv_heads}, D={args.head_dim}, bf16, {args.threads} threads; {args.rounds} rounds × "
+          f"{args.block} calls per variant, interleaved; load average {load_before[0]:.2f} before, "
+          f"{load_after[0]:.2f} after")  # fmt: skip
     for name, seconds in full_audit.items():
         print(f"one call at audit_rate 1 ({args.rows * args.heads} head-steps audited, {name} reference): "
-              f"{seconds * 1e3:.1f} ms (rate 0: {base * 1e3:.1f} ms)")  # fmt: skip
-    print(f"{'audit_rate':>10} {'reference':>9} {'ms/call':>9} {'overhead':>9} {'audited':>8} {'share':>8} "
-          f"{'violations':>10}")  # fmt: skip
+              f"{seconds * 1e3:.1f} ms (rate 0: {base * 1e3:.2f} ms)")  # fmt: skip
+    for name, times in single.items():
+        print(
+            f"one audited head-step right after a decode call, {name} reference: median "
+            f"{statistics.median(times) * 1e3:.3f} ms, p90 {sorted(times)[int(0.9 * len(times))] * 1e3:.3f} ms"
+        )
+    print(f"{'audit_rate':>10} {'reference':>9} {'ms/call':>9} {'overhead':>9} {'expected':>9} {'audited':>8} "
+          f"{'share':>8} {'violations':>10}")  # fmt: skip
     for r in rows:
-        print(f"{r['audit_rate']:>10g} {r['reference']:>9} {r['median_ms_per_call']:>9.3f} "
-              f"{100 * r['overhead']:>8.2f}% {r['audited_head_steps']:>8d} {r['audited_share']:>8.4f} "
-              f"{r['violations']:>10d}")  # fmt: skip
+        print(f"{r['audit_rate']:>10g} {r['reference']:>9} {r['mean_ms_per_call']:>9.3f} "
+              f"{100 * r['overhead']:>8.2f}% {100 * r['expected_overhead']:>8.2f}% {r['audited_head_steps']:>8d} "
+              f"{r['audited_share']:>8.4f} {r['violations']:>10d}")  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"rows": args.rows, "context": args.context, "heads": args.heads, "kv_heads": args.kv_heads,
-            "head_dim": args.head_dim, "calls": args.calls, "repeats": args.repeats, "threads": args.threads,
+            "head_dim": args.head_dim, "block": args.block, "rounds": args.rounds, "threads": args.threads,
             "preset": args.preset, "torch": torch.__version__, "machine": platform.processor() or platform.machine(),
             "cpus": os.cpu_count(), "ms_per_call_at_rate_1": {k: t * 1e3 for k, t in full_audit.items()},
-            "load_average_before": load_before, "load_average_after": load_after}  # fmt: skip
+            "load_average_before": load_before, "load_average_after": load_after,
+            "single_audit_ms": {k: [t * 1e3 for t in v] for k, v in single.items()}}  # fmt: skip
     args.out.write_text(json.dumps({"config": meta, "results": rows}, indent=2) + "\n")
     print(f"wrote {args.out}")
     return 0

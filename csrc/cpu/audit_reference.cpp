@@ -26,6 +26,7 @@
 namespace {
 
 constexpr int64_t kPairsPerTask = 8;  // parallel only from this many pairs on (rate-1 audits of a whole call)
+constexpr int kLanes = 8;             // partial sums per dot product over the D channels
 
 // max that propagates NaN from either argument (torch.amax does)
 inline double nan_max(double a, double b) { return (a > b || std::isnan(a)) ? a : b; }
@@ -51,12 +52,28 @@ void pair(const Pages& page, int64_t len, int64_t N, int64_t D, const double* q,
     const PageRef<scalar_t> p = page(t / N);
     const scalar_t* k = p.k + (t % N) * p.k_tok;
     const scalar_t* v = p.v + (t % N) * D;
-    double dot = 0.0, mag = 0.0, vv = 0.0;
-    for (int64_t c = 0; c < D; ++c) {
+    // kLanes independent partial sums per quantity (vectorisable; float64 either way), added up at the end
+    double dot_l[kLanes] = {}, mag_l[kLanes] = {}, vv_l[kLanes] = {};
+    int64_t c = 0;
+    for (; c + kLanes <= D; c += kLanes) {
+      for (int l = 0; l < kLanes; ++l) {
+        const double kc = to_d(k[(c + l) * p.k_ch]), vc = to_d(v[c + l]);
+        dot_l[l] += q[c + l] * kc;
+        mag_l[l] += std::fabs(q[c + l]) * std::fabs(kc);
+        vv_l[l] += vc * vc;
+      }
+    }
+    for (; c < D; ++c) {
       const double kc = to_d(k[c * p.k_ch]), vc = to_d(v[c]);
-      dot += q[c] * kc;
-      mag += std::fabs(q[c]) * std::fabs(kc);
-      vv += vc * vc;
+      dot_l[0] += q[c] * kc;
+      mag_l[0] += std::fabs(q[c]) * std::fabs(kc);
+      vv_l[0] += vc * vc;
+    }
+    double dot = 0.0, mag = 0.0, vv = 0.0;
+    for (int l = 0; l < kLanes; ++l) {
+      dot += dot_l[l];
+      mag += mag_l[l];
+      vv += vv_l[l];
     }
     s[t] = dot * scale;
     m = nan_max(m, s[t]);
