@@ -70,9 +70,8 @@ def blocks_with_pool(
     resident = pool_values(cfg.decode_pass)
     key_slot = BLOCK_SIZE * head_size * itemsize + TAG_BYTES
     slot = key_slot + (BLOCK_SIZE * head_size * itemsize + 4 if resident else 0)
-    page = layers * kv_heads * block_size * vllm_page_layout(head_size, cfg.value_group_size).bytes_per_token
-    if page_bytes is not None:
-        page = page_bytes
+    if page_bytes is None:
+        page_bytes = layers * kv_heads * block_size * vllm_page_layout(head_size, cfg.value_group_size).bytes_per_token
     pool = layers * (fraction * kv_heads * subs * slot + GENERATION_BYTES * subs)
     if resident:  # slot_of: one int32 per (16-token block, KV head) of the layer
         pool += layers * 4 * kv_heads * subs
@@ -82,7 +81,7 @@ def blocks_with_pool(
     fixed = layers * (slot + (16 if resident else 0))  # each pool's slot count rounds up; the hand and its count
     if prefetch > 0:  # and the ring's and the page lists'
         fixed += DEPTH * key_slot + 8 * layers
-    return max(int((num_blocks * page - fixed) // (page + pool)), 0)
+    return max(int((num_blocks * page_bytes - fixed) // (page_bytes + pool)), 0)
 
 
 def fit_promotion_pool(vllm_config: Any, cfg: CertConfig, num_blocks: int) -> int:
@@ -92,23 +91,15 @@ def fit_promotion_pool(vllm_config: Any, cfg: CertConfig, num_blocks: int) -> in
     if not current_platform.is_cuda_alike() or cfg.promotion_cache_fraction <= 0:
         return num_blocks
     model, parallel = vllm_config.model_config, vllm_config.parallel_config
-    itemsize = torch.empty((), dtype=model.dtype).element_size()
     layout = hybrid.planned_layout()
     if layout is not None:  # vLLM's KV cache groups: the certified layers only, at their block size, in the pool
-        fitted = blocks_with_pool(
-            num_blocks, layers=len(layout.certified), kv_heads=layout.kv_heads, block_size=layout.block_size,
-            head_size=layout.head_size, itemsize=itemsize, cfg=cfg, page_bytes=layout.pool_bytes_per_block,
-        )  # fmt: skip
+        geometry = {"layers": len(layout.certified), "kv_heads": layout.kv_heads, "block_size": layout.block_size,
+                    "head_size": layout.head_size, "page_bytes": layout.pool_bytes_per_block}  # fmt: skip
     else:
-        fitted = blocks_with_pool(
-            num_blocks,
-            layers=model.get_num_layers(parallel),
-            kv_heads=model.get_num_kv_heads(parallel),
-            block_size=vllm_config.cache_config.block_size,
-            head_size=model.get_head_size(),
-            itemsize=itemsize,
-            cfg=cfg,
-        )
+        geometry = {"layers": model.get_num_layers(parallel), "kv_heads": model.get_num_kv_heads(parallel),
+                    "block_size": vllm_config.cache_config.block_size, "head_size": model.get_head_size()}  # fmt: skip
+    itemsize = torch.empty((), dtype=model.dtype).element_size()
+    fitted = blocks_with_pool(num_blocks, itemsize=itemsize, cfg=cfg, **geometry)
     logger.info(
         "certvllm: %d of %d planned KV blocks kept to leave room for the promotion cache "
         "(promotion_cache_fraction=%g; 0 turns it off and keeps every block)",

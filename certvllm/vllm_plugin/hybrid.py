@@ -41,7 +41,6 @@ import contextlib
 import contextvars
 import logging
 import math
-import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -52,6 +51,7 @@ from certvllm.vllm_plugin.layer_kinds import (
     SKIP_SLIDING,
     certified_layer_count,
     config_field,
+    layer_index,
     native_layers,
     skipped_indices,
     sliding_layers,
@@ -218,14 +218,8 @@ class CertifiedLayout:
 def layer_numbers(names: tuple[str, ...] | list[str]) -> str:
     """``model.layers.11.self_attn.attn, model.layers.5.self_attn.attn`` → ``5, 11``: the layer numbers in order
     (names without a number after them, as they are)."""
-    numbers, other = [], []
-    for name in names:
-        match = re.search(r"\.(\d+)\.", name)
-        if match:
-            numbers.append(int(match.group(1)))
-        else:
-            other.append(name)
-    return ", ".join([*(str(n) for n in sorted(numbers)), *other])
+    numbers = sorted(layer_index(name) for name in names if layer_index(name) >= 0)
+    return ", ".join([*(str(n) for n in numbers), *(name for name in names if layer_index(name) < 0)])
 
 
 _PLANNING: contextvars.ContextVar[CertifiedLayout | None] = contextvars.ContextVar("certvllm_layout", default=None)

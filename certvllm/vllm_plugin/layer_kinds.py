@@ -10,12 +10,20 @@ gpt-oss, Qwen2 with windows...), or every layer when the config has a ``sliding_
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 SKIP_SLIDING = "sliding_window"
 """The ``--kv-cache-dtype-skip-layers`` entry that keeps every sliding-window layer in the model's dtype."""
 SLIDING_TYPES = ("sliding_attention",)
 """``layer_types`` entries of layers vLLM builds with a sliding window."""
+_LAYER_INDEX = re.compile(r"\.(\d+)\.")
+
+
+def layer_index(name: str) -> int:
+    """The layer number in a vLLM layer name (``model.layers.7.self_attn.attn`` → 7), −1 if none."""
+    match = _LAYER_INDEX.search(name)
+    return int(match.group(1)) if match else -1
 
 
 def config_field(config: Any, name: str) -> Any:

@@ -20,6 +20,7 @@ from certvllm import env
 from certvllm.formats.layout import BLOCK_SIZE
 from certvllm.vllm_plugin import hybrid, settings
 from certvllm.vllm_plugin._compat import KV_CACHE_DTYPE
+from certvllm.vllm_plugin.layer_kinds import layer_index
 
 logger = logging.getLogger("vllm.certvllm")  # under "vllm": shares vLLM's log handlers
 _MARK = "_certvllm_patched"
@@ -61,12 +62,12 @@ def _check_layer(attn_selector_config: Any, backend: Any) -> None:
         )
     if cfg.has_sink:
         layer = _calling_layer()
-        index = layer.split(".self_attn")[0].rsplit(".", 1)[-1] if layer else ""
+        index = layer_index(layer) if layer else -1
         problems.append(
             f"attention sinks are not supported on certified layers{f' (layer {layer})' if layer else ''}: the "
             "certificate bounds a softmax over the cached tokens alone, and a sink's logit changes every weight; keep "
             f"every layer with sinks in the model's dtype with --kv-cache-dtype-skip-layers "
-            f"{index if index.isdigit() else 'N'} [N ...]"
+            f"{index if index >= 0 else 'N'} [N ...]"
         )
     if cfg.use_sparse:
         problems.append("sparse attention is not supported")

@@ -10,7 +10,6 @@ that tensor (profiling → the real cache). A layer's forward only looks its sta
 from __future__ import annotations
 
 import logging
-import re
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,9 +27,9 @@ from certvllm.metrics import CertMetrics
 from certvllm.metrics.requests import RequestLedger
 from certvllm.vllm_plugin import settings
 from certvllm.vllm_plugin.host_tier import layer_cache
+from certvllm.vllm_plugin.layer_kinds import layer_index
 
 logger = logging.getLogger("vllm.certvllm")  # under "vllm": shares vLLM's log handlers
-_LAYER_INDEX = re.compile(r"\.(\d+)\.")
 DEFAULT_MAX_DECODE_ROWS = 256
 """Rows of the largest graphed call before :meth:`WorkerRuntime.warm_up` sets it to the engine's ``max_num_seqs``."""
 HOST_MEMORY_MARKERS = ("can't allocate memory", "Cannot allocate memory")
@@ -46,12 +45,6 @@ def host_failure(err: BaseException) -> str | None:
     if isinstance(err, MemoryError) or out_of_memory:
         return "host_memory"
     return None
-
-
-def layer_index(name: str) -> int:
-    """The layer number in a vLLM layer name (``model.layers.7.self_attn.attn`` → 7), −1 if none."""
-    match = _LAYER_INDEX.search(name)
-    return int(match.group(1)) if match else -1
 
 
 @dataclass
