@@ -1,7 +1,7 @@
 """The resident decode pass on a GPU, checked and timed in one short run (a lease's worth of device time).
 
 Usage: python benchmarks/probe_resident.py [--points 8x32768 8x131072 1x8192] [--steps 4] [--maxnreg 168 128]
-                                          [--out runs/probe.json]
+                                          [--kernels gluon triton] [--out runs/probe.json]
 
 Per point (batch × context, LLaMA-3.1-8B shapes, ``bench_decode.synthetic_kv``): a paged cache with its pool;
 ``steps`` decode calls of the resident pass (budget preset, drifting queries: q ← q + 0.05·N(0, 1) per
@@ -90,7 +90,8 @@ def top_up_reasons(records: list[dict]):
     return patched()
 
 
-def point(batch: int, ctx: int, steps: int, iters: int, deadline: float, maxnregs: tuple[int, ...] = ()) -> dict:
+def point(batch: int, ctx: int, steps: int, iters: int, deadline: float, maxnregs: tuple[int, ...] = (),
+          kernels: tuple[str, ...] = ("gluon", "triton")) -> dict:  # fmt: skip
     bench = _bench()
     from certvllm.triton_kernels.fused import FUSED_GLUON_GATE
     from certvllm.triton_kernels.tuning import KernelTuning
@@ -109,7 +110,7 @@ def point(batch: int, ctx: int, steps: int, iters: int, deadline: float, maxnreg
     qs = [q0]
     for _ in range(steps - 1):
         qs.append((qs[-1].float() + 0.05 * torch.randn(q0.shape, generator=gen, device="cuda")).to(q0.dtype))
-    methods = {"resident_gluon": ("budget+resident", "auto"), "resident_triton": ("budget+resident", "triton")}
+    methods = {f"resident_{k}": ("budget+resident", "auto" if k == "gluon" else "triton") for k in kernels}
     calls = {}
     for name, (method, dialect) in methods.items():
         cfg = bench.method_config(method)
@@ -136,17 +137,18 @@ def point(batch: int, ctx: int, steps: int, iters: int, deadline: float, maxnreg
         print(f"  b={batch} ctx={ctx} {name}: {text}", flush=True)
     rec["gluon_launched"] = bool(FUSED_GLUON_GATE.launched)
     rec["gluon_failure"] = FUSED_GLUON_GATE.failure
-    ga, tr = calls["resident_gluon"][4], calls["resident_triton"][4]
-    rec["rung_agreement"] = float((ga.report.rung == tr.report.rung).float().mean())
-    both = (ga.report.rung <= 2) & (tr.report.rung <= 2)
-    vmax = float(tr.report.v_max.max())
-    rec["gluon_vs_triton_max_abs_over_vmax"] = (
-        float((ga.out - tr.out).abs()[both].max()) / vmax if bool(both.any()) else None
-    )
+    if len(calls) == 2:
+        ga, tr = calls["resident_gluon"][4], calls["resident_triton"][4]
+        rec["rung_agreement"] = float((ga.report.rung == tr.report.rung).float().mean())
+        both = (ga.report.rung <= 2) & (tr.report.rung <= 2)
+        vmax = float(tr.report.v_max.max())
+        rec["gluon_vs_triton_max_abs_over_vmax"] = (
+            float((ga.out - tr.out).abs()[both].max()) / vmax if bool(both.any()) else None
+        )
     q = qs[-1]
     times: dict = {}
     for cap in maxnregs:  # the Gluon kernel under register caps (KernelTuning.resident_maxnreg), warm pool as above
-        if time.time() > deadline:
+        if time.time() > deadline or "resident_gluon" not in calls:
             break
         cfg, residency, eng, _, _ = calls["resident_gluon"]
         opts = CudaOptions(tuning=KernelTuning(resident_maxnreg=cap))
@@ -159,7 +161,7 @@ def point(batch: int, ctx: int, steps: int, iters: int, deadline: float, maxnreg
         times[f"resident_gluon_maxnreg{cap}"] = bench.time_graph(fn, iters)
         print(f"    resident_gluon, maxnreg {cap}: {times[f'resident_gluon_maxnreg{cap}']} ms, "
               f"{rec[f'resident_gluon_maxnreg{cap}_check']}", flush=True)  # fmt: skip
-    for name in ("resident_gluon", "resident_triton", "default", "budget", "naive"):
+    for name in (*calls, "default", "budget", "naive"):
         if time.time() > deadline:
             print("  (deadline: remaining timings skipped)", flush=True)
             break
@@ -215,6 +217,13 @@ def main() -> None:
         default=[],
         help="also time the Gluon resident kernel under these register caps (resident_maxnreg)",
     )
+    ap.add_argument(
+        "--kernels",
+        nargs="+",
+        choices=("gluon", "triton"),
+        default=["gluon", "triton"],
+        help="resident-pass kernels to check and time (the Triton one compiles for minutes)",
+    )
     ap.add_argument("--out", type=Path, default=Path("runs/probe_resident.json"))
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -224,7 +233,7 @@ def main() -> None:
         if time.time() > deadline:
             break
         b, c = (int(x) for x in p.split("x"))
-        results.append(point(b, c, args.steps, args.iters, deadline, tuple(args.maxnreg)))
+        results.append(point(b, c, args.steps, args.iters, deadline, tuple(args.maxnreg), tuple(args.kernels)))
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "results": results}, indent=1))
     print("\n| batch | context | resident Gluon | resident Triton | default | budget | naive | dense | violations |")
@@ -233,7 +242,7 @@ def main() -> None:
         t = r["ms"]
         cells = [f"{t[k]:.3f}" if t.get(k) else "—" for k in
                  ("resident_gluon", "resident_triton", "default", "budget", "naive", "dense")]  # fmt: skip
-        viol = sum(s["violations"] + s["exact_mismatch"] for m in ("resident_gluon", "resident_triton")
+        viol = sum(s["violations"] + s["exact_mismatch"] for m in ("resident_gluon", "resident_triton") if m in r
                    for s in r[m]["steps"])  # fmt: skip
         print(f"| {r['batch']} | {r['context'] // 1024}K | {' | '.join(cells)} | {viol} |")
     print(f"wrote {args.out}")

@@ -179,15 +179,22 @@ def pool_lookup(
 
 # ---- explicitly allocated slots (the resident decode pass: certvllm.kv.promotion_cache.ResidentPool) -------------
 _CMP_NEVER = tl.constexpr(-3)  # a slot_of value that never occurs: a CAS against it changes nothing
+# fill_flag values: a slot untouched this call (the FIFO hand may take it), one a page needed this call holds
+# (pinned: never evicted by the call that needs it), one to be filled from the shadow (a new tenant, or a
+# refill in place of an older write generation)
+_FREE = tl.constexpr(0)
+_PINNED = tl.constexpr(1)
+_FILL = tl.constexpr(2)
 
 
 @triton.jit(**JIT_OPTIONS)
-def _resident_claim(tables, TB_STRIDE, nfull, bits, B, need_mask, num_blocks, P, gen, tag, tag_gen, slot_of, hand,
-                    call_fills, fill_flag, step, H: tl.constexpr, BLK: tl.constexpr):  # fmt: skip
-    """Per (row, KV head, block) needed: a hit (slot_of → a slot tagged (page, current generation)) does
-    nothing; a page whose slot holds an older generation is marked for a refill in place; a page without a slot
-    (or whose slot was reused) claims ``slot_of`` (CAS −1 → −2), and the winner takes the next slot of the FIFO
-    hand, evicts its tenant (CAS its ``slot_of`` back to −1) and retags the slot; at most P slots per call."""
+def _resident_mark(tables, TB_STRIDE, nfull, bits, B, need_mask, num_blocks, P, gen, tag, tag_gen, slot_of,
+                   call_fills, fill_flag, ticket, step, H: tl.constexpr, BLK: tl.constexpr):  # fmt: skip
+    """Per (row, KV head, block) needed: a hit (slot_of → a slot tagged (page, current generation)) pins its
+    slot; a page whose slot holds an older generation pins it for a refill in place; a page without a slot (or
+    whose slot went to another page) claims ``slot_of`` (CAS −1 → −2), and the winner draws a ticket (its rank
+    among this call's new pages) from ``call_fills``. No slot changes hands here: every needed page is pinned
+    before any is evicted (``_resident_assign``, the next launch)."""
     idx, inb, need, bid, page, _s1, _s2 = _items(tables, TB_STRIDE, nfull, bits, B, need_mask, num_blocks, P, H, BLK)
     zero = page * 0
     minus1 = (zero - 1).to(tl.int32)  # CAS values typed as slot_of's int32 (the interpreter writes a value's width)
@@ -198,82 +205,120 @@ def _resident_claim(tables, TB_STRIDE, nfull, bits, B, need_mask, num_blocks, P,
     st = tl.where(has, s, 0)
     owned = has & (tl.load(tag + st, mask=has, other=-1) == page)
     hit = owned & (tl.load(tag_gen + st, mask=owned, other=-1) == g)
-    stale = owned & ~hit
-    tl.store(fill_flag + st, 1, mask=stale)  # refilled in place (the fill kernel retags the generation)
+    tl.store(fill_flag + st, tl.where(hit, _PINNED, _FILL).to(tl.int32), mask=owned)  # one page: items agree
     dangling = has & ~owned  # the slot went to another page: forget it, then claim afresh
     tl.atomic_cas(slot_of + safe, tl.where(dangling, s, _CMP_NEVER).to(tl.int32), minus1)
     miss = need & (~has | dangling)
     old = tl.atomic_cas(slot_of + safe, tl.where(miss, -1, _CMP_NEVER).to(tl.int32), minus1 - 1)
     win = as_mask(miss & (old == -1))  # (the interpreter returns the CAS result's comparison as integers)
-    k = tl.atomic_add(call_fills + zero, 1, mask=win)  # this call's k-th new slot
-    ok = as_mask(win & (k < P))
-    slot = (tl.load(hand + zero, mask=win, other=0) + k) % P
-    slot = tl.where(ok, slot, 0)
-    victim = tl.load(tag + slot, mask=ok, other=-1)
-    tl.atomic_cas(slot_of + tl.where(ok & (victim >= 0), victim, 0),
-                  tl.where(ok & (victim >= 0), slot, _CMP_NEVER).to(tl.int32), minus1)  # fmt: skip
-    tl.store(tag + slot, page, mask=ok)
-    tl.store(fill_flag + slot, 1, mask=ok)
-    tl.store(slot_of + safe, tl.where(ok, slot, -1).to(tl.int32), mask=win)  # a winner past P gives its claim back
+    k = tl.atomic_add(call_fills + zero, 1, mask=win)
+    tl.store(ticket + idx, tl.where(win, k, -1).to(tl.int32), mask=inb)
     tl.atomic_add(step + 0, tl.sum(need.to(tl.int64), axis=0))
     tl.atomic_add(step + 1, tl.sum(hit.to(tl.int64), axis=0))
+
+
+@triton.jit(**JIT_OPTIONS)
+def _resident_free_slots(fill_flag, hand, call_fills, free, P, CHUNK: tl.constexpr):
+    """One program: the slots the FIFO hand may give this call's new pages, in hand order from ``hand``, skipping
+    pinned ones, into ``free`` (as many as there are tickets); ``call_fills`` becomes the number granted and the
+    hand moves past the last slot granted."""
+    h = tl.load(hand)
+    want = tl.load(call_fills)
+    base = want * 0
+    last = want * 0 - 1
+    for start in range(0, P, CHUNK):
+        j = start + tl.arange(0, CHUNK)
+        inb = j < P
+        slot = (h + j) % P
+        avail = inb & (tl.load(fill_flag + slot, mask=inb, other=_PINNED) == _FREE)
+        rank = base + tl.cumsum(avail.to(tl.int64), axis=0) - 1
+        take = avail & (rank < want)
+        tl.store(free + rank, slot, mask=take)
+        last = tl.maximum(last, tl.max(tl.where(take, j, -1), axis=0))
+        base += tl.sum(avail.to(tl.int64), axis=0)
+    tl.store(call_fills, tl.minimum(want, base))
+    tl.store(hand, tl.where(last >= 0, (h + last + 1) % P, h))
+
+
+@triton.jit(**JIT_OPTIONS)
+def _resident_assign(tables, TB_STRIDE, nfull, bits, B, need_mask, num_blocks, P, tag, slot_of, call_fills, fill_flag,
+                     ticket, free, step, H: tl.constexpr, BLK: tl.constexpr):  # fmt: skip
+    """Per ticket holder: ticket k below the slots granted takes ``free[k]``, evicts its tenant (a page no item
+    of this call needs: those are pinned) and marks the slot for the fill; a holder past them gives its claim
+    back and is read from the shadow this call (bypass)."""
+    idx, inb, need, bid, page, _s1, _s2 = _items(tables, TB_STRIDE, nfull, bits, B, need_mask, num_blocks, P, H, BLK)
+    k = tl.load(ticket + idx, mask=inb, other=-1).to(tl.int64)
+    win = need & (k >= 0)
+    ok = win & (k < tl.load(call_fills + k * 0, mask=win, other=0))
+    slot = tl.load(free + tl.where(ok, k, 0), mask=ok, other=0)
+    victim = tl.load(tag + slot, mask=ok, other=-1)
+    evict = ok & (victim >= 0)  # its slot_of forgets the slot (a CAS: an entry pointing elsewhere is kept)
+    tl.atomic_cas(slot_of + tl.where(evict, victim, 0), tl.where(evict, slot, _CMP_NEVER).to(tl.int32),
+                  (victim * 0 - 1).to(tl.int32))  # fmt: skip
+    tl.store(tag + slot, page, mask=ok)
+    tl.store(fill_flag + slot, _FILL, mask=ok)
+    tl.store(slot_of + tl.where(win, page, 0), tl.where(ok, slot, -1).to(tl.int32), mask=win)
     tl.atomic_add(step + 3, tl.sum((win & ~ok).to(tl.int64), axis=0))
 
 
 @triton.jit(**JIT_OPTIONS)
-def _resident_fill(src, pool, vpool, gen, tag, tag_gen, hand, call_fills, fill_flag, step, P,
+def _resident_fill(src, pool, vpool, gen, tag, tag_gen, call_fills, fill_flag, step, P,
                    H: tl.constexpr, M: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, CHANNEL_MAJOR: tl.constexpr,
                    SPP: tl.constexpr, VALUES: tl.constexpr):  # fmt: skip
-    """Per slot marked by ``_resident_claim``: copy its tenant's keys (and values) from the shadow and tag it with
-    the block's generation, and clear its mark; program 0 advances the FIFO hand by this call's new slots.
+    """Per slot marked for a fill: copy its tenant's keys (and values) from the shadow and tag it with the
+    block's generation; every mark of the call (pins too) is cleared, and program 0 resets the ticket counter.
 
-    Warps of one program run unsynchronised, so every value the program overwrites (the marks, the hand and the
-    counter) is read by all of its warps before the barrier and written only after it: a warp that cleared a mark
-    before a slower one had read it would leave that warp's part of the page uncopied (seen on the H200)."""
+    Warps of one program run unsynchronised, so the marks are read by all of its warps before the barrier and
+    cleared only after it: a warp that cleared a mark before a slower one had read it would leave that warp's part
+    of the page uncopied (seen on the H200)."""
     pid = tl.program_id(0)
     js = tl.arange(0, SPP)
     ps = pid.to(tl.int64) * SPP + js
-    flags = tl.load(fill_flag + ps, mask=ps < P, other=0)
-    fills = tl.minimum(tl.load(call_fills), P)
-    turn = tl.load(hand)
+    flags = tl.load(fill_flag + ps, mask=ps < P, other=_FREE)
     tl.debug_barrier()
-    tl.store(fill_flag + ps, 0, mask=(ps < P) & (flags != 0))
+    tl.store(fill_flag + ps, flags * 0, mask=(ps < P) & (flags != _FREE))
     if pid == 0:
-        tl.store(hand, (turn + fills) % P)
-        tl.store(call_fills, 0)
+        tl.store(call_fills, tl.load(call_fills) * 0)
     for j in range(0, SPP):
         p = pid.to(tl.int64) * SPP + j
-        if tl.sum(tl.where(js == j, flags, 0), axis=0) != 0:
+        if tl.sum(tl.where(js == j, flags, 0), axis=0) == _FILL:
             e = tl.load(tag + p)
             tl.store(tag_gen + p, tl.load(gen + e // H))
             copy_page(src, e, 0, pool, p, H, M, D, DP, CHANNEL_MAJOR)
             if VALUES:
                 copy_page(src, e, 1, vpool, p, H, M, D, DP, CHANNEL_MAJOR)
-    tl.atomic_add(step + 2, tl.sum((flags != 0).to(tl.int64), axis=0))
+    tl.atomic_add(step + 2, tl.sum((flags == _FILL).to(tl.int64), axis=0))
 
 
 def resident_page_in(pool, shadow: torch.Tensor, tables: torch.Tensor, nfull: torch.Tensor, bits: torch.Tensor,
                      need_mask: int, num_blocks: int, sub_blocks: int, channel_major: bool) -> torch.Tensor:  # fmt: skip
-    """Make every needed page resident in an explicitly allocated pool (``kv.promotion_cache.ResidentPool``): the
-    claim kernel, then the fill kernel. Returns this call's ``step`` counts ``[4]`` int64 (pages needed, hits,
-    slots filled, pages left without a slot)."""
+    """Make every needed page resident in an explicitly allocated pool (``kv.promotion_cache.ResidentPool``): mark
+    (pins and tickets), the free slots in hand order, assign, fill; four launches, no host synchronisation.
+    Returns this call's ``step`` counts ``[4]`` int64 (pages needed, hits, slots filled, pages left without a
+    slot)."""
     launch_device_ok(pool.pool)
     R, H, B = bits.shape
     P = pool.slots
-    step = torch.zeros(4, dtype=torch.int64, device=bits.device)
+    dev = bits.device
+    step = torch.zeros(4, dtype=torch.int64, device=dev)
     if R * B == 0:
         return step
+    ticket = torch.empty(R, H, B, dtype=torch.int32, device=dev)
+    free = torch.empty(P, dtype=torch.int64, device=dev)
     blk = width_class(B).item_block
-    _resident_claim[(R * H, triton.cdiv(B, blk))](
-        tables, tables.stride(0), nfull, bits, B, need_mask, num_blocks, P, pool.generation, pool.tag, pool.tag_gen,
-        pool.slot_of, pool.hand, pool.call_fills, pool.fill_flag, step, H=H, BLK=blk, num_warps=4,
-    )  # fmt: skip
+    grid = (R * H, triton.cdiv(B, blk))
+    common = (tables, tables.stride(0), nfull, bits, B, need_mask, num_blocks, P)
+    _resident_mark[grid](*common, pool.generation, pool.tag, pool.tag_gen, pool.slot_of, pool.call_fills,
+                         pool.fill_flag, ticket, step, H=H, BLK=blk, num_warps=4)  # fmt: skip
+    _resident_free_slots[(1,)](pool.fill_flag, pool.hand, pool.call_fills, free, P, CHUNK=1024, num_warps=4)
+    _resident_assign[grid](*common, pool.tag, pool.slot_of, pool.call_fills, pool.fill_flag, ticket, free, step,
+                           H=H, BLK=blk, num_warps=4)  # fmt: skip
     spp = 16
     d = pool.pool.shape[2]
     values = pool.values
     _resident_fill[(triton.cdiv(P, spp),)](
         device_arg(shadow), pool.pool, pool.pool if values is None else values, pool.generation, pool.tag,
-        pool.tag_gen, pool.hand, pool.call_fills, pool.fill_flag, step, P, H=H, M=sub_blocks, D=d, DP=next_pow2(d),
+        pool.tag_gen, pool.call_fills, pool.fill_flag, step, P, H=H, M=sub_blocks, D=d, DP=next_pow2(d),
         CHANNEL_MAJOR=channel_major, SPP=spp, VALUES=values is not None, num_warps=4,
     )  # fmt: skip
     return step

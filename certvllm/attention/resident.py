@@ -138,8 +138,15 @@ def _top_up(
         shifts = torch.arange(G, device=dev, dtype=torch.int32).view(1, 1, G, 1)
         explore = (draw < cfg.exploration_rate) & call.bvalid[:, None, None, :] & (need != 0)[:, :, None, None]
         bits |= (explore.to(torch.int32) << shifts).sum(dim=2, dtype=torch.int32)
-    if state.pool is not None:  # page the chosen keys in: served from the pool from this call on
-        _, paged = state.pool.lookup(call.cache, call.tables, call.nfull, bits, (1 << G) - 1)
+    # a group whose selection the first pass already read exactly would get the first pass's results again:
+    # no second pass for it (in the steady state of a warm pool this is every group that cannot meet a target)
+    need = need * ((bits & ~first.fbits) != 0).any(dim=-1).to(need.dtype)
+    bits = bits * need.unsqueeze(-1)
+    if state.pool is not None:
+        # page the chosen keys in (served from the pool from this call on); the pages the first pass read are
+        # looked up too, which pins them: this call's fills never evict what the call reads
+        keys = (1 << G) - 1
+        _, paged = state.pool.lookup(call.cache, call.tables, call.nfull, bits | (first.fbits & keys), keys)
     else:
         paged = ((bits & ((1 << G) - 1)) != 0).sum()
     # the second pass adds its canary findings to the first's flags (one row flag for both passes)

@@ -215,16 +215,20 @@ class ResidentPool(PromotionCache):
     instead of by two-choice hashing, each holding a page's keys and values.
 
     * ``slot_of`` ``[num_blocks·H_kv]`` int32: the slot of page ``e`` or −1 (−2 while a call claims it). A page
-      never loses its slot to a hash conflict: a page that is paged in stays until the FIFO ``hand`` comes back
-      round to its slot (``slots`` new pages later).
+      never loses its slot to a hash conflict, nor to the call that needs it: the FIFO ``hand`` gives new pages
+      only slots whose tenants the call does not need, so a page stays until the hand comes back round to its
+      slot at a call that does not read it.
     * A slot is served iff ``tag[slot] == e`` and ``tag_gen[slot]`` equals the block's current write generation,
       exactly the rule of the hashed pool (module docstring); ``slot_of`` only says where to look, so a stale
       or raced entry can only make a page miss, never serve wrong bytes.
-    * :meth:`lookup` (``triton_kernels.pool.resident_page_in``, 2 launches, no host synchronisation) makes the
-      needed pages resident: hits stay, a page whose slot holds an older generation is refilled in place, and
-      each other page takes the next slot of the hand (evicting its tenant); at most ``slots`` new pages per call
-      (the rest counted as ``bypass`` and read from the shadow). The fill copies keys and values from the shadow
-      and tags the slot with the block's generation, in stream order after every write queued before the call.
+    * :meth:`lookup` (``triton_kernels.pool.resident_page_in``, 4 launches, no host synchronisation) makes the
+      needed pages resident: hits are pinned and stay, a page whose slot holds an older generation is refilled in
+      place, and each other page takes the next unpinned slot from the hand (evicting its tenant); pages beyond
+      the unpinned slots are counted as ``bypass`` and read from the shadow this call. Which pages a call serves
+      and evicts does not depend on the order its programs run in (only which new page lands in which of the
+      granted slots does), so a CUDA-graph replay from the same pool state reads the same F as the eager call.
+      The fill copies keys and values from the shadow and tags the slot with the block's generation, in stream
+      order after every write queued before the call.
 
     Costs over the hashed pool: 4 bytes per (block, KV head) page of the layer for ``slot_of``, and 12 per slot.
     """

@@ -531,11 +531,18 @@ def _check_resident_pool(pool, cache, tables, nfull, bits, need_mask) -> set[int
     return set(served) & wanted
 
 
+def need_items(tables, nfull, bits, need_mask) -> list[list[int]]:
+    """The (row, KV head, block) items a lookup with these bits needs (full blocks with ``bits & need_mask``)."""
+    B = bits.shape[2]
+    valid = torch.arange(B) < nfull.cpu().unsqueeze(1)
+    return (valid.unsqueeze(1) & ((bits.cpu() & need_mask) != 0)).nonzero().tolist()
+
+
 @pytest.mark.parametrize("slots", [64, 3])
 def test_resident_pool_pages_in_keeps_and_evicts(slots, gen):
     """``ResidentPool.lookup``: every wanted page is served afterwards (or, past the pool's size, counted as
-    bypass), a second lookup of the same pages only hits, a rewritten block is refilled in place, and eviction
-    by the FIFO hand takes a page's slot away cleanly."""
+    bypass), a second lookup of the same pages only hits (with too few slots: nothing it needs is evicted), a
+    rewritten block is refilled in place, and eviction by the FIFO hand takes a page's slot away cleanly."""
     from certvllm.kv.promotion_cache import ResidentPool
 
     lay = PageLayout(64)
@@ -562,12 +569,25 @@ def test_resident_pool_pages_in_keeps_and_evicts(slots, gen):
         pool.lookup(cache, tables, nfull, bits, (1 << G) - 1)
         assert pool.take_stats()["fills"] == 2 and torch.equal(pool.slot_of, before)  # (7, 0) and (7, 1)
         assert len(_check_resident_pool(pool, cache, tables, nfull, bits, (1 << G) - 1)) == wanted
-    else:  # more wanted pages than slots: 3 served, the rest bypass; the next call evicts the oldest
+    else:  # more wanted pages than slots: 3 served, the rest bypass
         assert len(got) == slots and st["fills"] == slots and st["bypass"] == wanted - slots
         first = set(got)
+        # the same pages again: the resident ones are pinned by the call that needs them, so nothing is evicted
         pool.lookup(cache, tables, nfull, bits, (1 << G) - 1)
         again = _check_resident_pool(pool, cache, tables, nfull, bits, (1 << G) - 1)
-        assert len(again) == slots and not (again & first)  # the hand went round: three new pages
+        assert again == first
+        items = need_items(tables, nfull, bits, (1 << G) - 1)
+        hits = sum(int(tables[r, b]) * H + h in first for r, h, b in items)  # items: page (7, 0) may count twice
+        assert pool.take_stats() == {"lookups": wanted + 1, "hits": hits, "fills": 0, "bypass": wanted - slots}
+        # a call that needs only the others: the hand evicts the oldest tenants (needed by nobody now)
+        others = bits.cpu().clone()
+        for r, h, b in items:
+            if int(tables[r, b]) * H + h in first:
+                others[r, h, b] = 0
+        others = others.to(DEV)
+        pool.lookup(cache, tables, nfull, others, (1 << G) - 1)
+        later = _check_resident_pool(pool, cache, tables, nfull, others, (1 << G) - 1)
+        assert len(later) == slots and not (later & first)
 
 
 @_cuda_only
