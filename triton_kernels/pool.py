@@ -189,12 +189,12 @@ _FILL = tl.constexpr(2)
 
 @triton.jit(**JIT_OPTIONS)
 def _resident_mark(tables, TB_STRIDE, nfull, bits, B, need_mask, num_blocks, P, gen, tag, tag_gen, slot_of,
-                   call_fills, fill_flag, ticket, step, H: tl.constexpr, BLK: tl.constexpr):  # fmt: skip
+                   fill_flag, ticket, step, H: tl.constexpr, BLK: tl.constexpr):  # fmt: skip
     """Per (row, KV head, block) needed: a hit (slot_of → a slot tagged (page, current generation)) pins its
     slot; a page whose slot holds an older generation pins it for a refill in place; a page without a slot (or
-    whose slot went to another page) claims ``slot_of`` (CAS −1 → −2), and the winner draws a ticket (its rank
-    among this call's new pages) from ``call_fills``. No slot changes hands here: every needed page is pinned
-    before any is evicted (``_resident_assign``, the next launch)."""
+    whose slot went to another page) claims ``slot_of`` (CAS −1 → −2), and the winner sets its ``ticket`` flag
+    (a page two items need has one winner). No slot changes hands here: every needed page is pinned before any
+    is evicted (``_resident_assign``, after the tickets are ranked in item order)."""
     idx, inb, need, bid, page, _s1, _s2 = _items(tables, TB_STRIDE, nfull, bits, B, need_mask, num_blocks, P, H, BLK)
     zero = page * 0
     minus1 = (zero - 1).to(tl.int32)  # CAS values typed as slot_of's int32 (the interpreter writes a value's width)
@@ -211,19 +211,18 @@ def _resident_mark(tables, TB_STRIDE, nfull, bits, B, need_mask, num_blocks, P, 
     miss = need & (~has | dangling)
     old = tl.atomic_cas(slot_of + safe, tl.where(miss, -1, _CMP_NEVER).to(tl.int32), minus1 - 1)
     win = as_mask(miss & (old == -1))  # (the interpreter returns the CAS result's comparison as integers)
-    k = tl.atomic_add(call_fills + zero, 1, mask=win)
-    tl.store(ticket + idx, tl.where(win, k, -1).to(tl.int32), mask=inb)
+    tl.store(ticket + idx, win.to(tl.int32), mask=inb)
     tl.atomic_add(step + 0, tl.sum(need.to(tl.int64), axis=0))
     tl.atomic_add(step + 1, tl.sum(hit.to(tl.int64), axis=0))
 
 
 @triton.jit(**JIT_OPTIONS)
-def _resident_free_slots(fill_flag, hand, call_fills, free, P, CHUNK: tl.constexpr):
+def _resident_free_slots(fill_flag, hand, rank, N, call_fills, free, P, CHUNK: tl.constexpr):
     """One program: the slots the FIFO hand may give this call's new pages, in hand order from ``hand``, skipping
-    pinned ones, into ``free`` (as many as there are tickets); ``call_fills`` becomes the number granted and the
-    hand moves past the last slot granted."""
+    pinned ones, into ``free`` (as many as there are tickets: ``rank[N - 1]``); ``call_fills`` becomes the number
+    granted and the hand moves past the last slot granted."""
     h = tl.load(hand)
-    want = tl.load(call_fills)
+    want = tl.load(rank + N - 1).to(tl.int64)
     base = want * 0
     last = want * 0 - 1
     for start in range(0, P, CHUNK):
@@ -231,9 +230,9 @@ def _resident_free_slots(fill_flag, hand, call_fills, free, P, CHUNK: tl.constex
         inb = j < P
         slot = (h + j) % P
         avail = inb & (tl.load(fill_flag + slot, mask=inb, other=_PINNED) == _FREE)
-        rank = base + tl.cumsum(avail.to(tl.int64), axis=0) - 1
-        take = avail & (rank < want)
-        tl.store(free + rank, slot, mask=take)
+        nth = base + tl.cumsum(avail.to(tl.int64), axis=0) - 1
+        take = avail & (nth < want)
+        tl.store(free + nth, slot, mask=take)
         last = tl.maximum(last, tl.max(tl.where(take, j, -1), axis=0))
         base += tl.sum(avail.to(tl.int64), axis=0)
     tl.store(call_fills, tl.minimum(want, base))
@@ -242,13 +241,14 @@ def _resident_free_slots(fill_flag, hand, call_fills, free, P, CHUNK: tl.constex
 
 @triton.jit(**JIT_OPTIONS)
 def _resident_assign(tables, TB_STRIDE, nfull, bits, B, need_mask, num_blocks, P, tag, slot_of, call_fills, fill_flag,
-                     ticket, free, step, H: tl.constexpr, BLK: tl.constexpr):  # fmt: skip
-    """Per ticket holder: ticket k below the slots granted takes ``free[k]``, evicts its tenant (a page no item
-    of this call needs: those are pinned) and marks the slot for the fill; a holder past them gives its claim
-    back and is read from the shadow this call (bypass)."""
+                     ticket, rank, free, step, H: tl.constexpr, BLK: tl.constexpr):  # fmt: skip
+    """Per ticket holder, k its rank in item order: k below the slots granted takes ``free[k]``, evicts its tenant
+    (a page no item of this call needs: those are pinned) and marks the slot for the fill; a holder past them
+    gives its claim back and is read from the shadow this call (bypass). Ranks in item order, not in the order
+    programs ran, make which pages get slots deterministic when there are more tickets than free slots."""
     idx, inb, need, bid, page, _s1, _s2 = _items(tables, TB_STRIDE, nfull, bits, B, need_mask, num_blocks, P, H, BLK)
-    k = tl.load(ticket + idx, mask=inb, other=-1).to(tl.int64)
-    win = need & (k >= 0)
+    win = need & (tl.load(ticket + idx, mask=inb, other=0) != 0)
+    k = tl.load(rank + idx, mask=win, other=0).to(tl.int64) - 1
     ok = win & (k < tl.load(call_fills + k * 0, mask=win, other=0))
     slot = tl.load(free + tl.where(ok, k, 0), mask=ok, other=0)
     victim = tl.load(tag + slot, mask=ok, other=-1)
@@ -293,7 +293,8 @@ def _resident_fill(src, pool, vpool, gen, tag, tag_gen, call_fills, fill_flag, s
 def resident_page_in(pool, shadow: torch.Tensor, tables: torch.Tensor, nfull: torch.Tensor, bits: torch.Tensor,
                      need_mask: int, num_blocks: int, sub_blocks: int, channel_major: bool) -> torch.Tensor:  # fmt: skip
     """Make every needed page resident in an explicitly allocated pool (``kv.promotion_cache.ResidentPool``): mark
-    (pins and tickets), the free slots in hand order, assign, fill; four launches, no host synchronisation.
+    (pins and tickets), the tickets ranked in item order, the free slots in hand order, assign, fill; five
+    launches, no host synchronisation.
     Returns this call's ``step`` counts ``[4]`` int64 (pages needed, hits, slots filled, pages left without a
     slot)."""
     launch_device_ok(pool.pool)
@@ -308,11 +309,13 @@ def resident_page_in(pool, shadow: torch.Tensor, tables: torch.Tensor, nfull: to
     blk = width_class(B).item_block
     grid = (R * H, triton.cdiv(B, blk))
     common = (tables, tables.stride(0), nfull, bits, B, need_mask, num_blocks, P)
-    _resident_mark[grid](*common, pool.generation, pool.tag, pool.tag_gen, pool.slot_of, pool.call_fills,
-                         pool.fill_flag, ticket, step, H=H, BLK=blk, num_warps=4)  # fmt: skip
-    _resident_free_slots[(1,)](pool.fill_flag, pool.hand, pool.call_fills, free, P, CHUNK=1024, num_warps=4)
-    _resident_assign[grid](*common, pool.tag, pool.slot_of, pool.call_fills, pool.fill_flag, ticket, free, step,
-                           H=H, BLK=blk, num_warps=4)  # fmt: skip
+    _resident_mark[grid](*common, pool.generation, pool.tag, pool.tag_gen, pool.slot_of, pool.fill_flag, ticket,
+                         step, H=H, BLK=blk, num_warps=4)  # fmt: skip
+    rank = torch.cumsum(ticket.view(-1), 0, dtype=torch.int32)  # integer sums: deterministic
+    _resident_free_slots[(1,)](pool.fill_flag, pool.hand, rank, rank.numel(), pool.call_fills, free, P, CHUNK=1024,
+                               num_warps=4)  # fmt: skip
+    _resident_assign[grid](*common, pool.tag, pool.slot_of, pool.call_fills, pool.fill_flag, ticket, rank, free,
+                           step, H=H, BLK=blk, num_warps=4)  # fmt: skip
     spp = 16
     d = pool.pool.shape[2]
     values = pool.values

@@ -572,6 +572,8 @@ def test_resident_pool_pages_in_keeps_and_evicts(slots, gen):
     else:  # more wanted pages than slots: 3 served, the rest bypass
         assert len(got) == slots and st["fills"] == slots and st["bypass"] == wanted - slots
         first = set(got)
+        in_order = [int(tables[r, b]) * H + h for r, h, b in need_items(tables, nfull, bits, (1 << G) - 1)]
+        assert first == set(list(dict.fromkeys(in_order))[:slots])  # slots go to the first pages in item order
         # the same pages again: the resident ones are pinned by the call that needs them, so nothing is evicted
         pool.lookup(cache, tables, nfull, bits, (1 << G) - 1)
         again = _check_resident_pool(pool, cache, tables, nfull, bits, (1 << G) - 1)
