@@ -35,9 +35,9 @@ import torch
 import torch.nn.functional as F
 
 HQ, HKV, D = 32, 8, 128
-PRESETS = ("naive", "paper", "default", "default+resident", "budget+resident")
+PRESETS = ("naive", "paper", "coverage", "default", "default+resident")
 """Methods: a preset name, ``+resident`` for ``decode_pass: resident`` (certvllm.attention.resident)."""
-MULTISTEP = ("default", "default+resident", "budget+resident")
+MULTISTEP = ("coverage", "default", "default+resident")
 
 
 def method_config(name: str):

@@ -26,7 +26,7 @@ import torch
 from certvllm.config import load_config
 from certvllm.testing import FAMILIES, check_soundness, make_case
 
-PRESETS = ("default", "paper", "strict", "fast", "naive", "budget")
+PRESETS = ("default", "paper", "strict", "fast", "naive", "coverage")
 SHAPES = ((8, 8, 64), (9, 3, 64), (32, 8, 128), (16, 2, 128), (24, 6, 64))  # (H_q, H_kv, D): ratios 1,3,4,8,4
 
 

@@ -4,14 +4,14 @@ Usage: python benchmarks/probe_resident.py [--points 8x32768 8x131072 1x8192] [-
                                           [--kernels gluon triton] [--out runs/probe.json]
 
 Per point (batch × context, LLaMA-3.1-8B shapes, ``bench_decode.synthetic_kv``): a paged cache with its pool;
-``steps`` decode calls of the resident pass (budget preset, drifting queries: q ← q + 0.05·N(0, 1) per
+``steps`` decode calls of the resident pass (default preset, drifting queries: q ← q + 0.05·N(0, 1) per
 coordinate; then the last query again, the steady state) with the Gluon kernel and, on a second pool, with the
 Triton kernel; each call's top-up is recorded (groups it ran for, and why: heads at rung 3, over ``key_tol``, over
 ``v_tol`` after the first pass). Every call is checked: each
 certified head's error against float64 attention over the originals is at most its bound (no slack), rung
 3/4 heads within 1e-4·V_max of it; the Gluon and Triton calls agree on rungs for ≥ 95 % of heads. Then the
 median of CUDA-graph replays of one call (warm pool, the last query) for: the resident pass (Gluon, Triton),
-the two-pass ``default`` and ``budget`` presets, ``naive`` and dense SDPA, printed as a table and written
+the two-pass ``coverage`` and ``default`` presets, ``naive`` and dense SDPA, printed as a table and written
 as JSON.
 """
 
@@ -110,7 +110,7 @@ def point(batch: int, ctx: int, steps: int, iters: int, deadline: float, maxnreg
     qs = [q0]
     for _ in range(steps - 1):
         qs.append((qs[-1].float() + 0.05 * torch.randn(q0.shape, generator=gen, device="cuda")).to(q0.dtype))
-    methods = {f"resident_{k}": ("budget+resident", "auto" if k == "gluon" else "triton") for k in kernels}
+    methods = {f"resident_{k}": ("default+resident", "auto" if k == "gluon" else "triton") for k in kernels}
     calls = {}
     for name, (method, dialect) in methods.items():
         cfg = bench.method_config(method)
@@ -161,7 +161,7 @@ def point(batch: int, ctx: int, steps: int, iters: int, deadline: float, maxnreg
         times[f"resident_gluon_maxnreg{cap}"] = bench.time_graph(fn, iters)
         print(f"    resident_gluon, maxnreg {cap}: {times[f'resident_gluon_maxnreg{cap}']} ms, "
               f"{rec[f'resident_gluon_maxnreg{cap}_check']}", flush=True)  # fmt: skip
-    for name in (*calls, "default", "budget", "naive"):
+    for name in (*calls, "coverage", "default", "naive"):
         if time.time() > deadline:
             print("  (deadline: remaining timings skipped)", flush=True)
             break
@@ -236,12 +236,12 @@ def main() -> None:
         results.append(point(b, c, args.steps, args.iters, deadline, tuple(args.maxnreg), tuple(args.kernels)))
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "results": results}, indent=1))
-    print("\n| batch | context | resident Gluon | resident Triton | default | budget | naive | dense | violations |")
+    print("\n| batch | context | resident Gluon | resident Triton | coverage | default | naive | dense | violations |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in results:
         t = r["ms"]
         cells = [f"{t[k]:.3f}" if t.get(k) else "—" for k in
-                 ("resident_gluon", "resident_triton", "default", "budget", "naive", "dense")]  # fmt: skip
+                 ("resident_gluon", "resident_triton", "coverage", "default", "naive", "dense")]  # fmt: skip
         viol = sum(s["violations"] + s["exact_mismatch"] for m in ("resident_gluon", "resident_triton") if m in r
                    for s in r[m]["steps"])  # fmt: skip
         print(f"| {r['batch']} | {r['context'] // 1024}K | {' | '.join(cells)} | {viol} |")

@@ -44,7 +44,7 @@ from certvllm.testing import (
 )
 
 ROOT = Path(__file__).resolve().parents[2]
-PRESETS = ("default", "paper", "strict", "fast", "naive", "budget")
+PRESETS = ("default", "paper", "strict", "fast", "naive", "coverage")
 DTYPES = (torch.float16, torch.bfloat16)
 
 
@@ -284,7 +284,7 @@ def test_cpu_kernel_times_its_shadow_reads(gen):
         assert stats.seconds < 10.0
 
 
-@pytest.mark.parametrize("preset", ["default", "budget"])
+@pytest.mark.parametrize("preset", ["default", "coverage"])
 def test_fused_kernel_matches_the_reference(preset, gen):
     from certvllm.attention import cpu_fused
 

@@ -45,7 +45,7 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 
-PRESETS = ("default", "paper", "strict", "fast", "naive", "budget")
+PRESETS = ("default", "paper", "strict", "fast", "naive", "coverage")
 SHAPES = ((32, 8, 128), (8, 8, 64), (24, 3, 64), (16, 2, 128), (12, 4, 64))
 FACTOR = 2.0  # FlashAttention's rule: at most twice the float32 implementation's error to float64
 ULP = 2.0**-23  # the rule's atol per unit of max|v|
@@ -511,7 +511,7 @@ def test_gluon_resident_pass_matches_the_triton_kernel(hq, hkv, d):
     cases = [make_case(f, t, hq, hkv, d, torch.bfloat16, gen) for f, t in fams]
     cache, tables, lens, _ = cuda_batch(cases)
     q = torch.stack([c.q for c in cases]).cuda()
-    cfg = load_config("budget", decode_pass="resident", promotion_cache_fraction=0.25)
+    cfg = load_config("default", decode_pass="resident", promotion_cache_fraction=0.25)
     scale = 1 / math.sqrt(d)
     residency = pooled(cache, cfg)
     original_select = resident.select_blocks
@@ -825,7 +825,7 @@ def test_soundness_with_a_warm_promotion_cache(decode_pass):
         lengths = torch.randint(200, 3000, (4,), generator=gen).tolist()
         cases = [make_case(family, t, hq, hkv, d, torch.float16, gen) for t in lengths]
         cache, tables, lens, _ = cuda_batch(cases)
-        cfg = load_config(("default", "paper", "strict", "budget")[i % 4], promotion_cache_fraction=0.25,
+        cfg = load_config(("default", "paper", "strict", "coverage")[i % 4], promotion_cache_fraction=0.25,
                           decode_pass=decode_pass)  # fmt: skip
         q = torch.stack([c.q for c in cases])
         residency = pooled(cache, cfg)

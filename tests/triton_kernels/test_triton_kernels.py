@@ -271,7 +271,7 @@ def test_gpu_rungs_3_and_4_are_exact(fallback, gen):
 
 @pytest.mark.parametrize(
     "family,preset",
-    [("retrieval_peaks", "budget"), _gpu_lane("random", "default"), _gpu_lane("near_tied_blocks", "paper"),
+    [("retrieval_peaks", "default"), _gpu_lane("random", "coverage"), _gpu_lane("near_tied_blocks", "paper"),
      _gpu_lane("outlier_channels", "naive"), _gpu_lane("sink_and_recency", "strict")],
 )  # fmt: skip
 def test_resident_pass_is_sound_and_exact_on_rungs_3_and_4(family, preset, gen):
@@ -288,7 +288,7 @@ def test_resident_pass_is_sound_and_exact_on_rungs_3_and_4(family, preset, gen):
 @_cuda_only  # a tiling variant: the interpreter runs the split plan of the test above
 def test_resident_split_plans_agree(gen):
     cases = [make_case("sink_and_recency", t, 6, 2, 64, torch.bfloat16, gen) for t in (100, 250)]
-    cfg = load_config("budget", decode_pass="resident")
+    cfg = load_config("default", decode_pass="resident")
     one, (cache, tables, lens, q), one64 = _check(cases, cfg, blocks_per_split=1)
     many, _, many64 = _check(cases, cfg, blocks_per_split=64)
     assert torch.equal(one.report.rung, many.report.rung) and torch.equal(one64, many64)
@@ -402,8 +402,8 @@ def _phase1_summary(R, K, G, B, nfull, kind, gen) -> tuple[Phase1, torch.Tensor]
 
 
 SELECTION_KINDS = ("random", "ties", "peak", "flat", "huge_delta")
-SELECTION_SHAPES = ((1, "default", 512), (7, "strict", 512), (32, "budget", 512), (45, "fast", 16),
-                    (64, "paper", 16), (100, "budget", 8), (130, "strict", 4))  # fmt: skip
+SELECTION_SHAPES = ((1, "coverage", 512), (7, "strict", 512), (32, "default", 512), (45, "fast", 16),
+                    (64, "paper", 16), (100, "default", 8), (130, "strict", 4))  # fmt: skip
 
 
 def _selection_cases() -> list:
