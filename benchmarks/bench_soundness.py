@@ -4,7 +4,7 @@ Every head-step with rung ≤ 2 must satisfy ‖out − exact‖₂ ≤ e_key + 
 every head recomputed exactly (rung ≥ 3) must be bit-identical to ``dense_decode``. The families are
 those of ``certvllm.testing`` (random and adversarial: outlier channels, near-tied blocks, one-hot and
 flat attention, constant channels, tiny and huge norms, sinks and recency, retrieval peaks), over
-GQA ratios 1/3/4/8, D = 64/128, float16 and bfloat16, and the paper/default/strict/fast/naive/budget presets.
+GQA ratios 1/3/4/8, D = 64/128, float16 and bfloat16, and the default/paper/strict/fast/naive/coverage presets.
 
 Usage: python benchmarks/bench_soundness.py [--head-steps 1000000] [--workers N] [--out runs/soundness.json]
 Prints a table (per family and per preset) and writes the JSON summary.
