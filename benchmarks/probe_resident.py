@@ -176,8 +176,11 @@ def point(batch: int, ctx: int, steps: int, iters: int, deadline: float, maxnreg
         if residency.pool is not None:
             residency.pool.take_stats()
         times[name] = bench.time_graph(fn, iters)
-        looked = residency.pool.take_stats()["lookups"] / (iters + 3) if residency.pool is not None else 0
-        print(f"    {name:16s} {times[name]} ms, pool pages looked up per call {looked:.0f}", flush=True)
+        per_call = {}
+        if residency.pool is not None:  # pool counters per replay: pages looked up, hits, fills and bypass (PCIe)
+            per_call = {k: round(v / (iters + 3), 1) for k, v in residency.pool.take_stats().items()}
+        rec.setdefault("pool_per_call", {})[name] = per_call
+        print(f"    {name:16s} {times[name]} ms, pool per call {per_call}", flush=True)
         if name == "resident_gluon":  # the first pass alone: no target can send a group to the top-up
             alone = cfg.model_copy(
                 update={
