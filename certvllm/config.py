@@ -199,6 +199,13 @@ def make_config(source: str = "<arguments>", **values: Any) -> CertConfig:
         raise CertConfigError(_format_errors(err, source)) from None
 
 
+RENAMED_PRESETS = {
+    "budget": "became the default preset on 2026-12-02 (selection by the key-error budget): use --cert-config default "
+    "or leave --cert-config out",
+}
+"""Preset names that no longer exist, and what to use instead."""
+
+
 def preset_names() -> list[str]:
     """Names of the presets shipped in ``certvllm.configs``."""
     root = resources.files("certvllm.configs")
@@ -227,6 +234,8 @@ def load_config(preset_or_path: str | Path | None = None, **overrides: Any) -> C
         source = str(path)
     else:
         entry = resources.files("certvllm.configs") / f"{name}.yaml"
+        if not entry.is_file() and name in RENAMED_PRESETS:
+            raise CertConfigError(f"certvllm preset {name!r} {RENAMED_PRESETS[name]}; presets: {preset_names()}")
         if not entry.is_file():
             raise CertConfigError(
                 f"unknown certvllm preset {name!r}; choose one of {preset_names()} or pass a YAML file path"

@@ -63,6 +63,11 @@ def test_unknown_preset_lists_the_choices(tmp_path):
         load_config(str(tmp_path / "missing.yaml"))
 
 
+def test_a_renamed_preset_names_its_replacement():
+    with pytest.raises(CertConfigError, match="preset 'budget' became the default preset.*--cert-config default"):
+        load_config("budget")
+
+
 def test_promotion_cache_fraction_default_and_off():
     assert load_config().promotion_cache_fraction == 0.0625  # 16 of 512 FP16 bytes per token at D = 128
     assert load_config("default", promotion_cache_fraction=0).promotion_cache_fraction == 0.0
