@@ -38,6 +38,17 @@ class CertConfig(BaseModel):
         "promotion, checks or fallback (a baseline; bounds are still reported); dense: exact attention.",
     )
     value_group_size: Literal[8, 16, 32] = Field(16, description="INT4 value group size g.")
+    key_code_levels: int = Field(
+        255, ge=1, le=255,
+        description="Largest INT8 key code the encoder uses (255). Fewer levels in the same page (15: 4-bit keys) are "
+        "a stress format for the evaluation's stress study: coarser keys whose certificate still holds. Never lower "
+        "it in production.",
+    )  # fmt: skip
+    value_code_levels: int = Field(
+        15, ge=1, le=15,
+        description="Largest INT4 value code the encoder uses (15). Fewer (3: 2-bit values) is a stress format for "
+        "the evaluation's stress study (see key_code_levels). Never lower it in production.",
+    )  # fmt: skip
     key_selection: Literal["coverage", "budget"] = Field(
         "coverage",
         description="Which blocks are read with unquantized keys: 'coverage' (the paper: the top blocks covering "

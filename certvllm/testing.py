@@ -117,8 +117,9 @@ class SoundnessResult:
     report: object
 
 
-def paged_batch(cases: list[Case], value_group: int = 16):
-    """Write several sequences into one tiered cache through the serving write path.
+def paged_batch(cases: list[Case], value_group: int = 16, code_levels: tuple[int, int] = (255, 15)):
+    """Write several sequences into one tiered cache through the serving write path (``code_levels``: the
+    largest key and value codes of the page format, fewer for the stress study's formats).
 
     Blocks are handed out in a shuffled order with block 0 left unused, as vLLM does.
     Returns ``(cache, block_tables [S, max_blocks], seq_lens [S])``.
@@ -130,7 +131,7 @@ def paged_batch(cases: list[Case], value_group: int = 16):
     nbs = [-(-t // BLOCK_SIZE) for t in lens]
     total = sum(nbs)
     _, hkv, d = cases[0].k.shape
-    cache = LayerKVCache.allocate(total + 1, hkv, d, cases[0].k.dtype, value_group=value_group)
+    cache = LayerKVCache.allocate(total + 1, hkv, d, cases[0].k.dtype, value_group=value_group, code_levels=code_levels)
     perm = torch.randperm(total, generator=torch.Generator().manual_seed(total)) + 1
     tables = torch.zeros(len(cases), max(nbs), dtype=torch.int64)
     slots = []
@@ -151,7 +152,8 @@ def check_soundness(cases: list[Case], config, scale: float | None = None, backe
 
     d = cases[0].q.shape[-1]
     scale = 1.0 / math.sqrt(d) if scale is None else scale
-    cache, tables, lens = paged_batch(cases, config.value_group_size)
+    levels = (config.key_code_levels, config.value_code_levels)
+    cache, tables, lens = paged_batch(cases, config.value_group_size, levels)
     q = torch.stack([c.q for c in cases])
     res = certified_attention(q, cache, tables, lens, config, scale, backend=backend)
     errors, mismatch = [], 0

@@ -67,6 +67,8 @@ def _encode_pages_kernel(
     PAGE_BYTES: tl.constexpr,
     PADP: tl.constexpr,  # next power of two ≥ PAGE_BYTES − HEADER − 10 (reserved header bytes + padding)
     PRECISE: tl.constexpr,  # libdevice rint (compiled) or the 2^23 trick (interpreter)
+    KL: tl.constexpr = 255.0,  # largest key code (PageLayout.key_levels, as a float)
+    VL: tl.constexpr = 15.0,  # largest value code (PageLayout.value_levels)
 ):
     N: tl.constexpr = 16
     HALF: tl.constexpr = GRP // 2
@@ -89,7 +91,7 @@ def _encode_pages_kernel(
     hi = tl.where(dm, hi, 0.0)
     off16 = fp16_round_down(lo)
     off32 = off16.to(tl.float32)
-    need = (hi.to(tl.float64) - off32.to(tl.float64)) / 255.0
+    need = (hi.to(tl.float64) - off32.to(tl.float64)) / KL
     fin = (need == need) & (tl.abs(need) < float("inf")) & ~k_nan
     need = tl.where(fin, tl.maximum(need, 0.0), 0.0)
     keys_finite = tl.min(tl.where(dm & ~fin, 0, 1), axis=0) > 0
@@ -109,7 +111,7 @@ def _encode_pages_kernel(
     sigma = (tl.load(lut64 + code) * pow2_f64(expo)).to(tl.float32)
     inv = tl.where(sigma > 0, sigma, 1.0)
     x = tl.math.div_rn(k - off32[None, :], inv[None, :])
-    qk = rint(tl.minimum(tl.maximum(x, 0.0), 255.0), PRECISE)
+    qk = rint(tl.minimum(tl.maximum(x, 0.0), KL), PRECISE)
     qk = tl.where(x != x, 0.0, qk)
     tl.store(out_u8 + dst + t[:, None] * D + d[None, :], qk.to(tl.uint8), mask=dm[None, :])
     off_clean = tl.where(tl.abs(off32) < float("inf"), off16, 0.0)
@@ -137,7 +139,7 @@ def _encode_pages_kernel(
     ghi = tl.where(gm2, ghi, 0.0)
     zero16 = fp16_round_down(glo)  # [N, NGP]
     z64 = zero16.to(tl.float64)
-    sneed = (ghi.to(tl.float64) - z64) / 15.0
+    sneed = (ghi.to(tl.float64) - z64) / VL
     sneed = tl.where(sneed < 0, 0.0, sneed)  # clamp_min(0), NaN kept
     scale16 = fp16_round_up(sneed)
     z_ok = tl.abs(zero16.to(tl.float32)) < float("inf")
@@ -152,8 +154,8 @@ def _encode_pages_kernel(
     vinv = tl.where(s32 > 0, s32, 1.0)
     xe = tl.math.div_rn(ve - z32, vinv)
     xo = tl.math.div_rn(vo - z32, vinv)
-    qe = rint(tl.minimum(tl.maximum(xe, 0.0), 15.0), PRECISE)
-    qo = rint(tl.minimum(tl.maximum(xo, 0.0), 15.0), PRECISE)
+    qe = rint(tl.minimum(tl.maximum(xe, 0.0), VL), PRECISE)
+    qo = rint(tl.minimum(tl.maximum(xo, 0.0), VL), PRECISE)
     qe = tl.where((xe != xe) | (s32 == 0), 0.0, qe)
     qo = tl.where((xo != xo) | (s32 == 0), 0.0, qo)
     he = z32 + qe * s32  # v̂ as the read path forms it (code·scale is exact, one rounding)
@@ -243,7 +245,7 @@ def encode_into(
         K_ST=k_st, K_SC=k_sc, D=d, DP=next_pow2(d), GRP=g, NG=layout.groups, NGP=next_pow2(layout.groups),
         V_CODES=layout.v_codes, V_SCALE=layout.v_scale, V_ZERO=layout.v_zero, K_OFFSET=layout.k_offset,
         K_SCODE=layout.k_scale_code, HEADER=layout.header, PAGE_BYTES=layout.page_bytes, PADP=next_pow2(pad),
-        PRECISE=precise(), num_warps=4,
+        PRECISE=precise(), KL=float(layout.key_levels), VL=float(layout.value_levels), num_warps=4,
     )  # fmt: skip
 
 

@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from certvllm.config import load_config
 from certvllm.eval import scoring
 from certvllm.eval.tasks import Item, parse_context
@@ -55,16 +57,27 @@ class EngineConfig:
 
 
 def parse_config(name: str) -> EngineConfig:
-    """``dense`` | ``auto`` | ``naive`` | ``certified`` | ``certified:PRESET_OR_YAML``."""
-    kind, _, preset = name.partition(":")
-    if kind in ("dense", "auto") and not preset:
+    """``dense`` | ``auto`` | ``naive`` | ``certified`` | ``certified:PRESET_OR_YAML``, the certvllm ones optionally
+    followed by ``+FIELD=VALUE`` overrides of ``CertConfig`` fields: the stress study's formats are e.g.
+    ``naive+value_code_levels=3`` beside ``certified+value_code_levels=3`` (docs/evaluation.md)."""
+    head, *extra = name.split("+")
+    kind, _, preset = head.partition(":")
+    overrides: dict[str, Any] = {}
+    for item in extra:
+        key, eq, value = item.partition("=")
+        if not eq or not key:
+            raise ValueError(f"config {name!r}: {item!r} is not FIELD=VALUE (e.g. naive+value_code_levels=3)")
+        overrides[key] = yaml.safe_load(value)
+    if kind in ("dense", "auto") and not preset and not overrides:
         return EngineConfig(name, "auto")
     if kind == "naive" and not preset:
-        return EngineConfig(name, "certified", {"preset": "naive"})
-    if kind == "certified":
-        load_config(preset or None)  # validate now (CertConfigError names the fix)
-        return EngineConfig(name, "certified", {"preset": preset} if preset else {})
-    raise ValueError(f"unknown config {name!r}: use dense, naive, certified or certified:PRESET")
+        preset = "naive"
+    elif kind != "certified":
+        raise ValueError(f"unknown config {name!r}: use dense, naive, certified or certified:PRESET, certvllm ones "
+                         "optionally with +FIELD=VALUE")  # fmt: skip
+    load_config(preset or None, **overrides)  # validate now (CertConfigError names the fix)
+    cert = ({"preset": preset} if preset else {}) | overrides
+    return EngineConfig(name, "certified", cert)
 
 
 @dataclass

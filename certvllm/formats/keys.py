@@ -56,8 +56,9 @@ def key_sigma(scale_code: torch.Tensor, exponent: torch.Tensor, lut: torch.Tenso
     return torch.ldexp(mant, exponent.to(torch.int32).unsqueeze(-1).expand_as(mant))
 
 
-def quantize_keys(k: torch.Tensor) -> QuantizedKeys:
-    """Quantize full blocks of keys ``[..., N, D]`` (float16 or bfloat16).
+def quantize_keys(k: torch.Tensor, levels: int = KEY_CODE_MAX) -> QuantizedKeys:
+    """Quantize full blocks of keys ``[..., N, D]`` (float16 or bfloat16) to codes ``0..levels`` (255; fewer only
+    for the stress study's formats: σ then covers the channel's range in ``levels`` steps, and P2 holds as ever).
 
     Per-channel metadata is chosen in float64 (small tensors); the codes are computed in float32,
     which the slack in :data:`P2_RELATIVE_SLACK` accounts for, so P2 holds by construction for every
@@ -68,7 +69,7 @@ def quantize_keys(k: torch.Tensor) -> QuantizedKeys:
     hi = kf.amax(dim=-2)
     offset = fp16_round_down(lo)
     off64 = offset.double()
-    need = (hi.double() - off64) / KEY_CODE_MAX  # σ that covers [ℓ̃, u] in 255 steps
+    need = (hi.double() - off64) / levels  # σ that covers [ℓ̃, u] in `levels` steps (255)
     finite = torch.isfinite(need).all(dim=-1)  # NaN/inf in k reach lo or hi; ℓ < −65504 makes ℓ̃ = −inf
     need = torch.where(torch.isfinite(need), need.clamp_min(0.0), torch.zeros_like(need))
 
@@ -90,7 +91,7 @@ def quantize_keys(k: torch.Tensor) -> QuantizedKeys:
     sigma = (lut64[code] * scale_of).float()  # exact: a float32 mantissa times a power of two
 
     inv = torch.where(sigma > 0, sigma, torch.ones_like(sigma)).unsqueeze(-2)
-    q = torch.round((kf - offset.float().unsqueeze(-2)) / inv).clamp_(0, KEY_CODE_MAX)
+    q = torch.round((kf - offset.float().unsqueeze(-2)) / inv).clamp_(0, levels)
     q = torch.nan_to_num_(q, nan=0.0)
     return QuantizedKeys(
         codes=q.to(torch.uint8),

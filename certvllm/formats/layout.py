@@ -28,6 +28,11 @@ KV head, all metadata included (FP16 K+V is 512: exactly half). At D = 64: 2000 
 
 The key scale is a log-coded byte: σ = 2^(E + (code − 255)/32), a 2.2 % grid, rounded *up* so
 that ``ℓ + 255·σ ≥ max`` and no code ever saturates (precondition P2: |k − k̂| ≤ σ/2).
+
+``key_levels``/``value_levels`` (default 255 and 15) are the largest codes the encoder uses: fewer levels in the same
+bytes are a *stress format* for the evaluation's stress study (``CertConfig.key_code_levels``, ``value_code_levels``),
+coarser by construction; P2 and η hold for them unchanged (σ covers the range in ``key_levels`` steps, η is the
+measured error), so the certificate stays sound on them. Never a production setting.
 """
 
 from __future__ import annotations
@@ -59,15 +64,24 @@ class PageLayout:
         block_size: N, tokens per block (16).
         token_bytes: C when a larger page than the smallest is wanted (an engine's fixed page size); 0 for
             the smallest multiple of 16 that holds the fields.
+        key_levels, value_levels: the largest key and value codes the encoder uses (255 and 15; fewer only for
+            the stress study's formats, module docstring).
     """
 
     head_dim: int
     value_group: int = 16
     block_size: int = BLOCK_SIZE
     token_bytes: int = 0
+    key_levels: int = KEY_CODE_MAX
+    value_levels: int = VALUE_CODE_MAX
 
     def __post_init__(self) -> None:
         d, g = self.head_dim, self.value_group
+        if not (1 <= self.key_levels <= KEY_CODE_MAX and 1 <= self.value_levels <= VALUE_CODE_MAX):
+            raise ValueError(
+                f"key_levels={self.key_levels}, value_levels={self.value_levels}: the largest key code must be in "
+                f"[1, {KEY_CODE_MAX}] and the largest value code in [1, {VALUE_CODE_MAX}] (the page's INT8/INT4 fields)"
+            )
         if d <= 0 or d > 256 or d % g != 0 or d % 2 != 0:
             raise ValueError(
                 f"head_dim={d} is not supported: it must be even, a multiple of the value group "

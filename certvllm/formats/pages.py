@@ -28,8 +28,8 @@ def encode_pages(k: torch.Tensor, v: torch.Tensor, layout: PageLayout) -> torch.
     """
     lead = k.shape[:-2]
     n, d, g = layout.block_size, layout.head_dim, layout.groups
-    qk = quantize_keys(k)
-    qv = quantize_values(v, layout.value_group)
+    qk = quantize_keys(k, layout.key_levels)
+    qv = quantize_values(v, layout.value_group, layout.value_levels)
     pages = torch.zeros(*lead, layout.page_bytes, dtype=torch.uint8, device=k.device)
     _field(pages, layout.k_codes, n * d, torch.uint8).copy_(qk.codes.flatten(-2))
     _field(pages, layout.v_codes, n * d // 2, torch.uint8).copy_(qv.codes.flatten(-2))

@@ -67,8 +67,9 @@ def scaled_norm(x: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(x / scale, dim=-1).double() * scale.squeeze(-1).double()
 
 
-def quantize_values(v: torch.Tensor, group: int) -> QuantizedValues:
-    """Quantize values ``[..., N, D]`` (float16 or bfloat16) in groups of ``group``.
+def quantize_values(v: torch.Tensor, group: int, levels: int = VALUE_CODE_MAX) -> QuantizedValues:
+    """Quantize values ``[..., N, D]`` (float16 or bfloat16) in groups of ``group``, to codes ``0..levels`` (15;
+    fewer only for the stress study's formats: η is the measured error either way).
 
     Codes and v̂ are computed in float32 (exactly as the read path does); the differences v̂ − v are
     float32 roundings of exact values (relative u), so η and ν, taken as float64 norms, are inflated by
@@ -79,14 +80,14 @@ def quantize_values(v: torch.Tensor, group: int) -> QuantizedValues:
     lo = grouped.amin(dim=-1)
     hi = grouped.amax(dim=-1)
     zero = fp16_round_down(lo)
-    scale = fp16_round_up(((hi.double() - zero.double()) / VALUE_CODE_MAX).clamp_min(0.0))
+    scale = fp16_round_up(((hi.double() - zero.double()) / levels).clamp_min(0.0))
     finite = (torch.isfinite(zero) & torch.isfinite(scale) & torch.isfinite(hi)).flatten(-2).all(dim=-1)
     zero = torch.where(torch.isfinite(zero), zero, torch.zeros_like(zero))
     scale = torch.where(torch.isfinite(scale), scale, torch.zeros_like(scale))
     zero32, scale32 = zero.float().unsqueeze(-1), scale.float().unsqueeze(-1)
 
     inv = torch.where(scale32 > 0, scale32, torch.ones_like(scale32))
-    q = torch.round((grouped - zero32) / inv).clamp_(0, VALUE_CODE_MAX)
+    q = torch.round((grouped - zero32) / inv).clamp_(0, levels)
     q = torch.nan_to_num_(q, nan=0.0).masked_fill_(scale32 == 0, 0.0)
     vhat = torch.addcmul(zero32, q, scale32).reshape(shape)  # the read path's arithmetic
 

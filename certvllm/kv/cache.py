@@ -80,11 +80,13 @@ class LayerKVCache:
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
         value_group: int = 16,
+        code_levels: tuple[int, int] = (255, 15),
     ) -> LayerKVCache:
-        """Allocate zeroed pages for ``num_blocks`` 16-token blocks on ``device`` and a zeroed host shadow."""
+        """Allocate zeroed pages for ``num_blocks`` 16-token blocks on ``device`` and a zeroed host shadow
+        (``code_levels``: the largest key and value codes, ``PageLayout.key_levels``/``value_levels``)."""
         if dtype not in SUPPORTED_KV_DTYPES:
             raise ValueError(f"KV dtype {dtype} is not supported; originals must be float16, bfloat16 or float32")
-        layout = PageLayout(head_dim, value_group)
+        layout = PageLayout(head_dim, value_group, key_levels=code_levels[0], value_levels=code_levels[1])
         pages = torch.zeros(num_blocks, num_kv_heads, layout.page_bytes, dtype=torch.uint8, device=device)
         shadow = torch.zeros(num_blocks, num_kv_heads, 2, BLOCK_SIZE, head_dim, dtype=dtype)
         return cls(pages, shadow, layout)

@@ -175,11 +175,13 @@ def cap_blocks(vllm_config: Any, num_blocks: int) -> int:
     return num_blocks
 
 
-def vllm_page_layout(head_dim: int, value_group: int) -> PageLayout:
+def vllm_page_layout(head_dim: int, value_group: int, code_levels: tuple[int, int] = (255, 15)) -> PageLayout:
     """The page of a 16-token block under vLLM: ``2·D`` bytes per token per KV head, whatever the value group
     (vLLM sizes its KV tensor before any certvllm setting is known; g = 16 fills it exactly, g = 32 leaves
-    padding, g = 8 does not fit and is refused at startup)."""
-    return PageLayout(head_dim, value_group, token_bytes=2 * head_dim)
+    padding, g = 8 does not fit and is refused at startup). ``code_levels``: the largest key and value codes
+    (``CertConfig.key_code_levels``, ``value_code_levels``: fewer only in the stress study's formats)."""
+    return PageLayout(head_dim, value_group, token_bytes=2 * head_dim, key_levels=code_levels[0],
+                      value_levels=code_levels[1])  # fmt: skip
 
 
 def check_page_fits(head_dim: int, value_group: int) -> None:
@@ -193,14 +195,16 @@ def check_page_fits(head_dim: int, value_group: int) -> None:
 
 
 def layer_cache(name: str, kv_cache: torch.Tensor, head_dim: int, dtype: torch.dtype, value_group: int,
-                shadow: torch.Tensor | None = None) -> LayerKVCache:  # fmt: skip
+                shadow: torch.Tensor | None = None,
+                code_levels: tuple[int, int] = (255, 15)) -> LayerKVCache:  # fmt: skip
     """The tiered cache of layer ``name`` over vLLM's ``[num_blocks, H_kv, N, C]`` uint8 KV tensor, with a new
     shadow in host memory (pinned with CUDA when the tensor is on a GPU; on the CPU the shadow doubles as
     a cache for vLLM's own CPU kernel, which stores keys transposed), or ``shadow``: the shadow of another
     certified layer whose KV tensor is the same memory (``runtime.WorkerRuntime.bind``: a hybrid model's KV cache
-    groups share their tensors, and a block id belongs to one group at a time)."""
+    groups share their tensors, and a block id belongs to one group at a time). ``code_levels``: as
+    :func:`vllm_page_layout`."""
     num_blocks, heads, n, c = kv_cache.shape
-    layout = vllm_page_layout(head_dim, value_group)
+    layout = vllm_page_layout(head_dim, value_group, code_levels)
     if n % layout.block_size != 0 or c != layout.bytes_per_token:
         raise ValueError(
             f"layer {name}: KV tensor {list(kv_cache.shape)} does not match the certified page "

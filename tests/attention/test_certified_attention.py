@@ -81,6 +81,23 @@ def test_soundness_sweep_covers_every_family_preset_and_shape():
     assert expected <= set(groups)
 
 
+@pytest.mark.parametrize("levels", [(15, 3), (255, 1), (3, 15)])
+@pytest.mark.parametrize("preset", ["default", "naive", "strict"])
+def test_the_bound_holds_on_the_stress_formats(levels, preset, gen):
+    """The evaluation's stress formats (4-bit keys with 2-bit values, 1-bit values, 2-bit keys in the same pages):
+    every certified head within its bound on random and adversarial families, rungs 3/4 equal to dense, and the
+    naive path's error larger than on the standard format (what the stress study exists to show)."""
+    cfg = load_config(preset, key_code_levels=levels[0], value_code_levels=levels[1])
+    worst = {}
+    for family in ("random", "outlier_channels", "near_tied_blocks", "retrieval_peaks", "sink_and_recency"):
+        cases = [make_case(family, t, 8, 2, 64, torch.float16, gen) for t in (700, 333)]
+        res = _run(cases, cfg)
+        if preset == "naive":
+            base = check_soundness(cases, load_config("naive"))
+            worst[family] = (float(res.error.max()), float(base.error.max()))
+    assert all(stress > base for stress, base in worst.values()), worst
+
+
 def _run(cases, cfg):
     res = check_soundness(cases, cfg)
     assert res.violations == 0 and res.dense_mismatch == 0

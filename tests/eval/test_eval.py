@@ -52,6 +52,15 @@ def test_configs_contexts_and_tasks_file(tmp_path):
     assert paper.cert == {"preset": "paper"} and paper.slug == "certified-paper"
     with pytest.raises(ValueError):
         runner.parse_config("int4")
+    # the stress study's formats: CertConfig overrides after "+", validated at parse time
+    stress = runner.parse_config("naive+value_code_levels=3+key_code_levels=15")
+    assert stress.cert == {"preset": "naive", "value_code_levels": 3, "key_code_levels": 15}
+    assert runner.parse_config("certified+value_code_levels=3").cert == {"value_code_levels": 3}
+    assert runner.parse_config("certified:strict+value_code_levels=3").cert["preset"] == "strict"
+    with pytest.raises(ValueError, match="FIELD=VALUE"):
+        runner.parse_config("naive+value_code_levels")
+    with pytest.raises(Exception, match="value_code_levels"):
+        runner.parse_config("naive+value_code_levels=0")
     ppl_spec = runner.engine_spec(paper, "ppl", runner.Options(model="m", out=tmp_path), 1024)
     assert ppl_spec["cert"]["prefill"] == "certified" and ppl_spec["engine"]["enable_prefix_caching"]
     gen_spec = runner.engine_spec(paper, "gen", runner.Options(model="m", out=tmp_path), 1024)

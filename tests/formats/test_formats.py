@@ -73,6 +73,34 @@ def test_key_error_is_within_half_a_step(scale, offset, dtype, seed):
     assert (err <= sigma.unsqueeze(-2) * (0.5 + P2_RELATIVE_SLACK)).all()
 
 
+@pytest.mark.parametrize("key_levels,value_levels", [(15, 3), (3, 1)])
+def test_stress_formats_use_fewer_codes_and_keep_p2_and_eta(key_levels, value_levels, gen):
+    """The stress study's formats (``PageLayout.key_levels``/``value_levels``): codes stay within the levels, P2
+    (|k − k̂| ≤ σ/2) and η ≥ ‖V̂ − V‖ still hold, and the error is larger than the standard format's."""
+    k = (torch.randn(4, 2, 16, 64, generator=gen) * torch.rand(4, 2, 1, 64, generator=gen) * 3).half()
+    v = (torch.randn(4, 2, 16, 64, generator=gen) * 2).half()
+    qk = quantize_keys(k, key_levels)
+    assert int(qk.codes.max()) <= key_levels and not bool(qk.violated.any())
+    khat, sigma = _float64_dequant_keys(qk)
+    assert ((k.double() - khat).abs() <= sigma.unsqueeze(-2) * (0.5 + P2_RELATIVE_SLACK)).all()
+    assert int(unpack_int4(quantize_values(v, 16, value_levels).codes).max()) <= value_levels
+    stress, standard = PageLayout(64, key_levels=key_levels, value_levels=value_levels), PageLayout(64)
+    errs = []
+    for lay in (stress, standard):
+        dec = PageReader(lay).decode(encode_pages(k, v, lay))
+        err = torch.linalg.vector_norm(dec.values.double() - v.double(), dim=-1).amax(dim=-1)
+        assert (err <= dec.eta.double()).all()
+        errs.append((float(err.max()), float((dec.keys.double() - k.double()).abs().max())))
+    assert errs[0][0] > 2 * errs[1][0] and errs[0][1] > 2 * errs[1][1]
+
+
+def test_code_levels_outside_the_fields_name_the_range():
+    with pytest.raises(ValueError, match=r"largest key code must be in \[1, 255\]"):
+        PageLayout(64, key_levels=256)
+    with pytest.raises(ValueError, match=r"largest value code in \[1, 15\]"):
+        PageLayout(64, value_levels=0)
+
+
 def test_constant_channels_and_blocks_reconstruct_exactly():
     k = torch.randn(2, 1, 16, 64).half()
     k[0, 0, :, 3] = 1.25

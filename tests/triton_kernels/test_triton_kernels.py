@@ -150,10 +150,12 @@ def _check(cases, cfg, fallback="sdpa", blocks_per_split=None):
 
 
 @pytest.mark.parametrize(
-    "d,g,dtype", [(64, 16, torch.float16), (128, 16, torch.bfloat16), (64, 8, torch.bfloat16), (128, 32, torch.float16)]
-)
-def test_encode_kernel_matches_the_reference(d, g, dtype, gen):
-    lay = PageLayout(d, g)
+    "d,g,dtype,levels",
+    [(64, 16, torch.float16, (255, 15)), (128, 16, torch.bfloat16, (255, 15)), (64, 8, torch.bfloat16, (255, 15)),
+     (128, 32, torch.float16, (255, 15)), (64, 16, torch.float16, (15, 3))],  # the last: a stress-study format
+)  # fmt: skip
+def test_encode_kernel_matches_the_reference(d, g, dtype, levels, gen):
+    lay = PageLayout(d, g, key_levels=levels[0], value_levels=levels[1])
     k = (torch.randn(10, BLOCK_SIZE, d, generator=gen) * torch.rand(10, 1, d, generator=gen) * 5).to(dtype)
     v = (torch.randn(10, BLOCK_SIZE, d, generator=gen) * 3).to(dtype)
     k[1, :, 3] = 0.7  # constant channel: σ = 0
