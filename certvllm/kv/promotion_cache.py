@@ -221,7 +221,7 @@ class ResidentPool(PromotionCache):
     * A slot is served iff ``tag[slot] == e`` and ``tag_gen[slot]`` equals the block's current write generation,
       exactly the rule of the hashed pool (module docstring); ``slot_of`` only says where to look, so a stale
       or raced entry can only make a page miss, never serve wrong bytes.
-    * :meth:`lookup` (``triton_kernels.pool.resident_page_in``, 4 launches, no host synchronisation) makes the
+    * :meth:`lookup` (``triton_kernels.pool.resident_page_in``, 5 launches, no host synchronisation) makes the
       needed pages resident: hits are pinned and stay, a page whose slot holds an older generation is refilled in
       place, and each other page takes the next unpinned slot from the hand (evicting its tenant); pages beyond
       the unpinned slots are counted as ``bypass`` and read from the shadow this call. Which pages a call serves
