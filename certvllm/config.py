@@ -169,6 +169,11 @@ class CertConfig(BaseModel):
         return self
 
     @property
+    def code_levels(self) -> tuple[int, int]:
+        """``(key_code_levels, value_code_levels)``: the page format's largest codes (``PageLayout``)."""
+        return self.key_code_levels, self.value_code_levels
+
+    @property
     def step_prefetch_fraction(self) -> float:
         """``prefetch_fraction`` as the CUDA path runs it: 0 while ``cuda_graphs`` is on (the field's description)."""
         return 0.0 if self.cuda_graphs else self.prefetch_fraction

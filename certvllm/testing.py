@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from certvllm.formats.layout import CODE_LEVELS
+
 FAMILIES = (
     "random",
     "outlier_channels",
@@ -117,7 +119,7 @@ class SoundnessResult:
     report: object
 
 
-def paged_batch(cases: list[Case], value_group: int = 16, code_levels: tuple[int, int] = (255, 15)):
+def paged_batch(cases: list[Case], value_group: int = 16, code_levels: tuple[int, int] = CODE_LEVELS):
     """Write several sequences into one tiered cache through the serving write path (``code_levels``: the
     largest key and value codes of the page format, fewer for the stress study's formats).
 
@@ -152,8 +154,7 @@ def check_soundness(cases: list[Case], config, scale: float | None = None, backe
 
     d = cases[0].q.shape[-1]
     scale = 1.0 / math.sqrt(d) if scale is None else scale
-    levels = (config.key_code_levels, config.value_code_levels)
-    cache, tables, lens = paged_batch(cases, config.value_group_size, levels)
+    cache, tables, lens = paged_batch(cases, config.value_group_size, config.code_levels)
     q = torch.stack([c.q for c in cases])
     res = certified_attention(q, cache, tables, lens, config, scale, backend=backend)
     errors, mismatch = [], 0

@@ -142,13 +142,13 @@ def _top_up(
     # no second pass for it (in the steady state of a warm pool this is every group that cannot meet a target)
     need = need * ((bits & ~first.fbits) != 0).any(dim=-1).to(need.dtype)
     bits = bits * need.unsqueeze(-1)
+    keys = (1 << G) - 1
     if state.pool is not None:
         # page the chosen keys in (served from the pool from this call on); the pages the first pass read are
         # looked up too, which pins them: this call's fills never evict what the call reads
-        keys = (1 << G) - 1
         _, paged = state.pool.lookup(call.cache, call.tables, call.nfull, bits | (first.fbits & keys), keys)
     else:
-        paged = ((bits & ((1 << G) - 1)) != 0).sum()
+        paged = ((bits & keys) != 0).sum()
     # the second pass adds its canary findings to the first's flags (one row flag for both passes)
     second = state.run(bits=bits, active=need, run_canary=cfg.ladder.checks_canary, canary=first.canary)
     state.certify(second, widened.view(R, K, G), first.canary, into=done, active=need)

@@ -83,8 +83,9 @@ class SyntheticLayer:
         self.block_size_tokens = block_size_tokens
         m = engine_sub_blocks(block_size_tokens)
         token_bytes = 2 * head_dim if page_token_bytes is None else page_token_bytes
-        layout = PageLayout(head_dim, config.value_group_size, token_bytes=token_bytes,
-                            key_levels=config.key_code_levels, value_levels=config.value_code_levels)  # fmt: skip
+        key_levels, value_levels = config.code_levels
+        layout = PageLayout(head_dim, config.value_group_size, token_bytes=token_bytes, key_levels=key_levels,
+                            value_levels=value_levels)  # fmt: skip
         engine_blocks = max(1, math.ceil(blocks / m))
         pages = torch.zeros(engine_blocks, num_kv_heads, m * layout.page_bytes, dtype=torch.uint8, device=self.device)
         shadow = torch.zeros(engine_blocks, num_kv_heads, 2, m * BLOCK_SIZE, head_dim, dtype=dtype)  # host tier

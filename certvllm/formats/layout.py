@@ -51,6 +51,8 @@ FLAG_PRECONDITION = 2
 
 KEY_CODE_MAX = 255
 VALUE_CODE_MAX = 15
+CODE_LEVELS = (KEY_CODE_MAX, VALUE_CODE_MAX)
+"""The product format's largest key and value codes (``PageLayout.key_levels``, ``value_levels``)."""
 SCALE_LUT_STEPS_PER_OCTAVE = 32
 
 

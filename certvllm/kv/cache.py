@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from certvllm.formats.layout import BLOCK_SIZE, PageLayout
+from certvllm.formats.layout import BLOCK_SIZE, CODE_LEVELS, PageLayout
 from certvllm.formats.pages import encode_pages
 
 SUPPORTED_KV_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # float32: CPUs without native bf16
@@ -80,7 +80,7 @@ class LayerKVCache:
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
         value_group: int = 16,
-        code_levels: tuple[int, int] = (255, 15),
+        code_levels: tuple[int, int] = CODE_LEVELS,
     ) -> LayerKVCache:
         """Allocate zeroed pages for ``num_blocks`` 16-token blocks on ``device`` and a zeroed host shadow
         (``code_levels``: the largest key and value codes, ``PageLayout.key_levels``/``value_levels``)."""

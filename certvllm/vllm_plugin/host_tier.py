@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from certvllm.config import CertConfig
-from certvllm.formats.layout import PageLayout
+from certvllm.formats.layout import CODE_LEVELS, PageLayout
 from certvllm.kv.cache import LayerKVCache
 from certvllm.kv.host import allocate_host
 from certvllm.vllm_plugin import hybrid, settings
@@ -175,7 +175,7 @@ def cap_blocks(vllm_config: Any, num_blocks: int) -> int:
     return num_blocks
 
 
-def vllm_page_layout(head_dim: int, value_group: int, code_levels: tuple[int, int] = (255, 15)) -> PageLayout:
+def vllm_page_layout(head_dim: int, value_group: int, code_levels: tuple[int, int] = CODE_LEVELS) -> PageLayout:
     """The page of a 16-token block under vLLM: ``2·D`` bytes per token per KV head, whatever the value group
     (vLLM sizes its KV tensor before any certvllm setting is known; g = 16 fills it exactly, g = 32 leaves
     padding, g = 8 does not fit and is refused at startup). ``code_levels``: the largest key and value codes
@@ -196,7 +196,7 @@ def check_page_fits(head_dim: int, value_group: int) -> None:
 
 def layer_cache(name: str, kv_cache: torch.Tensor, head_dim: int, dtype: torch.dtype, value_group: int,
                 shadow: torch.Tensor | None = None,
-                code_levels: tuple[int, int] = (255, 15)) -> LayerKVCache:  # fmt: skip
+                code_levels: tuple[int, int] = CODE_LEVELS) -> LayerKVCache:  # fmt: skip
     """The tiered cache of layer ``name`` over vLLM's ``[num_blocks, H_kv, N, C]`` uint8 KV tensor, with a new
     shadow in host memory (pinned with CUDA when the tensor is on a GPU; on the CPU the shadow doubles as
     a cache for vLLM's own CPU kernel, which stores keys transposed), or ``shadow``: the shadow of another

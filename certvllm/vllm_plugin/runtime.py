@@ -128,9 +128,9 @@ class WorkerRuntime:
         self.layers.pop(name, None)
         start = time.perf_counter()
         shared = self._shadow_of_same_memory(kv_cache, dtype)
-        levels = (self.config.key_code_levels, self.config.value_code_levels)
         cache = layer_cache(name, kv_cache, head_dim, dtype, self.config.value_group_size,
-                            shadow=shared.cache.shadow if shared is not None else None, code_levels=levels)  # fmt: skip
+                            shadow=shared.cache.shadow if shared is not None else None,
+                            code_levels=self.config.code_levels)  # fmt: skip
         if shared is not None:
             logger.debug("certvllm: %s shares the shadow of %s (the same KV memory, another KV cache group)", name,
                          shared.name)  # fmt: skip
