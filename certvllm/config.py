@@ -222,6 +222,19 @@ RENAMED_PRESETS = {
 """Preset names that no longer exist, and what to use instead."""
 
 
+def parse_key_values(pairs: list[str], what: str) -> dict[str, Any]:
+    """``["KEY=VALUE", ...]`` (a command line's overrides) as a dict, each value read as a YAML scalar
+    (``0.12`` a float, ``true`` a bool, ``null`` None, anything else a string). ``what`` names the flag in the
+    error. Raises ``ValueError`` for an entry without ``=`` or without a key."""
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        key, eq, value = pair.partition("=")
+        if not eq or not key.strip():
+            raise ValueError(f"{what} takes KEY=VALUE (e.g. gpu_memory_utilization=0.2), got {pair!r}")
+        out[key.strip()] = yaml.safe_load(value) if value.strip() else ""
+    return out
+
+
 def preset_names() -> list[str]:
     """Names of the presets shipped in ``certvllm.configs``."""
     root = resources.files("certvllm.configs")

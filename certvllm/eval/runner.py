@@ -1,6 +1,7 @@
 """Engine runs for the evaluation suite: one engine per config for every task and context, resumable.
 
-Configs: ``dense`` (``kv_cache_dtype="auto"``), ``certified`` / ``certified:PRESET_OR_YAML``
+Configs: ``dense`` (``kv_cache_dtype="auto"``), ``fp8`` (vLLM's own FP8 cache, ``kv_cache_dtype="fp8"``: the
+quantized cache operators run today; CUDA only), ``certified`` / ``certified:PRESET_OR_YAML``
 (``kv_cache_dtype="certified"``, ``additional_config={"certvllm": {"preset": ...}}``) and ``naive``
 (certified with the ``naive`` preset).
 
@@ -32,9 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from certvllm.config import load_config
+from certvllm.config import load_config, parse_key_values
 from certvllm.eval import scoring
 from certvllm.eval.tasks import Item, parse_context
 from certvllm.vllm_plugin.harness import run_engine
@@ -57,24 +56,19 @@ class EngineConfig:
 
 
 def parse_config(name: str) -> EngineConfig:
-    """``dense`` | ``auto`` | ``naive`` | ``certified`` | ``certified:PRESET_OR_YAML``, the certvllm ones optionally
-    followed by ``+FIELD=VALUE`` overrides of ``CertConfig`` fields: the stress study's formats are e.g.
+    """``dense`` | ``auto`` | ``fp8`` | ``naive`` | ``certified`` | ``certified:PRESET_OR_YAML``, the certvllm ones
+    optionally followed by ``+FIELD=VALUE`` overrides of ``CertConfig`` fields: the stress study's formats are e.g.
     ``naive+value_code_levels=3`` beside ``certified+value_code_levels=3`` (docs/evaluation.md)."""
     head, *extra = name.split("+")
     kind, _, preset = head.partition(":")
-    overrides: dict[str, Any] = {}
-    for item in extra:
-        key, eq, value = item.partition("=")
-        if not eq or not key:
-            raise ValueError(f"config {name!r}: {item!r} is not FIELD=VALUE (e.g. naive+value_code_levels=3)")
-        overrides[key] = yaml.safe_load(value)
-    if kind in ("dense", "auto") and not preset and not overrides:
-        return EngineConfig(name, "auto")
+    overrides = parse_key_values(extra, f"config {name!r}: each +FIELD=VALUE (e.g. naive+value_code_levels=3)")
+    if kind in ("dense", "auto", "fp8") and not preset and not overrides:
+        return EngineConfig(name, "fp8" if kind == "fp8" else "auto")
     if kind == "naive" and not preset:
         preset = "naive"
     elif kind != "certified":
-        raise ValueError(f"unknown config {name!r}: use dense, naive, certified or certified:PRESET, certvllm ones "
-                         "optionally with +FIELD=VALUE")  # fmt: skip
+        raise ValueError(f"unknown config {name!r}: use dense, fp8, naive, certified or certified:PRESET, certvllm "
+                         "ones optionally with +FIELD=VALUE")  # fmt: skip
     load_config(preset or None, **overrides)  # validate now (CertConfigError names the fix)
     cert = ({"preset": preset} if preset else {}) | overrides
     return EngineConfig(name, "certified", cert)
@@ -119,6 +113,8 @@ class Options:
     prefill: str = "exact"
     max_model_len: int = 8192
     batch: int = 16
+    engine_args: dict[str, Any] = field(default_factory=dict)  # every engine's extra LLM kwargs (--engine-arg)
+    cert_args: dict[str, Any] = field(default_factory=dict)  # every certvllm config's CertConfig fields (--cert)
     progress: Any = None  # a tqdm-like object with update(n) and set_postfix_str(s)
     log: list[dict[str, Any]] = field(default_factory=list)
 
@@ -174,8 +170,8 @@ def engine_spec(config: EngineConfig, kinds: str | Collection[str], opts: Option
     """The harness spec (without requests) of one engine run serving the task families ``kinds``
     (``"ppl"``, ``"gen"`` or both)."""
     kinds = {kinds} if isinstance(kinds, str) else set(kinds)
-    engine: dict[str, Any] = {"max_model_len": max_len, "enforce_eager": True, "seed": 0}
-    cert = dict(config.cert) if config.cert is not None else None
+    engine: dict[str, Any] = {"max_model_len": max_len, "enforce_eager": True, "seed": 0, **opts.engine_args}
+    cert = opts.cert_args | config.cert if config.cert is not None else None
     if "ppl" in kinds:
         # a perplexity prefix is one exact prefill chunk, then read back from the prefix cache by its window;
         # generation prompts beside it must not be chunked (their prefill then stays exact)

@@ -206,9 +206,10 @@ def _ruler_job(root: Path, model: str, task: str, context: str, n: int, seed: in
 def build_ruler(
     model: str, cache_dir: Path, pairs: list[tuple[str, str]], n: int, seed: int
 ) -> dict[tuple[str, str], list[Item]]:
-    """RULER samples for each ``(task, context)``; generated once (one child process) and cached."""
+    """RULER samples for each ``(task, context)``; generated once (one child process) and cached per model
+    folder name (the generator fits each sample to the context with the model's tokenizer)."""
     root = data.ruler_root(cache_dir)
-    folder = lambda t, c: cache_dir / "ruler" / f"{t}-{c}-seed{seed}-n{n}"  # noqa: E731
+    folder = lambda t, c: cache_dir / "ruler" / Path(model).name / f"{t}-{c}-seed{seed}-n{n}"  # noqa: E731
     jobs, kinds = [], {}
     for task, context in pairs:
         if task not in RULER_TASKS:

@@ -87,6 +87,44 @@ def test_configs_contexts_and_tasks_file(tmp_path):
         tasks.load_tasks_file(f, None)
 
 
+def test_gpu_settings_fp8_engine_args_and_cert_fields(tmp_path):
+    """The GPU evaluation's settings: ``fp8`` is vLLM's own cache, ``--engine-arg`` reaches every engine (over
+    the CPU defaults), ``--cert`` every certvllm config (under the config's own overrides), and what cannot run is
+    refused before any engine starts, naming the fix."""
+    from certvllm.eval import cli
+
+    fp8 = runner.parse_config("fp8")
+    assert (fp8.kv_cache_dtype, fp8.cert) == ("fp8", None)
+    with pytest.raises(ValueError, match="unknown config"):
+        runner.parse_config("fp8:paper")
+    stress = runner.parse_config("certified+value_code_levels=3")
+    opts = runner.Options(model="m", out=tmp_path, engine_args={"gpu_memory_utilization": 0.2, "enforce_eager": False},
+                          cert_args={"host_memory_gb": 12, "value_code_levels": 15})  # fmt: skip
+    spec = runner.engine_spec(stress, "gen", opts, 4096)
+    assert spec["engine"]["gpu_memory_utilization"] == 0.2 and spec["engine"]["enforce_eager"] is False
+    assert spec["cert"] == {"host_memory_gb": 12, "value_code_levels": 3}  # the config's own field wins
+    assert "cert" not in runner.engine_spec(fp8, "gen", opts, 4096)
+    assert runner.engine_spec(fp8, "gen", opts, 4096)["kv_cache_dtype"] == "fp8"
+
+    def settings(*argv: str) -> dict:
+        args = cli._parser().parse_args(["niah", *argv])
+        configs = [runner.parse_config(c) for c in args.configs.split(",")]
+        return cli._engine_settings(args, configs)
+
+    got = settings("--device", "cuda", "--engines", "3", "--configs", "dense,fp8,certified",
+                   "--engine-arg", "gpu_memory_utilization=0.25", "--cert", "host_memory_gb=12")  # fmt: skip
+    assert got == {"engine_args": {"gpu_memory_utilization": 0.25}, "cert_args": {"host_memory_gb": 12}}
+    with pytest.raises(ValueError, match="--device cuda"):
+        settings("--configs", "dense,fp8")
+    with pytest.raises(ValueError, match="gpu_memory_utilization=F with F <= 0.30"):
+        settings("--device", "cuda", "--engines", "3")
+    with pytest.raises(ValueError, match="KEY=VALUE"):
+        settings("--engine-arg", "enforce_eager")
+    with pytest.raises(ValueError, match="host_memory_gb"):
+        settings("--cert", "host_memory_gb=-1")
+    assert cli.main(["niah", "--configs", "dense,fp8", "--out", str(tmp_path / "x")]) == 2  # a message, no engine
+
+
 def test_engines_side_by_side_get_equal_disjoint_cores(monkeypatch):
     """``--engines N``: each engine's worker gets its own cores, as many as every other one's."""
     import os
