@@ -103,7 +103,10 @@ case "$stage" in
     # shellcheck source=benchmarks/gpu_env.sh
     source benchmarks/gpu_env.sh
     python3 -P -m certvllm.cli eval "$@" 2>&1 | tee -a "$OUT/eval.log"
-    exit "${PIPESTATUS[0]}"
+    rc="${PIPESTATUS[0]}"
+    # engines a killed evaluation left behind (the pattern does not match this script's own command line)
+    pkill -f "vllm_plugin[.]harness" || true
+    exit "$rc"
     ;;
   *)
     echo "usage: $0 part PART... | pack-model DIR OUT [XZ LEVEL] | model PART... | prepare KEY FOLDER |" \

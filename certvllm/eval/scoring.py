@@ -38,5 +38,11 @@ def score_perplexity(item: dict[str, Any], logprobs: list[float | None], cached_
     scored = [lp for i, lp in enumerate(logprobs) if lp is not None and i > cached_tokens]
     nll = -sum(scored)
     n = len(scored)
+    if n == 0:  # not a measurement: never stored as one
+        raise ValueError(
+            f"perplexity window {item.get('id')}: the engine returned no prompt log-probability after the "
+            f"{cached_tokens} cached tokens ({len(logprobs)} entries for {len(item['token_ids'])} tokens); check "
+            "the harness's alignment for this vLLM version (harness.align_prompt_logprobs)"
+        )
     return {"nll_sum": nll, "n_tokens": n, "ppl": math.exp(nll / n) if n else math.nan,
             "cached_tokens": cached_tokens, "window_tokens": len(item["token_ids"])}  # fmt: skip

@@ -176,12 +176,8 @@ def _run(spec: dict[str, Any]) -> dict[str, Any]:
         )  # fmt: skip
 
     def prompt_logprobs(o: Any) -> list[float | None]:
-        """Log-probability of each actual prompt token (vLLM's dict also holds the top-0 entries)."""
-        ids, per_pos = list(o.prompt_token_ids or []), o.prompt_logprobs or []
-        # with a prefix-cache hit of c tokens, rows 0..c-1 were not computed: positions 1..c have no entry
-        cached = o.num_cached_tokens or 0
-        return [None if lp is None or i <= cached or ids[i] not in lp else float(lp[ids[i]].logprob)
-                for i, lp in enumerate(per_pos)]  # fmt: skip
+        return align_prompt_logprobs(list(o.prompt_token_ids or []), list(o.prompt_logprobs or []),
+                                     o.num_cached_tokens or 0)  # fmt: skip
 
     def prompt(r: dict[str, Any]) -> Any:
         return {"prompt_token_ids": r["prompt_token_ids"]} if "prompt_token_ids" in r else r["prompt"]
@@ -285,6 +281,22 @@ def _engine_config(llm: Any) -> dict[str, Any]:
             value = value.name
         values[name] = value if value is None or isinstance(value, bool | int | float | str) else str(value)
     return values
+
+
+def align_prompt_logprobs(ids: list[int], per_pos: list[Any], cached: int) -> list[float | None]:
+    """The log-probability of each actual prompt token, one entry per prompt position (``None`` where none was
+    computed), from vLLM's ``RequestOutput.prompt_logprobs`` (per position: ``None`` or a dict token id →
+    ``Logprob``, which also holds the top-0 entries).
+
+    With a prefix-cache hit of ``cached`` tokens, rows 0..cached-1 are not computed, so positions 1..cached have no
+    log-probability. vLLM 0.32 returns a list as long as the prompt (those positions ``None``); vLLM 0.26 returns
+    only the computed positions after its leading ``None`` (``1 + len(ids) - cached - 1`` entries). Both end at
+    the prompt's last position, so a shorter list is aligned to the end."""
+    if len(per_pos) > len(ids):
+        raise ValueError(f"{len(per_pos)} prompt log-probability entries for a {len(ids)}-token prompt")
+    per_pos = [None] * (len(ids) - len(per_pos)) + per_pos
+    return [None if lp is None or i <= cached or ids[i] not in lp else float(lp[ids[i]].logprob)
+            for i, lp in enumerate(per_pos)]  # fmt: skip
 
 
 def cpu_binds(engines: int) -> list[str | None]:

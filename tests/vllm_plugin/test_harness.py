@@ -44,3 +44,31 @@ def test_a_failure_report_starts_at_the_first_error_when_the_tail_is_only_teardo
     report = harness.first_errors(log)
     assert report.startswith("first error lines:") and "the real reason" in report
     assert harness.first_errors("INFO fine\n(Worker) ERROR short log") == ""  # the tail shows it already
+
+
+def test_prompt_logprobs_align_in_both_vllm_conventions():
+    """A prefix-cache hit of 4 tokens in a 7-token prompt: positions 5 and 6 are scored. vLLM 0.32 returns one entry
+    per position (the uncomputed ones None); vLLM 0.26 returns its leading None and the computed positions only.
+    Both must give the same per-position list (the H200 run of 2026-12-02 scored nothing before this alignment)."""
+
+    class Lp:
+        def __init__(self, logprob: float) -> None:
+            self.logprob = logprob
+
+    ids = [10, 11, 12, 13, 14, 15, 16]
+    at5, at6 = {15: Lp(-1.5), 99: Lp(-0.1)}, {16: Lp(-2.5)}  # rows 4 and 5 predict positions 5 and 6
+    full = [None, None, None, None, None, at5, at6]  # 0.32: as long as the prompt
+    short = [None, at5, at6]  # 0.26: a leading None, then what was computed
+    want = [None, None, None, None, None, -1.5, -2.5]
+    assert harness.align_prompt_logprobs(ids, full, cached=4) == want
+    assert harness.align_prompt_logprobs(ids, short, cached=4) == want
+    assert harness.align_prompt_logprobs(ids, [None], cached=6) == [None] * 7  # nothing computed after the cache
+    with pytest.raises(ValueError, match="8 prompt log-probability entries"):
+        harness.align_prompt_logprobs(ids, [None] * 8, cached=0)
+
+
+def test_a_perplexity_window_without_a_scored_token_is_an_error_not_a_result():
+    from certvllm.eval.scoring import score_perplexity
+
+    with pytest.raises(ValueError, match="no prompt log-probability after the 4 cached tokens"):
+        score_perplexity({"id": "ppl-4k-0", "token_ids": [0] * 7}, [None] * 7, cached_tokens=4)
