@@ -194,8 +194,12 @@ def run(args: argparse.Namespace) -> int:
     total = sum(len(runner.pending(store, items, cfg)) for cfg in configs for items in by_kind.values())
     queue, written = list(configs), threading.Lock()
 
+    failed: dict[str, str] = {}
+
     def slot(bind: str | None) -> None:
-        """Run configs from the queue one after the other, each in one engine serving every task family."""
+        """Run configs from the queue one after the other, each in one engine serving every task family. A config
+        whose engine fails is reported at once (stderr and ``runs.jsonl``), and the slot goes on with the next one:
+        beside other engines, a failure must not wait unseen until every other config has finished."""
         while True:
             with written:
                 if not queue:
@@ -205,6 +209,12 @@ def run(args: argparse.Namespace) -> int:
             mine = replace(opts, log=[])
             try:
                 runner.run_config(store, by_kind, cfg, mine, cpu_bind=bind)
+            except Exception as err:  # noqa: BLE001 - any engine failure: report it, keep the others going
+                failed[cfg.name] = str(err)
+                mine.log.append({"config": cfg.name, "error": str(err)[-4000:],
+                                 "failed": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())})  # fmt: skip
+                print(f"certvllm eval: config {cfg.name} failed; its finished phases are kept, rerun the same command "
+                      f"to resume it:\n{str(err)[-2000:]}", file=sys.stderr, flush=True)  # fmt: skip
             finally:
                 with written, (out / "runs.jsonl").open("a") as f:
                     for entry in mine.log:
@@ -215,15 +225,23 @@ def run(args: argparse.Namespace) -> int:
         binds = cpu_binds(args.engines) if args.engines > 1 and args.device == "cpu" else [None] * args.engines
         with ThreadPoolExecutor(len(binds)) as pool:
             for done in [pool.submit(slot, bind) for bind in binds]:
-                done.result()  # the first failure, once every engine has finished
+                done.result()
+    status = 0
+    if failed:
+        print(f"certvllm eval: {len(failed)} config(s) failed: {', '.join(failed)} (errors above and in "
+              f"{out / 'runs.jsonl'}); the report covers what finished", file=sys.stderr)  # fmt: skip
+        status = 1
     try:
         rep = report.build(out)
     except ImportError as err:  # a GPU machine without the eval extra: the results are stored, the report waits
         print(f"report not built ({err}): install the eval extra (pip install 'certvllm[eval]') where the results "
               f"are, then run: certvllm eval all --report-only --out {out}")  # fmt: skip
-        return 0
+        return status
+    except ValueError as err:  # nothing finished at all
+        print(f"report not built: {err}", file=sys.stderr)
+        return status or 2
     print(f"report: {out / 'report.md'} ({len(rep['configs'])} configs)")
-    return 0
+    return status
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -476,6 +476,10 @@ def _markdown(report: dict[str, Any], plots: list[str]) -> str:
             "|---|---|---|---|---|---|---|---|",
         ]
         for r in report["runs"]:
+            if "error" in r:  # a failed engine run (certvllm eval reported it when it happened)
+                first = r["error"].strip().splitlines()[0][:160] if r["error"].strip() else "?"
+                md.append(f"| {r.get('started', '')} | failed | {r['config']} | – | – | – | – | {first} |")
+                continue
             md.append(
                 f"| {r.get('started', '')} | {r['kind']} | {r['config']} | {r['items']} | {r['phases']} | "
                 f"{r['init_seconds']:.0f} | {r['wall_seconds']:.0f} | {r.get('kv_cache_tokens') or '–'} |"

@@ -291,12 +291,25 @@ def align_prompt_logprobs(ids: list[int], per_pos: list[Any], cached: int) -> li
     With a prefix-cache hit of ``cached`` tokens, rows 0..cached-1 are not computed, so positions 1..cached have no
     log-probability. vLLM 0.32 returns a list as long as the prompt (those positions ``None``); vLLM 0.26 returns
     only the computed positions after its leading ``None`` (``1 + len(ids) - cached - 1`` entries). Both end at
-    the prompt's last position, so a shorter list is aligned to the end."""
+    the prompt's last position, so a shorter list is aligned to the end (vLLM 0.26's model runner V2 concatenates
+    the computed chunks' rows). Each computed position's entry holds its own prompt token (``prompt_logprobs=0``
+    returns exactly that one); an entry without it means the alignment is wrong, and that is an error, never a
+    silently shifted perplexity."""
     if len(per_pos) > len(ids):
         raise ValueError(f"{len(per_pos)} prompt log-probability entries for a {len(ids)}-token prompt")
     per_pos = [None] * (len(ids) - len(per_pos)) + per_pos
-    return [None if lp is None or i <= cached or ids[i] not in lp else float(lp[ids[i]].logprob)
-            for i, lp in enumerate(per_pos)]  # fmt: skip
+    out: list[float | None] = []
+    for i, lp in enumerate(per_pos):
+        if lp is None or i <= cached:
+            out.append(None)
+        elif ids[i] not in lp:
+            raise ValueError(
+                f"prompt log-probabilities misaligned: position {i} holds tokens {sorted(lp)[:4]}, not the "
+                f"prompt's token {ids[i]} ({len(per_pos)} positions, {cached} cached)"
+            )
+        else:
+            out.append(float(lp[ids[i]].logprob))
+    return out
 
 
 def cpu_binds(engines: int) -> list[str | None]:

@@ -158,7 +158,11 @@ def test_store_resume_and_report_from_synthetic_results(tmp_path):
             {"id": f"ppl-1k-{j}", "hash": "x", "task": "ppl", "context": "1k", "config": (dense, cert)[i].name,
              "nll_sum": 200.0 + j + i * 0.5, "n_tokens": 100, "ppl": math.exp((200.0 + j + i * 0.5) / 100),
              "cached_tokens": 896, "window_tokens": 1024} for j in range(3)])  # fmt: skip
+    store.append(store.path("ppl", "2k", cert), [  # a window stored without a scored token (the 2026-12-02 H200 run)
+        {"id": "ppl-2k-0", "hash": "x", "task": "ppl", "context": "2k", "config": cert.name, "nll_sum": 0,
+         "n_tokens": 0, "ppl": math.nan, "cached_tokens": 1920, "window_tokens": 2048}])  # fmt: skip
     rep = report.build(tmp_path)
+    assert "2k" not in rep["perplexity"] and rep["perplexity_unscored"] == {"2k": {"certified:paper": ["ppl-2k-0"]}}
     cell = rep["accuracy"]["niah"]["1k"]["certified:paper"]
     assert cell["n"] == 5 and cell["mcnemar"]["b"] == 1 and cell["mcnemar"]["c"] == 0
     assert rep["perplexity"]["1k"]["certified:paper"]["delta"] > 0
@@ -171,6 +175,40 @@ def test_store_resume_and_report_from_synthetic_results(tmp_path):
     assert "## Needle in a haystack" in text and "## Perplexity" in text
     for png in ("accuracy_by_context.png", "ppl_delta.png", "rungs.png"):
         assert (tmp_path / png).stat().st_size > 1000
+
+
+def test_a_failed_engine_is_reported_at_once_and_the_others_finish(tmp_path, monkeypatch, capsys):
+    """One config's engine fails beside another's: the failure is printed when it happens and recorded in
+    runs.jsonl, the other config's results are stored and reported, and the exit status says a config failed."""
+    from certvllm.eval import cli
+
+    tasks_file = tmp_path / "t.jsonl"
+    tasks_file.write_text('{"prompt": "2+2=", "answers": ["4"]}\n')
+    (tmp_path / "config.json").write_text('{"max_position_embeddings": 8192}')  # the model folder the CLI reads
+    monkeypatch.setattr(cli.tasks, "load_tokenizer", lambda model: lambda text: {"input_ids": [0] * len(text)})
+
+    def run_config(store, by_kind, cfg, opts, cpu_bind=None):
+        if cfg.name == "naive":
+            raise RuntimeError("engine run failed (exit -9):\nkilled")
+        it = by_kind["gen"][0]
+        store.append(store.path(it["task"], it["context"], cfg), [{"id": it["id"], "hash": it["hash"],
+                     "task": it["task"], "context": it["context"], "config": cfg.name, "meta": {}, "score": 1.0,
+                     "correct": True, "output": "4"}])  # fmt: skip
+        opts.log.append({"kind": "gen", "config": cfg.name, "items": 1, "phases": 1, "init_seconds": 1.0,
+                         "wall_seconds": 2.0, "kv_cache_tokens": 10, "max_model_len": 64})  # fmt: skip
+        return 1
+
+    monkeypatch.setattr(cli.runner, "run_config", run_config)
+    out = tmp_path / "out"
+    status = cli.main(["file", "--tasks-file", str(tasks_file), "--configs", "naive,dense", "--out", str(out),
+                       "--model", str(tmp_path)])  # fmt: skip
+    err = capsys.readouterr().err
+    assert status == 1, err
+    assert "config naive failed" in err and "killed" in err and "1 config(s) failed: naive" in err
+    runs = [json.loads(line) for line in (out / "runs.jsonl").read_text().splitlines()]
+    assert {r["config"] for r in runs} == {"naive", "dense"}
+    assert "exit -9" in next(r for r in runs if "error" in r)["error"]
+    assert "| failed | naive |" in (out / "report.md").read_text()
 
 
 # -- slow: through the engine -------------------------------------------------------------------------

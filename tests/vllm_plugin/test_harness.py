@@ -63,6 +63,8 @@ def test_prompt_logprobs_align_in_both_vllm_conventions():
     assert harness.align_prompt_logprobs(ids, full, cached=4) == want
     assert harness.align_prompt_logprobs(ids, short, cached=4) == want
     assert harness.align_prompt_logprobs(ids, [None], cached=6) == [None] * 7  # nothing computed after the cache
+    with pytest.raises(ValueError, match="misaligned: position 5"):  # a list one entry too long for its computed part
+        harness.align_prompt_logprobs(ids, [None, at5, at6, {17: Lp(-0.2)}], cached=4)
     with pytest.raises(ValueError, match="8 prompt log-probability entries"):
         harness.align_prompt_logprobs(ids, [None] * 8, cached=0)
 
