@@ -19,6 +19,13 @@ interleaved run, with the same sampler seed (so the same head-steps are audited 
 
     .venv/bin/python benchmarks/bench_audit.py            # prints the table, writes benchmarks/results/cpu_audit.json
     .venv/bin/python benchmarks/bench_audit.py --torch-reference --out benchmarks/results/cpu_audit_paths.json
+
+``--device cuda`` runs the same interleaved measurement on a GPU (the CUDA path of the op: pages on the device
+written by the Triton encoder, shadow pinned, page-in by ``CudaPageInEngine``; the audit queued on the device and
+read back later, as in serving), timing each block with a device synchronisation at its end; defaults to
+LLaMA-3.1-8B's head layout there (32 query heads, 8 KV heads, D = 128, 8 × 8K):
+
+    python3 -P benchmarks/bench_audit.py --device cuda --out runs/h200_audit.json
 """
 
 from __future__ import annotations
@@ -44,26 +51,47 @@ RATES = (0.0, 0.001, 0.01)
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--rows", type=int, default=8)
-    p.add_argument("--context", type=int, default=2048)
-    p.add_argument("--heads", type=int, default=9)
-    p.add_argument("--kv-heads", type=int, default=3)
-    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--context", type=int, default=None, help="tokens per row (default 2048; 8192 on cuda)")
+    p.add_argument("--heads", type=int, default=None, help="query heads (default 9; 32 on cuda)")
+    p.add_argument("--kv-heads", type=int, default=None, help="KV heads (default 3; 8 on cuda)")
+    p.add_argument("--head-dim", type=int, default=None, help="head dim (default 64; 128 on cuda)")
     p.add_argument("--block", type=int, default=10, help="consecutive calls of one variant")
     p.add_argument("--rounds", type=int, default=60, help="rounds of one block per variant")
     p.add_argument("--single", type=int, default=200, help="timed single audits per reference")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--preset", default="default")
     p.add_argument("--torch-reference", action="store_true", help="also time the rates with the torch reference")
-    p.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "cpu_audit.json")
+    p.add_argument("--out", type=Path, default=None, help="default: benchmarks/results/{device}_audit.json")
     args = p.parse_args(argv)
+    cuda = args.device == "cuda"
+    for name, on_cpu, on_cuda in (("context", 2048, 8192), ("heads", 9, 32), ("kv_heads", 3, 8), ("head_dim", 64, 128)):
+        if getattr(args, name) is None:
+            setattr(args, name, on_cuda if cuda else on_cpu)
+    out = args.out or Path(__file__).parent / "results" / f"{args.device}_audit.json"
     torch.set_num_threads(args.threads)
 
     gen = torch.Generator().manual_seed(0)
     cases = [make_case("sink_and_recency", args.context, args.heads, args.kv_heads, args.head_dim, torch.bfloat16, gen)
              for _ in range(args.rows)]  # fmt: skip
-    cache, tables, lens = paged_batch(cases)
     q = torch.stack([c.q for c in cases])
+    op_args: dict = {}
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    if cuda:  # the serving layout: pages on the device, shadow pinned, the CUDA page-in engine
+        from bench_decode import build_cache  # this folder's decode benchmark (scripts run with it on sys.path)
+
+        from certvllm.kv.cuda_pagein import CudaPageInEngine
+
+        dev = torch.device("cuda")
+        k, v = (torch.stack([getattr(c, name) for c in cases]).to(dev) for name in ("k", "v"))
+        cache, tables = build_cache(k, v, [args.context] * args.rows)
+        lens = torch.full((args.rows,), args.context, dtype=torch.int64, device=dev)
+        q = q.to(dev)
+        op_args = {"backend": "cuda", "pagein": CudaPageInEngine(dev)}
+        del k, v
+    else:
+        cache, tables, lens = paged_batch(cases)
     scale = 1 / math.sqrt(args.head_dim)
     configs = {rate: load_config(args.preset, audit_rate=rate) for rate in RATES}
     variants = [(rate, False) for rate in RATES]
@@ -77,13 +105,14 @@ def main(argv: list[str] | None = None) -> int:
         cfg = configs[variant[0]]
 
         def call(force: torch.Tensor | None):
-            return certified_attention(q, cache, tables, lens, cfg, scale, force_exact=force)
+            return certified_attention(q, cache, tables, lens, cfg, scale, force_exact=force, **op_args)
 
         auditors[variant].run(0, q, cache, tables, lens, scale, call)
 
     for v in variants:  # warm-up: kernels loaded, allocator warm
         for _ in range(5):
             one(v)
+    sync()
     full_audit = {}
     for torch_ref in sorted({v[1] for v in variants}):
         warm = Auditor(load_config(args.preset, audit_rate=1.0))  # the first float64 SDPA call initialises torch's
@@ -92,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
             start = time.perf_counter()
             warm.run(0, q, cache, tables, lens, scale,
                      lambda f: certified_attention(q, cache, tables, lens, configs[0.0], scale,
-                                                   force_exact=f))  # fmt: skip
+                                                   force_exact=f, **op_args))  # fmt: skip
+            warm.resolve(wait=True)
             full_audit["torch" if torch_ref else "compiled"] = time.perf_counter() - start
     # one audited head-step on its own, right after a decode call (the situation of a sampled audit): its cost
     single: dict[str, list[float]] = {}
@@ -102,10 +132,13 @@ def main(argv: list[str] | None = None) -> int:
         auditor.compiled_reference = False if torch_ref else None
         times = []
         for i in range(args.single):
-            res = certified_attention(q, cache, tables, lens, configs[0.0], scale)
+            res = certified_attention(q, cache, tables, lens, configs[0.0], scale, **op_args)
             rows_1[0], heads_1[0] = i % args.rows, (7 * i) % args.heads
+            sync()
             start = time.perf_counter()
-            auditor._check(q, cache, tables, lens, scale, res, rows_1, heads_1, torch.float32)
+            auditor._check(q, cache, tables, lens, scale, res, rows_1.to(q.device), heads_1.to(q.device),
+                           torch.float32)  # fmt: skip
+            sync()
             times.append(time.perf_counter() - start)
         single["torch" if torch_ref else "compiled"] = times
 
@@ -116,8 +149,11 @@ def main(argv: list[str] | None = None) -> int:
             start = time.perf_counter()
             for _ in range(args.block):
                 one(v)
+            sync()
             blocks[v].append(time.perf_counter() - start)
     load_after = os.getloadavg()
+    for auditor in auditors.values():  # the device's queued checks, counted
+        auditor.resolve(wait=True)
 
     base_blocks = blocks[(0.0, False)]
     base = sum(base_blocks) / (args.rounds * args.block)
@@ -135,8 +171,9 @@ def main(argv: list[str] | None = None) -> int:
                      "expected_overhead": expected, "blocks_ms_per_call": [t / args.block * 1e3 for t in blocks[v]],
                      "audited_head_steps": a.audited, "audited_share": a.audited / head_steps,
                      "violations": a.violations})  # fmt: skip
-    print(f"certified layer call, CPU, {args.rows} rows × {args.context} tokens, H_q={args.heads}, "
-          f"H_kv={args.kv_heads}, D={args.head_dim}, bf16, {args.threads} threads; {args.rounds} rounds × "
+    where = torch.cuda.get_device_name() if cuda else f"CPU, {args.threads} threads"
+    print(f"certified layer call, {where}, {args.rows} rows × {args.context} tokens, H_q={args.heads}, "
+          f"H_kv={args.kv_heads}, D={args.head_dim}, bf16; {args.rounds} rounds × "
           f"{args.block} calls per variant, interleaved; load average {load_before[0]:.2f} before, "
           f"{load_after[0]:.2f} after")  # fmt: skip
     for name, seconds in full_audit.items():
@@ -153,15 +190,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['audit_rate']:>10g} {r['reference']:>9} {r['mean_ms_per_call']:>9.3f} "
               f"{100 * r['overhead']:>8.2f}% {100 * r['expected_overhead']:>8.2f}% {r['audited_head_steps']:>8d} "
               f"{r['audited_share']:>8.4f} {r['violations']:>10d}")  # fmt: skip
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"rows": args.rows, "context": args.context, "heads": args.heads, "kv_heads": args.kv_heads,
+    out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {"device": where, "rows": args.rows, "context": args.context, "heads": args.heads, "kv_heads": args.kv_heads,
             "head_dim": args.head_dim, "block": args.block, "rounds": args.rounds, "threads": args.threads,
             "preset": args.preset, "torch": torch.__version__, "machine": platform.processor() or platform.machine(),
             "cpus": os.cpu_count(), "ms_per_call_at_rate_1": {k: t * 1e3 for k, t in full_audit.items()},
             "load_average_before": load_before, "load_average_after": load_after,
             "single_audit_ms": {k: [t * 1e3 for t in v] for k, v in single.items()}}  # fmt: skip
-    args.out.write_text(json.dumps({"config": meta, "results": rows}, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    out.write_text(json.dumps({"config": meta, "results": rows}, indent=2) + "\n")
+    print(f"wrote {out}")
     return 0
 
 
