@@ -4,8 +4,8 @@
                   [--configs dense,certified:paper,naive] [--n N] [--n-ppl N] [--n-niah N] [--n-ruler N]
                   [--tasks-file FILE.jsonl] [--ruler-tasks niah_single,...] [--out DIR] [--cache-dir DIR]
                   [--seed S] [--ppl-score-tokens K] [--prefill exact|certified] [--kv-space-gb G] [--engines N]
-                  [--device cpu|cuda] [--engine-arg KEY=VALUE ...] [--cert KEY=VALUE ...] [--report-only]
-                  [--items-only]
+                  [--device cpu|cuda] [--stall-timeout S] [--engine-arg KEY=VALUE ...] [--cert KEY=VALUE ...]
+                  [--report-only] [--items-only]
 
 Results are appended per (task, context, config) under ``--out/results``; rerunning skips every item
 already there (same content), so an interrupted run resumes. The report (``report.json``,
@@ -78,6 +78,13 @@ def _parser() -> argparse.ArgumentParser:
         "--engine-arg gpu_memory_utilization=F)",
     )
     p.add_argument(
+        "--stall-timeout",
+        type=float,
+        default=3600.0,
+        help="seconds an engine may go without finishing a phase (startup included) before it is stopped with "
+        "its processes' stacks in the error (default 3600; 0 = no limit)",
+    )
+    p.add_argument(
         "--engine-arg",
         action="append",
         default=[],
@@ -139,7 +146,9 @@ def _engine_settings(args: argparse.Namespace, configs: list[runner.EngineConfig
             f"--engines {args.engines} on one GPU: each engine would take vLLM's default 90 % of its memory; "
             f"pass --engine-arg gpu_memory_utilization=F with F <= {share:.2f}"
         )
-    return {"engine_args": engine_args, "cert_args": cert_args}
+    if args.stall_timeout < 0:
+        raise ValueError(f"--stall-timeout {args.stall_timeout:g}: give seconds > 0, or 0 for no limit")
+    return {"engine_args": engine_args, "cert_args": cert_args, "stall_timeout": args.stall_timeout or None}
 
 
 def run(args: argparse.Namespace) -> int:

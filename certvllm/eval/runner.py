@@ -114,6 +114,7 @@ class Options:
     max_model_len: int = 8192
     batch: int = 16
     engine_args: dict[str, Any] = field(default_factory=dict)  # every engine's extra LLM kwargs (--engine-arg)
+    stall_timeout: float | None = None  # seconds without a finished phase before an engine is stopped (its stacks)
     cert_args: dict[str, Any] = field(default_factory=dict)  # every certvllm config's CertConfig fields (--cert)
     progress: Any = None  # a tqdm-like object with update(n) and set_postfix_str(s)
     log: list[dict[str, Any]] = field(default_factory=list)
@@ -253,7 +254,7 @@ def _run_engine(store: Store, todo: dict[str, list[Item]], config: EngineConfig,
     if cpu_bind is not None:
         env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_bind
     start = time.perf_counter()
-    result = run_engine(spec, timeout=ENGINE_TIMEOUT_S, env=env, on_phase=on_phase)
+    result = run_engine(spec, timeout=ENGINE_TIMEOUT_S, env=env, on_phase=on_phase, stall_timeout=opts.stall_timeout)
     count = sum(len(its) for its in todo.values())
     opts.log.append({"kind": "+".join(kinds), "config": config.name,
                      "items": count, "phases": len(phases), "init_seconds": result["init_seconds"],

@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import faulthandler
 import itertools
 import json
 import os
@@ -69,7 +70,8 @@ from certvllm.env import PROMETHEUS_DIR, prometheus_dir, scoped
 DEFAULT_ENGINE = {"enforce_eager": True, "max_model_len": 2048, "dtype": "bfloat16", "seed": 0}
 # the engine process's variables unless run_engine(env=...) says otherwise: 1 GiB of CPU KV pages, no usage
 # reports, no hub access (the models are local folders)
-ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1"}
+ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1",
+              "PYTHONFAULTHANDLER": "1"}  # fmt: skip
 
 
 SUMMED_LABELS = ("model_name", "engine", "rank")
@@ -343,20 +345,31 @@ def _engine_died(log: Path, offset: int) -> tuple[bool, int]:
         return any(marker in text for marker in ENGINE_DEATH), f.tell()
 
 
+STALL_DUMP_GRACE_S = 15.0
+"""How long a stalled run's processes get to write their stacks (``SIGABRT`` under ``PYTHONFAULTHANDLER``)."""
+
+
 def _follow(proc: subprocess.Popen, progress: Path, on_phase: Callable[[dict[str, Any]], None], timeout: float,
-            log: Path | None = None) -> int:  # fmt: skip
+            log: Path | None = None, stall_timeout: float | None = None) -> int:  # fmt: skip
     """Wait for ``proc``, handing every complete line appended to ``progress`` to ``on_phase``; with ``log``, end
-    it once the engine core has died (:data:`ENGINE_DEATH`) and the process has not exited within the grace."""
+    it once the engine core has died (:data:`ENGINE_DEATH`) and the process has not exited within the grace.
+
+    With ``stall_timeout``, a run that finishes no phase for that many seconds (startup included) is stopped
+    with ``SIGABRT`` to its whole session: every Python process of the engine then writes all its threads' stacks
+    to the log (``PYTHONFAULTHANDLER``, set by :data:`ENGINE_ENV`), which the error carries; a hang is a
+    diagnosable failure, never a run that waits until the overall ``timeout``."""
     deadline, offset, log_offset, died_at = time.monotonic() + timeout, 0, 0, None
+    last_phase = time.monotonic()
 
     def drain() -> None:
-        nonlocal offset
+        nonlocal offset, last_phase
         if not progress.exists():
             return
         with progress.open() as f:
             f.seek(offset)
             while (line := f.readline()).endswith("\n"):
                 offset = f.tell()
+                last_phase = time.monotonic()
                 on_phase(json.loads(line))
 
     try:
@@ -373,6 +386,15 @@ def _follow(proc: subprocess.Popen, progress: Path, on_phase: Callable[[dict[str
                 if died_at is not None and time.monotonic() - died_at > DEATH_GRACE_S:
                     grace = f"{DEATH_GRACE_S:.0f} s"
                     raise RuntimeError(f"the engine core died and the run did not exit within {grace}") from None
+                if stall_timeout is not None and time.monotonic() - last_phase > stall_timeout:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(proc.pid, signal.SIGABRT)  # each process dumps its stacks, then dies
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        proc.wait(timeout=STALL_DUMP_GRACE_S)
+                    raise RuntimeError(
+                        f"no phase finished for {stall_timeout:.0f} s: the engine was stopped with SIGABRT; its "
+                        "processes' Python stacks are in the log below"
+                    ) from None
                 continue
             drain()
             return code
@@ -395,14 +417,15 @@ def first_errors(log_text: str, lines: int = 40) -> str:
 
 def run_engine(
     spec: dict[str, Any], timeout: float = 900.0, env: dict[str, str] | None = None,
-    on_phase: Callable[[dict[str, Any]], None] | None = None,
+    on_phase: Callable[[dict[str, Any]], None] | None = None, stall_timeout: float | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """Run ``spec`` in a fresh Python process; raises RuntimeError with the log tail on failure.
 
     The process inherits this one's environment with :data:`ENGINE_ENV`, then ``env``, set on top (the
     child sets them before it imports vLLM), and its own ``PROMETHEUS_MULTIPROC_DIR``. With ``on_phase``,
     each finished phase is handed over as soon as the engine completes it (see the module docstring);
-    ``timeout`` then bounds the whole run as well.
+    ``timeout`` then bounds the whole run as well, and ``stall_timeout`` the wait for each phase (see
+    :func:`_follow`: a stalled engine is stopped with its stacks in the error).
     """
     with tempfile.TemporaryDirectory(prefix="certvllm-harness-") as tmp:
         spec_path, out_path, log_path = Path(tmp, "spec.json"), Path(tmp, "out.json"), Path(tmp, "log.txt")
@@ -418,9 +441,10 @@ def run_engine(
             proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
             try:
                 returncode = _follow(proc, Path(spec.get("progress", Path(tmp, "progress.jsonl"))),
-                                     on_phase or (lambda _: None), timeout, log_path)  # fmt: skip
+                                     on_phase or (lambda _: None), timeout, log_path, stall_timeout)  # fmt: skip
             except RuntimeError as err:
-                raise RuntimeError(f"engine run failed ({err}):\n{log_path.read_text()[-6000:]}") from None
+                tail = 20000 if "SIGABRT" in str(err) else 6000  # the stacks of every thread of every process
+                raise RuntimeError(f"engine run failed ({err}):\n{log_path.read_text()[-tail:]}") from None
         log_text = log_path.read_text()
         if returncode != 0 or not out_path.exists():
             raise RuntimeError(f"engine run failed (exit {returncode}):\n{first_errors(log_text)}{log_text[-6000:]}")
@@ -432,6 +456,7 @@ def run_engine(
 
 
 def main() -> None:
+    faulthandler.enable()  # this process's stacks on SIGABRT (a stalled run); its children get PYTHONFAULTHANDLER
     spec = json.loads(Path(sys.argv[1]).read_text())
     with contextlib.ExitStack() as stack:  # before vLLM (and prometheus_client) is imported
         for name, value in spec.get("environment", {}).items():

@@ -113,7 +113,11 @@ def test_gpu_settings_fp8_engine_args_and_cert_fields(tmp_path):
 
     got = settings("--device", "cuda", "--engines", "3", "--configs", "dense,fp8,certified",
                    "--engine-arg", "gpu_memory_utilization=0.25", "--cert", "host_memory_gb=12")  # fmt: skip
-    assert got == {"engine_args": {"gpu_memory_utilization": 0.25}, "cert_args": {"host_memory_gb": 12}}
+    assert got == {"engine_args": {"gpu_memory_utilization": 0.25}, "cert_args": {"host_memory_gb": 12},
+                   "stall_timeout": 3600.0}  # fmt: skip
+    assert settings("--stall-timeout", "0")["stall_timeout"] is None
+    with pytest.raises(ValueError, match="stall-timeout"):
+        settings("--stall-timeout", "-1")
     with pytest.raises(ValueError, match="--device cuda"):
         settings("--configs", "dense,fp8")
     with pytest.raises(ValueError, match="gpu_memory_utilization=F with F <= 0.30"):

@@ -26,6 +26,25 @@ def test_a_dead_engine_core_ends_the_run_with_its_log(tmp_path, monkeypatch):
     assert proc.poll() is not None  # killed, not left behind
 
 
+def test_a_stalled_run_is_stopped_with_every_threads_stack_in_its_log(tmp_path, monkeypatch):
+    """No phase for ``stall_timeout`` seconds: the run's session gets SIGABRT, its Python processes write their
+    threads' stacks (PYTHONFAULTHANDLER, as the harness sets for engines), and the error says so."""
+    monkeypatch.setattr(harness, "STALL_DUMP_GRACE_S", 5.0)
+    log, progress = tmp_path / "log.txt", tmp_path / "progress.jsonl"
+    script = (f"import json, time\nopen({str(progress)!r}, 'a').write(json.dumps({{'phase': 0}}) + '\\n')\n"
+              "def stuck_in_a_phase():\n    time.sleep(120)\nstuck_in_a_phase()\n")  # fmt: skip
+    phases = []
+    with log.open("w") as out:
+        proc = subprocess.Popen([sys.executable, "-c", script], stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True, env={**harness.os.environ, **harness.ENGINE_ENV})  # fmt: skip
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match="no phase finished for 2 s"):
+            harness._follow(proc, progress, phases.append, 60.0, log, stall_timeout=2.0)
+    assert phases == [{"phase": 0}] and time.monotonic() - start < 20.0
+    assert proc.poll() is not None  # stopped, not left behind
+    assert "stuck_in_a_phase" in log.read_text()  # the stack of the thread that hung
+
+
 def test_a_healthy_run_is_followed_to_its_exit(tmp_path):
     log = tmp_path / "log.txt"
     progress = tmp_path / "progress.jsonl"
