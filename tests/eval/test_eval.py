@@ -165,6 +165,7 @@ def test_store_resume_and_report_from_synthetic_results(tmp_path):
     store.append(store.path("ppl", "2k", cert), [  # a window stored without a scored token (the 2026-12-02 H200 run)
         {"id": "ppl-2k-0", "hash": "x", "task": "ppl", "context": "2k", "config": cert.name, "nll_sum": 0,
          "n_tokens": 0, "ppl": math.nan, "cached_tokens": 1920, "window_tokens": 2048}])  # fmt: skip
+    assert store.done("ppl", "2k", cert) == {}  # so a rerun measures it again
     rep = report.build(tmp_path)
     assert "2k" not in rep["perplexity"] and rep["perplexity_unscored"] == {"2k": {"certified:paper": ["ppl-2k-0"]}}
     cell = rep["accuracy"]["niah"]["1k"]["certified:paper"]
