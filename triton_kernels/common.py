@@ -223,8 +223,9 @@ def fp32_round_up_nonneg(x):
 
 @triton.jit
 def rint(x, PRECISE: tl.constexpr):
-    """Round to nearest, ties to even (``torch.round``), for |x| < 2^22."""
-    return libdevice.rint(x) if PRECISE else (x + 8388608.0) - 8388608.0
+    """Round to nearest, ties to even (``torch.round``), for |x| < 2^22 (without libdevice: the magic number
+    1.5·2^23, whose float32 spacing is 1 on both sides of it; 2^23 would round negative x to halves)."""
+    return libdevice.rint(x) if PRECISE else (x + 12582912.0) - 12582912.0
 
 
 @triton.jit
