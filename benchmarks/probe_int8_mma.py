@@ -1,6 +1,7 @@
 """Probe for issue 17: INT8 block scores on the tensor cores (limb-split query) against the float32 dequantize-and-sum
-arithmetic, the same loads and outputs (``triton_kernels/limb_scores.py``), beside dense SDPA on FP16 keys and values
-of the same shape. Prints a table, writes JSON.
+arithmetic, the same loads and outputs (``triton_kernels/limb_scores.py``), beside the shipping phase 1 (scores plus
+every bound term, Gluon where it supports the shape) and dense SDPA on FP16 keys and values of the same shape.
+Prints a table, writes JSON.
 
 Per point (batch × context, LLaMA-3.1-8B's 32 query / 8 KV heads, D = 128): CUDA-graph replays of each kernel over
 every full block (medians), the key bytes they read per call (codes, offsets, scale codes, exponent: 2,449 B per
@@ -25,7 +26,9 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_decode import build_cache, release_cache, time_graph  # noqa: E402
 from certvllm.triton_kernels.limb_scores import LIMBS, block_scores  # noqa: E402
+from certvllm.triton_kernels.phase1 import phase1  # noqa: E402
 
+from certvllm.bounds import delta_factor, rounding_factor  # noqa: E402
 from certvllm.bounds.int8_scores import limb_score_rounding, split_query_limbs  # noqa: E402
 from certvllm.formats.keys import key_sigma  # noqa: E402
 from certvllm.formats.layout import key_scale_lut  # noqa: E402
@@ -72,6 +75,11 @@ def run_point(batch: int, ctx: int, iters: int) -> dict:
     for name, mma in (("limbs_mma", True), ("float32", False)):
         out[name] = time_graph(lambda mma=mma: block_scores(q, cache.pages, cache.layout, tables, nfull, mma=mma,
                                                             splits=splits), iters)  # fmt: skip
+    lut, bps = key_scale_lut().to(dev), -(-tables.shape[1] // splits)
+    factors = (delta_factor(D), rounding_factor(D))
+    out["phase1_shipping"] = time_graph(
+        lambda: phase1(q, cache.pages, tables, nfull, lut, cache.layout, HKV, 1, *factors, splits, bps), iters
+    )
     scores, _ = block_scores(q, cache.pages, cache.layout, tables, nfull, mma=True, splits=splits)
     out["limb_error_over_bound_max"] = check_first_row(q, cache, tables, nfull, scores)
     qd, kd, vd = q.half()[:, :, None], k.transpose(1, 2), v.transpose(1, 2)
@@ -91,15 +99,15 @@ def main() -> int:
     p.add_argument("--out", type=Path, default=Path("runs/int8_mma.json"))
     args = p.parse_args()
     rows = []
-    print(f"{'point':>10} {'splits':>6} {'limbs+MMA ms':>13} {'float32 ms':>11} {'MMA TB/s':>9} {'f32 TB/s':>9} "
-          f"{'dense ms':>9} {'err/bound':>10}", flush=True)  # fmt: skip
+    print(f"{'point':>10} {'splits':>6} {'limbs+MMA ms':>13} {'float32 ms':>11} {'phase 1 ms':>11} {'MMA TB/s':>9} "
+          f"{'f32 TB/s':>9} {'dense ms':>9} {'err/bound':>10}", flush=True)  # fmt: skip
     for point in args.points:
         batch, ctx = (int(x) for x in point.split("x"))
         r = run_point(batch, ctx, args.iters)
         rows.append(r)
         print(f"{point:>10} {r['splits']:>6} {r['limbs_mma']:>13.3f} {r['float32']:>11.3f} "
-              f"{r['limbs_mma_tb_s']:>9.2f} {r['float32_tb_s']:>9.2f} {r['dense_sdpa']:>9.3f} "
-              f"{r['limb_error_over_bound_max']:>10.3f}", flush=True)  # fmt: skip
+              f"{r['phase1_shipping']:>11.3f} {r['limbs_mma_tb_s']:>9.2f} {r['float32_tb_s']:>9.2f} "
+              f"{r['dense_sdpa']:>9.3f} {r['limb_error_over_bound_max']:>10.3f}", flush=True)  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                                     "points": rows}, indent=2) + "\n")  # fmt: skip
