@@ -16,7 +16,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from certvllm.eval import stats
+from certvllm.eval import scoring, stats
 from certvllm.eval.tasks import RULER_TASKS, parse_context
 
 RUNGS = range(5)
@@ -157,11 +157,10 @@ def _perplexity(rows: dict[tuple[str, str, str], dict[str, dict[str, Any]]], see
     table: dict[str, Any] = {}
     contexts = sorted({c for (t, c, _) in rows if t == "ppl"}, key=_ctx_key)
     for ctx in contexts:
-        base = {i: r for i, r in rows.get(("ppl", ctx, ref), {}).items() if r["n_tokens"]}
+        base = _scored(rows.get(("ppl", ctx, ref), {}))
         cells: dict[str, Any] = {}
         for cfg in configs:
-            mine = rows.get(("ppl", ctx, cfg), {})
-            mine = {i: r for i, r in mine.items() if r["n_tokens"]}  # no scored token: no measurement
+            mine = _scored(rows.get(("ppl", ctx, cfg), {}))
             if not mine:
                 continue
             nll, tok = sum(r["nll_sum"] for r in mine.values()), sum(r["n_tokens"] for r in mine.values())
@@ -187,11 +186,15 @@ def _unscored_windows(rows: dict[tuple[str, str, str], dict[str, dict[str, Any]]
     """Perplexity windows stored without a scored token (an engine that returned no prompt log-probabilities):
     left out of every perplexity figure and listed in the report."""
     found: dict[str, dict[str, list[str]]] = defaultdict(dict)
-    for (task, ctx, cfg), mine in rows.items():
-        ids = sorted(i for i, r in mine.items() if task == "ppl" and not r["n_tokens"])
-        if ids:
+    for (_, ctx, cfg), mine in rows.items():
+        if ids := sorted(i for i, r in mine.items() if scoring.unscored_window(r)):
             found[ctx][cfg] = ids
     return dict(found)
+
+
+def _scored(windows: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The perplexity windows that are measurements (:func:`scoring.unscored_window` left out)."""
+    return {i: r for i, r in windows.items() if not scoring.unscored_window(r)}
 
 
 def _rungs(out: Path, slugs: dict[str, str]) -> dict[str, Any]:

@@ -93,8 +93,8 @@ class Store:
                 row = json.loads(line)
             except json.JSONDecodeError:
                 continue  # a line cut by an interrupted write
-            if row.get("task") == "ppl" and not row.get("n_tokens", 1):
-                continue  # a window stored without a scored token is not done (the report skips it too)
+            if scoring.unscored_window(row):
+                continue
             found[row["id"]] = row["hash"]
         return found
 

@@ -33,6 +33,12 @@ def score_generation(item: dict[str, Any], text: str) -> dict[str, Any]:
     return {"score": score, "correct": score >= 1.0}
 
 
+def unscored_window(row: dict[str, Any]) -> bool:
+    """A stored perplexity window without a scored token (stored before that became an error): no measurement, not
+    done (a rerun measures it), left out of the report's figures and listed there."""
+    return row.get("task") == "ppl" and not row.get("n_tokens", 1)
+
+
 def score_perplexity(item: dict[str, Any], logprobs: list[float | None], cached_tokens: int) -> dict[str, Any]:
     """Negative log-likelihood of the scored positions (those computed after the cached prefix)."""
     scored = [lp for i, lp in enumerate(logprobs) if lp is not None and i > cached_tokens]
