@@ -4,7 +4,8 @@
                   [--configs dense,certified:paper,naive] [--n N] [--n-ppl N] [--n-niah N] [--n-ruler N]
                   [--tasks-file FILE.jsonl] [--ruler-tasks niah_single,...] [--out DIR] [--cache-dir DIR]
                   [--seed S] [--ppl-score-tokens K] [--prefill exact|certified] [--kv-space-gb G] [--engines N]
-                  [--device cpu|cuda] [--stall-timeout S] [--engine-arg KEY=VALUE ...] [--cert KEY=VALUE ...]
+                  [--device cpu|cuda] [--stall-timeout S] [--time-limit S]
+                  [--engine-arg KEY=VALUE ...] [--cert KEY=VALUE ...]
                   [--report-only] [--items-only]
 
 Results are appended per (task, context, config) under ``--out/results``; rerunning skips every item
@@ -85,6 +86,13 @@ def _parser() -> argparse.ArgumentParser:
         "its processes' stacks in the error (default 3600; 0 = no limit)",
     )
     p.add_argument(
+        "--time-limit",
+        type=float,
+        default=0.0,
+        help="seconds for the whole invocation: engines still running then are stopped (their finished phases "
+        "are kept, a rerun resumes) and no further config starts; for a machine lent by the hour (0 = no limit)",
+    )
+    p.add_argument(
         "--engine-arg",
         action="append",
         default=[],
@@ -148,7 +156,11 @@ def _engine_settings(args: argparse.Namespace, configs: list[runner.EngineConfig
         )
     if args.stall_timeout < 0:
         raise ValueError(f"--stall-timeout {args.stall_timeout:g}: give seconds > 0, or 0 for no limit")
-    return {"engine_args": engine_args, "cert_args": cert_args, "stall_timeout": args.stall_timeout or None}
+    if args.time_limit < 0:
+        raise ValueError(f"--time-limit {args.time_limit:g}: give seconds > 0, or 0 for no limit")
+    deadline = time.monotonic() + args.time_limit if args.time_limit else None
+    return {"engine_args": engine_args, "cert_args": cert_args, "stall_timeout": args.stall_timeout or None,
+            "deadline": deadline}  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
@@ -212,6 +224,10 @@ def run(args: argparse.Namespace) -> int:
         while True:
             with written:
                 if not queue:
+                    return
+                if opts.deadline is not None and time.monotonic() >= opts.deadline:
+                    failed.update((c.name, "not started: --time-limit reached") for c in queue)
+                    queue.clear()
                     return
                 cfg = queue.pop(0)
             started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())

@@ -118,6 +118,7 @@ class Options:
     engine_args: dict[str, Any] = field(default_factory=dict)  # every engine's extra LLM kwargs (--engine-arg)
     stall_timeout: float | None = None  # seconds without a finished phase before an engine is stopped (its stacks)
     cert_args: dict[str, Any] = field(default_factory=dict)  # every certvllm config's CertConfig fields (--cert)
+    deadline: float | None = None  # time.monotonic() at which every engine is stopped (--time-limit)
     progress: Any = None  # a tqdm-like object with update(n) and set_postfix_str(s)
     log: list[dict[str, Any]] = field(default_factory=list)
 
@@ -256,7 +257,8 @@ def _run_engine(store: Store, todo: dict[str, list[Item]], config: EngineConfig,
     if cpu_bind is not None:
         env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_bind
     start = time.perf_counter()
-    result = run_engine(spec, timeout=ENGINE_TIMEOUT_S, env=env, on_phase=on_phase, stall_timeout=opts.stall_timeout)
+    timeout = ENGINE_TIMEOUT_S if opts.deadline is None else max(1.0, opts.deadline - time.monotonic())
+    result = run_engine(spec, timeout=timeout, env=env, on_phase=on_phase, stall_timeout=opts.stall_timeout)
     count = sum(len(its) for its in todo.values())
     opts.log.append({"kind": "+".join(kinds), "config": config.name,
                      "items": count, "phases": len(phases), "init_seconds": result["init_seconds"],

@@ -379,7 +379,7 @@ def _follow(proc: subprocess.Popen, progress: Path, on_phase: Callable[[dict[str
             except subprocess.TimeoutExpired:
                 drain()
                 if time.monotonic() > deadline:
-                    raise
+                    raise RuntimeError(f"the run's time limit ({timeout:.0f} s) was reached") from None
                 if log is not None and died_at is None:
                     died, log_offset = _engine_died(log, log_offset)
                     died_at = time.monotonic() if died else None

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from pathlib import Path
 
 import pytest
@@ -114,10 +115,14 @@ def test_gpu_settings_fp8_engine_args_and_cert_fields(tmp_path):
     got = settings("--device", "cuda", "--engines", "3", "--configs", "dense,fp8,certified",
                    "--engine-arg", "gpu_memory_utilization=0.25", "--cert", "host_memory_gb=12")  # fmt: skip
     assert got == {"engine_args": {"gpu_memory_utilization": 0.25}, "cert_args": {"host_memory_gb": 12},
-                   "stall_timeout": 3600.0}  # fmt: skip
+                   "stall_timeout": 3600.0, "deadline": None}  # fmt: skip
     assert settings("--stall-timeout", "0")["stall_timeout"] is None
     with pytest.raises(ValueError, match="stall-timeout"):
         settings("--stall-timeout", "-1")
+    before = time.monotonic()
+    assert before + 100 <= settings("--time-limit", "100")["deadline"] <= time.monotonic() + 100
+    with pytest.raises(ValueError, match="--time-limit -5: give seconds > 0"):
+        settings("--time-limit", "-5")
     with pytest.raises(ValueError, match="--device cuda"):
         settings("--configs", "dense,fp8")
     with pytest.raises(ValueError, match="gpu_memory_utilization=F with F <= 0.30"):

@@ -45,6 +45,17 @@ def test_a_stalled_run_is_stopped_with_every_threads_stack_in_its_log(tmp_path, 
     assert "stuck_in_a_phase" in log.read_text()  # the stack of the thread that hung
 
 
+def test_a_run_past_its_time_limit_is_stopped_with_a_clear_error(tmp_path):
+    """``timeout`` (``certvllm eval --time-limit``) ends the run's whole session with an error that says why."""
+    phases = []
+    with (tmp_path / "log.txt").open("w") as out:
+        proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+        with pytest.raises(RuntimeError, match=r"time limit \(2 s\) was reached"):
+            harness._follow(proc, tmp_path / "progress.jsonl", phases.append, 2.0, tmp_path / "log.txt")
+    assert proc.poll() is not None and phases == []
+
+
 def test_a_healthy_run_is_followed_to_its_exit(tmp_path):
     log = tmp_path / "log.txt"
     progress = tmp_path / "progress.jsonl"
