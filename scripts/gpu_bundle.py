@@ -25,7 +25,7 @@ What it does, in order (docs/deployment.md, "Offline GPU bundle", is the operato
    ``.dist-info`` last, fixed 1980-01-01 timestamps, modes 0644/0755, no extra fields, compressed bytes of
    kept entries copied unchanged. The certvllm wheel goes through the same rewrite (no rules).
 5. **Pack** one uncompressed tar (``manifest.json`` + ``wheels/*.whl``; sorted, mtime 0, uid/gid 0, mode 0644,
-   PAX format) streamed into ``part-000``, ``part-001``, ... of at most ``--part-mib`` (58) MiB each, and write
+   PAX format) streamed into ``part-000``, ``part-001``, ... of at most ``--part-mib`` (52) MiB each, and write
    ``SHA256SUMS`` (parts, ``bundle.tar``, ``install.sh``, ``manifest.json``), ``manifest.json`` (the tar's
    copy) and ``install.sh`` (verifies, reassembles, extracts and ``pip install --no-index --no-deps
    --target`` on the target; parts may arrive in several runs).
@@ -69,7 +69,7 @@ from packaging.version import InvalidVersion, Version
 ROOT = Path(__file__).resolve().parent.parent
 FORMAT = "certvllm-gpu-bundle/1"
 MIB = 1 << 20
-DEFAULT_PART_MIB = 58  # a lent-machine run carries <= 64 MiB: one part + the repository (~2.5 MiB) + install.sh
+DEFAULT_PART_MIB = 52  # a lent-machine run carries <= 64 MiB: one part + the repository (6 MiB, growing) + install.sh
 TAR_NAME = "bundle.tar"
 SOURCE_DATE_EPOCH = 315532800  # 1980-01-01T00:00:00Z: the zip format's first representable instant
 
@@ -1135,7 +1135,7 @@ def build(args: argparse.Namespace) -> tuple[Path, dict]:
     """The whole build for parsed arguments; returns the output folder and ``write_bundle``'s summary."""
     target = Target(args.python, args.platform)
     if not 0.001 <= args.part_mib <= 4096:
-        raise BundleError(f"--part-mib {args.part_mib}: must be in [0.001, 4096]; the lent machine takes 58")
+        raise BundleError(f"--part-mib {args.part_mib}: must be in [0.001, 4096]; the lent machine takes 52")
     try:
         Version(args.vllm)
     except InvalidVersion as exc:
