@@ -21,11 +21,12 @@ interleaved run, with the same sampler seed (so the same head-steps are audited 
     .venv/bin/python benchmarks/bench_audit.py --torch-reference --out benchmarks/results/cpu_audit_paths.json
 
 ``--device cuda`` runs the same interleaved measurement on a GPU (the CUDA path of the op: pages on the device
-written by the Triton encoder, shadow pinned, page-in by ``CudaPageInEngine``; the audit queued on the device and
-read back later, as in serving), timing each block with a device synchronisation at its end; defaults to
-LLaMA-3.1-8B's head layout there (32 query heads, 8 KV heads, D = 128, 8 × 8K):
+written by the Triton encoder, shadow pinned, page-in by ``CudaPageInEngine``; the audit's checks queued on the
+device in its two kernels, ``certvllm.triton_kernels.audit_check``, and read back later, as in serving), timing each
+block with a device synchronisation at its end; defaults to LLaMA-3.1-8B's head layout there (32 query heads, 8 KV
+heads, D = 128, 8 × 8K). There ``--torch-reference`` times the torch float64 path beside the kernels:
 
-    python3 -P benchmarks/bench_audit.py --device cuda --out runs/h200_audit.json
+    python3 -P benchmarks/bench_audit.py --device cuda --torch-reference --out runs/h200_audit.json
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import math
 import os
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -78,8 +80,15 @@ def main(argv: list[str] | None = None) -> int:
     q = torch.stack([c.q for c in cases])
     op_args: dict = {}
     sync = torch.cuda.synchronize if cuda else (lambda: None)
+
+    def reference_name(torch_ref: bool) -> str:
+        """The audit's checks: the torch float64 path, or the default (the device kernels on CUDA pages, the
+        compiled C++ reference on CPU pages)."""
+        return "torch" if torch_ref else ("device" if cuda else "compiled")
+
     if cuda:  # the serving layout: pages on the device, shadow pinned, the CUDA page-in engine
-        from bench_decode import build_cache  # this folder's decode benchmark (scripts run with it on sys.path)
+        sys.path.insert(0, str(Path(__file__).resolve().parent))  # this folder's decode benchmark, also under -P
+        from bench_decode import build_cache
 
         from certvllm.kv.cuda_pagein import CudaPageInEngine
 
@@ -123,24 +132,22 @@ def main(argv: list[str] | None = None) -> int:
                      lambda f: certified_attention(q, cache, tables, lens, configs[0.0], scale,
                                                    force_exact=f, **op_args))  # fmt: skip
             warm.resolve(wait=True)
-            full_audit["torch" if torch_ref else "compiled"] = time.perf_counter() - start
+            full_audit[reference_name(torch_ref)] = time.perf_counter() - start
     # one audited head-step on its own, right after a decode call (the situation of a sampled audit): its cost
     single: dict[str, list[float]] = {}
-    rows_1, heads_1 = torch.tensor([0]), torch.tensor([0])
     for torch_ref in sorted({v[1] for v in variants}):
         auditor = Auditor(configs[0.0])
         auditor.compiled_reference = False if torch_ref else None
         times = []
         for i in range(args.single):
             res = certified_attention(q, cache, tables, lens, configs[0.0], scale, **op_args)
-            rows_1[0], heads_1[0] = i % args.rows, (7 * i) % args.heads
+            pair = (i % args.rows) * args.heads + (7 * i) % args.heads
             sync()
             start = time.perf_counter()
-            auditor._check(q, cache, tables, lens, scale, res, rows_1.to(q.device), heads_1.to(q.device),
-                           torch.float32)  # fmt: skip
+            auditor.queue_checks(q, cache, tables, lens, scale, res, [pair], torch.float32)
             sync()
             times.append(time.perf_counter() - start)
-        single["torch" if torch_ref else "compiled"] = times
+        single[reference_name(torch_ref)] = times
 
     load_before = os.getloadavg()
     blocks: dict[tuple[float, bool], list[float]] = {v: [] for v in variants}  # seconds per block, by round
@@ -162,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     for v in variants:
         rate, torch_ref = v
         mean = sum(blocks[v]) / (args.rounds * args.block)
-        ref = "torch" if torch_ref else "compiled"
+        ref = reference_name(torch_ref)
         a = auditors[v]
         expected = rate * args.rows * args.heads * statistics.median(single[ref]) / base
         rows.append({"audit_rate": rate, "reference": ref, "mean_ms_per_call": mean * 1e3,

@@ -94,12 +94,21 @@ def exact_tolerance(
     * a model-dtype kernel (unit roundoff u_lp): its query scaled in u_lp (scores within u_lp·S), its
       probabilities and its output rounded to u_lp — ``u_lp·(2S + 3)``.
 
-    ``tolerance = V_max·GAMMA_SLACK·(2·f32 + lowp)``. Args: ``v_max``, ``score_max`` ``[n]`` float64 (the
-    audited heads' V_max and S over their valid tokens); ``tokens`` an upper bound on the context length."""
-    u = UNIT_ROUNDOFF
-    f32 = 2.0 * gamma(head_dim + 8) * score_max + 4.0 * u * score_max + 16.0 * u + 2.0 * gamma(tokens + 2)
-    lowp = unit_roundoff(exact_dtype) * (2.0 * score_max + 3.0) if unit_roundoff(exact_dtype) > u else 0.0
-    return v_max * GAMMA_SLACK * (2.0 * f32 + lowp)
+    ``tolerance = V_max·GAMMA_SLACK·(2·f32 + lowp)``, affine in S (:func:`exact_tolerance_coefficients`). Args:
+    ``v_max``, ``score_max`` ``[n]`` float64 (the audited heads' V_max and S over their valid tokens); ``tokens``
+    an upper bound on the context length."""
+    a, b = exact_tolerance_coefficients(head_dim, tokens, exact_dtype)
+    return v_max * (a + b * score_max)
+
+
+def exact_tolerance_coefficients(head_dim: int, tokens: int, exact_dtype: torch.dtype) -> tuple[float, float]:
+    """``(a, b)`` with :func:`exact_tolerance` ``= V_max·(a + b·S)``: its terms grouped by their factor of S
+    (host floats, handed to the device check's kernel as they are)."""
+    u, u_lp = UNIT_ROUNDOFF, unit_roundoff(exact_dtype)
+    lp = u_lp if u_lp > u else 0.0
+    a = 2.0 * (16.0 * u + 2.0 * gamma(tokens + 2)) + 3.0 * lp
+    b = 2.0 * (2.0 * gamma(head_dim + 8) + 4.0 * u) + 2.0 * lp
+    return GAMMA_SLACK * a, GAMMA_SLACK * b
 
 
 class HeadStepSampler:
@@ -358,6 +367,12 @@ class Auditor:
         # the exact reference's implementation on CPU pages (reference_heads' ``compiled``): None the compiled
         # routine where built, False the torch path (benchmarks compare them), True the compiled one or an error
         self.compiled_reference: bool | None = None
+        # the checks' implementation (_check_on_device): None the device kernels on CUDA pages unless
+        # compiled_reference is False (the torch path, for benchmarks); True always (Triton's interpreter on the
+        # CPU, in tests); False never
+        self.device_reference: bool | None = None
+        self._device_launched = False
+        self._device_failure: str | None = None
         self.on_outcome = on_outcome
         self.on_forced = on_forced
         self.on_checked = on_checked
@@ -421,13 +436,8 @@ class Auditor:
         if not picked:
             return res
         dev = cache.pages.device
-        rows = _index([i // Hq for i in picked], dev)
-        heads = _index([i % Hq for i in picked], dev)
         exact_dtype = cache.dtype if exact_rows is not None else torch.float32
-        checked = self._check(q, cache, tables, lens, scale, res, rows, heads, exact_dtype)
-        if self.on_checked is not None and tag is not None:
-            self.on_checked(checked[0], checked[6], tag)
-        read = DeferredRead(checked)
+        read = DeferredRead(self.queue_checks(q, cache, tables, lens, scale, res, picked, exact_dtype, tag))
         with self._lock:
             self._pending.append(_Pending(layer, step, read))
         if self.defer or (self.defer is None and dev.type == "cuda"):
@@ -439,6 +449,25 @@ class Auditor:
                 rows_fn = exact_rows or dense_rows(q, cache, tables, lens, scale, self._pagein(dev), dense_backend)
                 recompute_exact(res, bad, rows_fn)
         return res
+
+    def queue_checks(self, q: torch.Tensor, cache: LayerKVCache, tables: torch.Tensor, lens: torch.Tensor,
+                     scale: float, res: CertifiedOutput, picked: list[int], exact_dtype: torch.dtype,
+                     tag: Any = None) -> list[torch.Tensor]:  # fmt: skip
+        """Queue the checks of the flat pairs ``picked`` (``row·H_q + head``) of a call (device work only) and hand
+        their rows and verdicts to ``on_checked`` (with a ``tag``). Returns what :meth:`_outcome` reads: the device
+        kernels' ``[n, 10]`` verdict rows, or :meth:`_check`'s ten tensors."""
+        verdict = self._check_on_device(q, cache, tables, lens, scale, res, picked, exact_dtype)
+        if verdict is not None:
+            if self.on_checked is not None and tag is not None:
+                self.on_checked(verdict[:, 0].long(), verdict[:, 6] > 0, tag)
+            return [verdict]
+        dev, hq = cache.pages.device, q.shape[1]
+        rows = _index([i // hq for i in picked], dev)
+        heads = _index([i % hq for i in picked], dev)
+        checked = self._check(q, cache, tables, lens, scale, res, rows, heads, exact_dtype)
+        if self.on_checked is not None and tag is not None:
+            self.on_checked(checked[0], checked[6], tag)
+        return checked
 
     def _check(self, q: torch.Tensor, cache: LayerKVCache, tables: torch.Tensor, lens: torch.Tensor, scale: float,
                res: CertifiedOutput, rows: torch.Tensor, heads: torch.Tensor,
@@ -463,6 +492,43 @@ class Auditor:
         column = (lens_d - 1) // N
         key_block = tables.to(dev, torch.int64)[rows, column]
         return [rows, heads, rung, error, allowed, ratio, violated, lens_d, key_block, column]
+
+    def _check_on_device(self, q: torch.Tensor, cache: LayerKVCache, tables: torch.Tensor, lens: torch.Tensor,
+                         scale: float, res: CertifiedOutput, picked: list[int],
+                         exact_dtype: torch.dtype) -> torch.Tensor | None:  # fmt: skip
+        """The checks of the flat pairs ``picked`` (``row·H_q + head``) in the device kernels
+        (``certvllm.triton_kernels.audit_check``: two launches, one small copy, where :meth:`_check` issues some
+        seventy torch ops), as the ``[n, 10]`` float64 verdict rows on the pages' device; None where they do not
+        run (:attr:`device_reference`), or when they failed to compile at their first launch in this process
+        (warned once; the torch path serves from then on)."""
+        dev = cache.pages.device
+        use = self.device_reference
+        if use is False or self._device_failure is not None:
+            return None
+        if use is None and (dev.type != "cuda" or self.compiled_reference is False):
+            return None
+        from certvllm.kv.cuda_pagein import ensure_device_readable
+        from certvllm.triton_kernels.audit_check import audit_check
+
+        a, b = exact_tolerance_coefficients(cache.layout.head_dim, tables.shape[1] * cache.layout.block_size,
+                                            exact_dtype)  # fmt: skip
+        rep = res.report
+        try:
+            verdict, _ = audit_check(ensure_device_readable(cache), picked, q.to(dev), res.out, rep.rung, rep.bound,
+                                     tables.to(dev), lens.to(dev), scale, num_kv_heads=cache.num_kv_heads,
+                                     num_blocks=cache.num_blocks, channel_major=cache.keys_channel_major, tol_a=a,
+                                     tol_b=b, bound_slack=BOUND_SUM_SLACK, f64_slack=F64_SLACK,
+                                     rung_values=RUNG_VALUES)  # fmt: skip
+        except Exception as err:  # noqa: BLE001 - only a first launch's (compile) failure is forgiven
+            if self._device_launched:
+                raise
+            self._device_failure = f"{type(err).__name__}: {str(err)[:400]}"
+            logger.warning("certvllm audit: the device check kernels failed to compile (%s); audits use the torch "
+                           "float64 path for the rest of this process (same checks, more launches per audited "
+                           "call)", self._device_failure)  # fmt: skip
+            return None
+        self._device_launched = True
+        return verdict
 
     def _pagein(self, device: torch.device) -> PageInEngine:
         """The audit's own page-in engine (its traffic is not the call's: it is not exported)."""
@@ -496,7 +562,12 @@ class Auditor:
         return outcomes
 
     def _outcome(self, p: _Pending) -> AuditOutcome:
-        rows, heads, rung, error, allowed, ratio, violated, lens, key_block, column = p.read.values()
+        values = p.read.values()
+        if len(values) == 1:  # the device kernels' verdict rows (triton_kernels.audit_check.VERDICT_COLUMNS)
+            v = values[0]
+            values = [v[:, 0].long(), v[:, 1].long(), v[:, 2].long(), v[:, 3], v[:, 4], v[:, 5], v[:, 6] > 0,
+                      v[:, 7].long(), v[:, 8].long(), v[:, 9].long()]  # fmt: skip
+        rows, heads, rung, error, allowed, ratio, violated, lens, key_block, column = values
         outcome = AuditOutcome(p.layer, p.step, rows, heads, rung, error, allowed, ratio, violated, lens,
                                key_block, column)  # fmt: skip
         self.audited += rows.numel()

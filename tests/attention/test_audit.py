@@ -31,13 +31,16 @@ from certvllm.attention.audit import (  # noqa: E402
     Auditor,
     AuditOutcome,
     HeadStepSampler,
+    _Pending,
     exact_tolerance,
     reference_heads,
 )
 from certvllm.attention.op import certified_attention  # noqa: E402
+from certvllm.bounds.report import CertifiedOutput  # noqa: E402
 from certvllm.config import CertConfigError, load_config, make_config  # noqa: E402
 from certvllm.kernels import cpu as cpu_kernels  # noqa: E402
 from certvllm.kv.cache import LayerKVCache  # noqa: E402
+from certvllm.kv.deferred import DeferredRead  # noqa: E402
 from certvllm.kv.pagein import PageInEngine  # noqa: E402
 from certvllm.metrics import CertMetrics  # noqa: E402
 from certvllm.testing import FAMILIES, exact_attention, make_case, paged_batch  # noqa: E402
@@ -587,3 +590,78 @@ def test_cuda_path_audit_and_device_fallback_in_the_interpreter():
     rec.auditor.resolve(wait=True)
     assert not bool(rec.last().violated.any())  # the device rerun's rows pass their own audit
     assert (0, 1) in rec.forced
+
+
+# ---- the device checks (triton_kernels/audit_check.py), in Triton's interpreter -----------------------------------
+@pytest.mark.parametrize("keys", ["token_major", "channel_major"])
+def test_device_checks_reach_the_torch_paths_verdicts(keys):
+    """The two-kernel check the audit queues on CUDA pages (run here in the interpreter) against the CPU checks on
+    the same call's output: every verdict column equal (error 1e-9 relative, allowance 1e-12), on a healthy and on
+    a corrupted cache, with lengths on and off a block boundary, a 1-token row and a table wider than every row (its
+    extra columns name other rows' blocks). Where the compiled reference is built (it reads nothing past a length;
+    else the torch path, which does), once the call has run, the free slots of a row's last block are set to NaN:
+    the kernels must not read past a row's length either."""
+    pytest.importorskip("triton")
+    cfg = _loose(False)
+    cs = cases("sink_and_recency", 23, lens=(1, 16, 37, 211), dtype=torch.bfloat16)
+    cache, tables, lens = paged_batch(cs, cfg.value_group_size)
+    if keys == "channel_major":
+        cache = channel_major(cache)
+    wide = torch.cat([tables, tables.flip(0), tables], dim=1)
+    q = torch.stack([c.q for c in cs])
+    if torch.cuda.is_available():  # compiled kernels: pages on the device, the shadow pinned (read over PCIe)
+        cache = LayerKVCache(cache.pages.cuda(), cache.shadow.pin_memory(), cache.layout, cache.keys_channel_major)
+        q, wide, lens = q.cuda(), wide.cuda(), lens.cuda()
+    nan_slots = cpu_kernels.audit_available() and not torch.cuda.is_available()
+    scale = 1 / math.sqrt(D)
+    pairs = list(range(len(cs) * HQ))
+    for corrupted in (False, True):
+        if corrupted:
+            corrupt(cache, tables[3, :10], 0, "value_scales")
+        res = certified_attention(q, cache, wide, lens, cfg, scale)
+        if corrupted and nan_slots:
+            keys_, values = cache._shadow_views()
+            last, m = int(tables[2, 2]), cache.sub_blocks  # row 2: 37 tokens, its third block holds 5
+            keys_[last // m, :, last % m, 5:] = float("nan")
+            values[last // m, :, last % m, 5:] = float("nan")
+        outcomes = []
+        for device_checks in (True, False):
+            rec = Recorder(cfg)
+            rec.auditor.device_reference = device_checks
+            rec.auditor.compiled_reference = None if device_checks or nan_slots else False
+            checked = rec.auditor.queue_checks(q, cache, wide, lens, scale, res, pairs, torch.float32)
+            assert rec.auditor._device_failure is None and len(checked) == (1 if device_checks else 10)
+            outcomes.append(rec.auditor._outcome(_Pending(0, 0, DeferredRead(checked))))
+        a, b = outcomes
+        res = CertifiedOutput(res.out.cpu(), res.report)
+        for name in ("rows", "heads", "rung", "violated", "lens", "key_block", "key_column"):
+            assert torch.equal(getattr(a, name), getattr(b, name)), name
+        assert torch.allclose(a.error, b.error, rtol=1e-9, atol=1e-12)
+        assert torch.allclose(a.allowed, b.allowed, rtol=1e-12, atol=0)
+        assert torch.allclose(a.ratio, b.ratio, rtol=1e-9, atol=1e-12)
+        check_against_exact(a, res, exact64(cs, scale))
+        assert bool(a.violated.any()) == corrupted and bool(a.error.isfinite().all())
+
+
+def test_device_checks_count_a_non_finite_token_as_a_violation():
+    """A NaN in a token a row holds makes that KV head's checks violations in the device kernels."""
+    pytest.importorskip("triton")
+    cfg = load_config("default", audit_rate=1.0, audit_policy="log")
+    cs = cases("random", 5, lens=(37, 50))
+    cache, tables, lens = paged_batch(cs, cfg.value_group_size)
+    q = torch.stack([c.q for c in cs])
+    if torch.cuda.is_available():
+        cache = LayerKVCache(cache.pages.cuda(), cache.shadow.pin_memory(), cache.layout)
+        q, tables, lens = q.cuda(), tables.cuda(), lens.cuda()
+    rec = Recorder(cfg)
+    rec.call(cfg, cache, q, tables, lens, 0.2)  # pages encoded before the shadow is spoilt: the output stays finite
+    rec.auditor.resolve(wait=True)
+    _, values = cache._shadow_views()
+    last, m = int(tables[0, 2]), cache.sub_blocks
+    values[last // m, 0, last % m, 4, 0] = float("nan")  # token 36 of row 0, KV head 0 (query heads 0, 1)
+    rec.auditor.device_reference = True
+    rec.call(cfg, cache, q, tables, lens, 0.2)
+    rec.auditor.resolve(wait=True)
+    o = rec.last()
+    bad = (o.rows == 0) & (o.heads < HQ // HKV)
+    assert bool(o.violated[bad].all()) and bool(o.ratio[bad].isinf().all()) and not bool(o.violated[~bad].any())

@@ -1,0 +1,247 @@
+"""Audit checks on the device: exact float64 attention of sampled (row, query head) pairs from the shadow, and
+the verdict against what the certified call returned, in two launches and no host synchronisation.
+
+What :func:`certvllm.attention.audit.reference_heads` and ``Auditor._check`` compute with some seventy torch
+ops per audited call (each a launch from the layer call's thread), here in two kernels:
+
+* ``_audit_partial_kernel``, grid ``(n, S)``: pair ``i`` reads the shadow pages (tier 2: pinned host memory
+  read zero-copy over PCIe, or device memory) of its KV head, block-table columns ``[s·C, (s+1)·C)`` cut at
+  the row's length, and keeps in float64 an online softmax (running max ``m``, sum ``l``, weighted values
+  ``acc``), the largest value norm and the largest score bound λΣ_c|q_c||k_tc| over the valid tokens;
+* ``_audit_verdict_kernel``, grid ``(n,)``: merges pair ``i``'s ``S`` partials into the exact output, compares it
+  with the returned one and writes the verdict row.
+
+Partial row ``[n, S, 4 + D]`` float64: ``m, l, v_max, s_max, acc[0:D]``. Verdict row ``[n, 10]`` float64 (every
+integer below 2⁵³, exact): ``row, head, rung, error, allowed, ratio, violated, len, key_block, key_column``, the
+order of ``AuditOutcome``. The allowance is the audit's: ``bound·BOUND_SUM_SLACK + F64_SLACK·v_max`` for rungs
+0–2, ``v_max·(tol_a + tol_b·s_max)`` for rungs 3/4 (``exact_tolerance`` is affine in ``s_max``; the caller
+passes its two coefficients).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import device_arg, launch_device_ok, load_shadow_tile, next_pow2
+from .shape_class import JIT_OPTIONS
+
+VERDICT_COLUMNS = ("row", "head", "rung", "error", "allowed", "ratio", "violated", "len", "key_block", "key_column")
+COLUMNS_PER_SPLIT = 16
+"""Block-table columns (16-token blocks) one partial program reads: 256 tokens, so that a pair's PCIe reads are
+spread over many programs in flight."""
+MERGE_CHUNK = 16
+"""Partials merged per iteration of the verdict kernel."""
+
+
+@triton.jit(**JIT_OPTIONS)
+def _audit_partial_kernel(
+    src,  # shadow [E, H, 2, M*16, D] (float16/bfloat16), host-pinned or device
+    partial,  # [n, S, 4 + D] float64
+    pairs,  # [n] int64 flat index row * HQ + head
+    q,
+    sq_r,
+    sq_h,  # [R, HQ, D] queries (any float dtype; last dim contiguous)
+    tables,
+    st_r,  # [R, W] int block ids (last dim contiguous)
+    lens,  # [R] int context lengths (contiguous)
+    consts,  # [5] float64: scale, tol_a, tol_b, bound_slack, f64_slack
+    num_blocks,  # 16-token blocks of the cache (ids are clamped into [0, num_blocks))
+    W,  # block-table width
+    S,  # partials per pair
+    HQ: tl.constexpr,
+    G: tl.constexpr,  # query heads, query heads per KV head
+    H: tl.constexpr,
+    M: tl.constexpr,
+    D: tl.constexpr,
+    DP: tl.constexpr,
+    CHANNEL_MAJOR: tl.constexpr,
+    C: tl.constexpr,  # columns per partial
+):
+    i = tl.program_id(0).to(tl.int64)
+    s = tl.program_id(1).to(tl.int64)
+    flat = tl.load(pairs + i)
+    row = flat // HQ
+    head = flat % HQ
+    length = tl.minimum(tl.load(lens + row).to(tl.int64), W * 16)
+    c_lo = s * C
+    c_hi = tl.minimum(c_lo + C, (length + 15) // 16)
+    d = tl.arange(0, DP)
+    t = tl.arange(0, 16)
+    qv = tl.load(q + row * sq_r + head * sq_h + d, mask=d < D, other=0.0).to(tl.float64)
+    qa = tl.abs(qv)
+    sc64 = tl.load(consts)
+    m = tl.full((), float("-inf"), tl.float64)
+    l_sum = tl.zeros((), tl.float64)
+    v_max = tl.zeros((), tl.float64)
+    s_max = tl.zeros((), tl.float64)
+    acc = tl.zeros((DP,), tl.float64)
+    for c in range(c_lo, c_hi):
+        bid = tl.load(tables + row * st_r + c).to(tl.int64)
+        bid = tl.minimum(tl.maximum(bid, 0), num_blocks - 1)
+        k = load_shadow_tile(src, bid, head // G, 0, H, M, D, DP, CHANNEL_MAJOR).to(tl.float64)
+        valid = c * 16 + t < length
+        v = load_shadow_tile(src, bid, head // G, 1, H, M, D, DP, CHANNEL_MAJOR).to(tl.float64)
+        v = tl.where(valid[:, None], v, 0.0)  # free slots past the length may hold anything, NaN included
+        score = tl.where(valid, tl.sum(k * qv[None, :], axis=1) * sc64, float("-inf"))
+        s_max = tl.maximum(s_max, tl.max(tl.where(valid, tl.sum(tl.abs(k) * qa[None, :], axis=1) * tl.abs(sc64), 0.0)))
+        v_max = tl.maximum(v_max, tl.max(tl.where(valid, tl.sqrt(tl.sum(v * v, axis=1)), 0.0)))
+        m_new = tl.maximum(m, tl.max(score))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(score - m_new)
+        l_sum = l_sum * alpha + tl.sum(p)
+        acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
+        m = m_new
+    base = partial + (i * S + s) * (4 + D)
+    tl.store(base, m)
+    tl.store(base + 1, l_sum)
+    tl.store(base + 2, v_max)
+    tl.store(base + 3, s_max)
+    tl.store(base + 4 + d, acc, mask=d < D)
+
+
+@triton.jit(**JIT_OPTIONS)
+def _audit_verdict_kernel(
+    partial,  # [n, S, 4 + D] float64
+    verdict,  # [n, 10] float64
+    pairs,  # [n] int64
+    out,
+    so_r,
+    so_h,  # [R, HQ, D] float32 returned outputs (last dim contiguous)
+    rung,
+    sr_r,
+    sr_h,  # [R, HQ] int8
+    bound,
+    sb_r,
+    sb_h,  # [R, HQ] float32 E_key + E_val
+    tables,
+    st_r,  # [R, W] int block ids
+    lens,  # [R] int
+    W,
+    S,
+    consts,  # [5] float64: scale, then rungs 3/4 allowed = v_max·(tol_a + tol_b·s_max), then rungs 0–2
+    #          allowed = bound·bound_slack + f64_slack·v_max
+    HQ: tl.constexpr,
+    D: tl.constexpr,
+    DP: tl.constexpr,
+    RUNG_VALUES: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    i = tl.program_id(0).to(tl.int64)
+    flat = tl.load(pairs + i)
+    row = flat // HQ
+    head = flat % HQ
+    d = tl.arange(0, DP)
+    j = tl.arange(0, CHUNK)
+    m = tl.full((), float("-inf"), tl.float64)
+    for c0 in range(0, S, CHUNK):  # the largest running max over every partial
+        ok = c0 + j < S
+        m = tl.maximum(m, tl.max(tl.load(partial + (i * S + c0 + j) * (4 + D), mask=ok, other=float("-inf"))))
+    l_sum = tl.zeros((), tl.float64)
+    v_max = tl.zeros((), tl.float64)
+    s_max = tl.zeros((), tl.float64)
+    acc = tl.zeros((DP,), tl.float64)
+    for c0 in range(0, S, CHUNK):
+        ok = c0 + j < S
+        at = partial + (i * S + c0 + j) * (4 + D)
+        mj = tl.load(at, mask=ok, other=float("-inf"))
+        w = tl.where(mj > float("-inf"), tl.exp(mj - m), 0.0)  # empty partials (m = −inf) weigh nothing
+        l_sum += tl.sum(w * tl.load(at + 1, mask=ok, other=0.0))
+        v_max = tl.maximum(v_max, tl.max(tl.load(at + 2, mask=ok, other=0.0)))
+        s_max = tl.maximum(s_max, tl.max(tl.load(at + 3, mask=ok, other=0.0)))
+        a = tl.load(at[:, None] + 4 + d[None, :], mask=ok[:, None] & (d[None, :] < D), other=0.0)
+        acc += tl.sum(w[:, None] * a, axis=0)
+    exact = acc / l_sum
+    returned = tl.load(out + row * so_r + head * so_h + d, mask=d < D, other=0.0).to(tl.float64)
+    diff = tl.where(d < D, returned - exact, 0.0)
+    error = tl.sqrt(tl.sum(diff * diff))
+    r = tl.load(rung + row * sr_r + head * sr_h).to(tl.int64)
+    b = tl.load(bound + row * sb_r + head * sb_h).to(tl.float64)
+    tol_a, tol_b = tl.load(consts + 1), tl.load(consts + 2)
+    bound_slack, f64_slack = tl.load(consts + 3), tl.load(consts + 4)
+    allowed = tl.where(r <= RUNG_VALUES, b * bound_slack + f64_slack * v_max, v_max * (tol_a + tol_b * s_max))
+    violated = ~(error <= allowed)  # NaN errors are violations
+    ratio = tl.where(allowed > 0, error / allowed, tl.where(error > 0, float("inf"), 0.0))
+    ratio = tl.where(error != error, float("inf"), ratio)
+    length = tl.load(lens + row).to(tl.int64)
+    column = (length - 1) // 16
+    key_block = tl.load(tables + row * st_r + tl.minimum(tl.maximum(column, 0), W - 1)).to(tl.int64)
+    o = verdict + i * 10
+    tl.store(o, row.to(tl.float64))
+    tl.store(o + 1, head.to(tl.float64))
+    tl.store(o + 2, r.to(tl.float64))
+    tl.store(o + 3, error)
+    tl.store(o + 4, allowed)
+    tl.store(o + 5, ratio)
+    tl.store(o + 6, violated.to(tl.float64))
+    tl.store(o + 7, length.to(tl.float64))
+    tl.store(o + 8, key_block.to(tl.float64))
+    tl.store(o + 9, column.to(tl.float64))
+
+
+def audit_check(
+    shadow: torch.Tensor,
+    pairs: list[int],
+    q: torch.Tensor,
+    out: torch.Tensor,
+    rung: torch.Tensor,
+    bound: torch.Tensor,
+    tables: torch.Tensor,
+    lens: torch.Tensor,
+    scale: float,
+    *,
+    num_kv_heads: int,
+    num_blocks: int,
+    channel_major: bool,
+    tol_a: float,
+    tol_b: float,
+    bound_slack: float,
+    f64_slack: float,
+    rung_values: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The audit's verdicts on the (row, head) pairs ``pairs`` of one call, queued on the current stream of
+    ``q``'s device (nothing is read on the host; one host-to-device copy, from pinned memory, two launches).
+
+    Args:
+        shadow: ``[E, H_kv, 2, m·16, D]`` float16/bfloat16 (pinned host memory readable by the device, or device
+            memory); pairs: host list of ``row·H_q + head``; q ``[R, H_q, D]``; out ``[R, H_q, D]`` float32 (the
+            call's returned output); rung ``[R, H_q]`` int8 and bound ``[R, H_q]`` float32 (its report);
+            tables ``[R, W]`` int; lens ``[R]`` int; scale the softmax scale (used in float64).
+        num_kv_heads, num_blocks, channel_major: the cache's (keys stored ``[D, m·16]`` when ``channel_major``).
+        tol_a, tol_b: rungs 3/4 allow ``v_max·(tol_a + tol_b·s_max)``; bound_slack, f64_slack: rungs 0–2 allow
+            ``bound·bound_slack + f64_slack·v_max``; rung_values: the last rung judged by the certificate.
+
+    Returns:
+        ``(verdict [n, 10] float64`` (:data:`VERDICT_COLUMNS`), ``pairs [n] int64)`` on the device.
+    """
+    n = len(pairs)
+    R, hq, d = q.shape
+    W = tables.shape[1]
+    dev = q.device
+    # the pairs and the float64 constants (as their bit patterns) travel in one copy
+    consts = torch.tensor([scale, tol_a, tol_b, bound_slack, f64_slack], dtype=torch.float64).view(torch.int64)
+    host = torch.cat([torch.tensor(pairs, dtype=torch.int64), consts])
+    staged = host.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else host.to(dev)
+    pairs_d, consts_d = staged[:n], staged[n:].view(torch.float64)
+    verdict = torch.empty(n, len(VERDICT_COLUMNS), dtype=torch.float64, device=dev)
+    if n == 0:
+        return verdict, pairs_d
+    launch_device_ok(verdict)
+    q, out, tables, lens = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, out, tables, lens))
+    splits = max(1, triton.cdiv(W, COLUMNS_PER_SPLIT))
+    partial = torch.empty(n, splits, 4 + d, dtype=torch.float64, device=dev)
+    _, h, _, mn, _ = shadow.shape
+    dp = next_pow2(d)
+    _audit_partial_kernel[(n, splits)](
+        device_arg(shadow), partial, pairs_d, q, q.stride(0), q.stride(1), tables, tables.stride(0), lens,
+        consts_d, int(num_blocks), W, splits,
+        HQ=hq, G=hq // num_kv_heads, H=h, M=mn // 16, D=d, DP=dp, CHANNEL_MAJOR=channel_major,
+        C=COLUMNS_PER_SPLIT, num_warps=8 if dp >= 128 else 4,
+    )  # fmt: skip
+    _audit_verdict_kernel[(n,)](
+        partial, verdict, pairs_d, out, out.stride(0), out.stride(1), rung, rung.stride(0), rung.stride(1),
+        bound, bound.stride(0), bound.stride(1), tables, tables.stride(0), lens, W, splits, consts_d,
+        HQ=hq, D=d, DP=dp, RUNG_VALUES=rung_values, CHUNK=MERGE_CHUNK, num_warps=4,
+    )  # fmt: skip
+    return verdict, pairs_d
