@@ -40,15 +40,13 @@ def _audit_partial_kernel(
     src,  # shadow [E, H, 2, M*16, D] (float16/bfloat16), host-pinned or device
     partial,  # [n, S, 4 + D] float64
     pairs,  # [n] int64 flat index row * HQ + head
-    q,
-    sq_r,
-    sq_h,  # [R, HQ, D] queries (any float dtype; last dim contiguous)
-    tables,
-    st_r,  # [R, W] int block ids (last dim contiguous)
+    q,  # [R, HQ, D] queries (any float dtype, contiguous)
+    tables,  # [R, B] int block ids (last dim contiguous)
+    TB_STRIDE,  # its row stride
     lens,  # [R] int context lengths (contiguous)
     consts,  # [5] float64: scale, tol_a, tol_b, bound_slack, f64_slack
     num_blocks,  # 16-token blocks of the cache (ids are clamped into [0, num_blocks))
-    W,  # block-table width
+    B,  # block-table width
     S,  # partials per pair
     HQ: tl.constexpr,
     G: tl.constexpr,  # query heads, query heads per KV head
@@ -64,12 +62,12 @@ def _audit_partial_kernel(
     flat = tl.load(pairs + i)
     row = flat // HQ
     head = flat % HQ
-    length = tl.minimum(tl.load(lens + row).to(tl.int64), W * 16)
+    length = tl.minimum(tl.load(lens + row).to(tl.int64), B * 16)
     c_lo = s * C
     c_hi = tl.minimum(c_lo + C, (length + 15) // 16)
     d = tl.arange(0, DP)
     t = tl.arange(0, 16)
-    qv = tl.load(q + row * sq_r + head * sq_h + d, mask=d < D, other=0.0).to(tl.float64)
+    qv = tl.load(q + flat * D + d, mask=d < D, other=0.0).to(tl.float64)
     qa = tl.abs(qv)
     sc64 = tl.load(consts)
     m = tl.full((), float("-inf"), tl.float64)
@@ -78,7 +76,7 @@ def _audit_partial_kernel(
     s_max = tl.zeros((), tl.float64)
     acc = tl.zeros((DP,), tl.float64)
     for c in range(c_lo, c_hi):
-        bid = tl.load(tables + row * st_r + c).to(tl.int64)
+        bid = tl.load(tables + row * TB_STRIDE + c).to(tl.int64)
         bid = tl.minimum(tl.maximum(bid, 0), num_blocks - 1)
         k = load_shadow_tile(src, bid, head // G, 0, H, M, D, DP, CHANNEL_MAJOR).to(tl.float64)
         valid = c * 16 + t < length
@@ -106,19 +104,13 @@ def _audit_verdict_kernel(
     partial,  # [n, S, 4 + D] float64
     verdict,  # [n, 10] float64
     pairs,  # [n] int64
-    out,
-    so_r,
-    so_h,  # [R, HQ, D] float32 returned outputs (last dim contiguous)
-    rung,
-    sr_r,
-    sr_h,  # [R, HQ] int8
-    bound,
-    sb_r,
-    sb_h,  # [R, HQ] float32 E_key + E_val
-    tables,
-    st_r,  # [R, W] int block ids
+    out,  # [R, HQ, D] float32 returned outputs (contiguous)
+    rung,  # [R, HQ] int8 (contiguous)
+    bound,  # [R, HQ] float32 E_key + E_val (contiguous)
+    tables,  # [R, B] int block ids
+    TB_STRIDE,  # its row stride
     lens,  # [R] int
-    W,
+    B,
     S,
     consts,  # [5] float64: scale, then rungs 3/4 allowed = v_max·(tol_a + tol_b·s_max), then rungs 0–2
     #          allowed = bound·bound_slack + f64_slack·v_max
@@ -153,11 +145,11 @@ def _audit_verdict_kernel(
         a = tl.load(at[:, None] + 4 + d[None, :], mask=ok[:, None] & (d[None, :] < D), other=0.0)
         acc += tl.sum(w[:, None] * a, axis=0)
     exact = acc / l_sum
-    returned = tl.load(out + row * so_r + head * so_h + d, mask=d < D, other=0.0).to(tl.float64)
+    returned = tl.load(out + flat * D + d, mask=d < D, other=0.0).to(tl.float64)
     diff = tl.where(d < D, returned - exact, 0.0)
     error = tl.sqrt(tl.sum(diff * diff))
-    r = tl.load(rung + row * sr_r + head * sr_h).to(tl.int64)
-    b = tl.load(bound + row * sb_r + head * sb_h).to(tl.float64)
+    r = tl.load(rung + flat).to(tl.int64)
+    b = tl.load(bound + flat).to(tl.float64)
     tol_a, tol_b = tl.load(consts + 1), tl.load(consts + 2)
     bound_slack, f64_slack = tl.load(consts + 3), tl.load(consts + 4)
     allowed = tl.where(r <= RUNG_VALUES, b * bound_slack + f64_slack * v_max, v_max * (tol_a + tol_b * s_max))
@@ -166,7 +158,7 @@ def _audit_verdict_kernel(
     ratio = tl.where(error != error, float("inf"), ratio)
     length = tl.load(lens + row).to(tl.int64)
     column = (length - 1) // 16
-    key_block = tl.load(tables + row * st_r + tl.minimum(tl.maximum(column, 0), W - 1)).to(tl.int64)
+    key_block = tl.load(tables + row * TB_STRIDE + tl.minimum(tl.maximum(column, 0), B - 1)).to(tl.int64)
     o = verdict + i * 10
     tl.store(o, row.to(tl.float64))
     tl.store(o + 1, head.to(tl.float64))
@@ -219,29 +211,30 @@ def audit_check(
     R, hq, d = q.shape
     W = tables.shape[1]
     dev = q.device
-    # the pairs and the float64 constants (as their bit patterns) travel in one copy
-    consts = torch.tensor([scale, tol_a, tol_b, bound_slack, f64_slack], dtype=torch.float64).view(torch.int64)
-    host = torch.cat([torch.tensor(pairs, dtype=torch.int64), consts])
+    # the float64 constants (as their bit patterns, padded to 48 bytes so that the pairs stay 16-byte aligned: one
+    # compiled variant whatever n) and the pairs travel in one copy
+    consts = torch.tensor([scale, tol_a, tol_b, bound_slack, f64_slack, 0.0], dtype=torch.float64).view(torch.int64)
+    host = torch.cat([consts, torch.tensor(pairs, dtype=torch.int64)])
     staged = host.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else host.to(dev)
-    pairs_d, consts_d = staged[:n], staged[n:].view(torch.float64)
+    consts_d, pairs_d = staged[:6].view(torch.float64), staged[6:]
     verdict = torch.empty(n, len(VERDICT_COLUMNS), dtype=torch.float64, device=dev)
     if n == 0:
         return verdict, pairs_d
     launch_device_ok(verdict)
-    q, out, tables, lens = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, out, tables, lens))
+    q, out, rung, bound, lens = (t.contiguous() for t in (q, out, rung, bound, lens))
+    tables = tables if tables.stride(-1) == 1 else tables.contiguous()
     splits = max(1, triton.cdiv(W, COLUMNS_PER_SPLIT))
     partial = torch.empty(n, splits, 4 + d, dtype=torch.float64, device=dev)
     _, h, _, mn, _ = shadow.shape
     dp = next_pow2(d)
     _audit_partial_kernel[(n, splits)](
-        device_arg(shadow), partial, pairs_d, q, q.stride(0), q.stride(1), tables, tables.stride(0), lens,
-        consts_d, int(num_blocks), W, splits,
+        device_arg(shadow), partial, pairs_d, q, tables, tables.stride(0), lens, consts_d, int(num_blocks), W,
+        splits,
         HQ=hq, G=hq // num_kv_heads, H=h, M=mn // 16, D=d, DP=dp, CHANNEL_MAJOR=channel_major,
         C=COLUMNS_PER_SPLIT, num_warps=8 if dp >= 128 else 4,
     )  # fmt: skip
     _audit_verdict_kernel[(n,)](
-        partial, verdict, pairs_d, out, out.stride(0), out.stride(1), rung, rung.stride(0), rung.stride(1),
-        bound, bound.stride(0), bound.stride(1), tables, tables.stride(0), lens, W, splits, consts_d,
+        partial, verdict, pairs_d, out, rung, bound, tables, tables.stride(0), lens, W, splits, consts_d,
         HQ=hq, D=d, DP=dp, RUNG_VALUES=rung_values, CHUNK=MERGE_CHUNK, num_warps=4,
     )  # fmt: skip
     return verdict, pairs_d

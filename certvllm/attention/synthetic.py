@@ -78,7 +78,8 @@ class SyntheticLayer:
     ) -> None:
         if num_q_heads % num_kv_heads:
             raise ValueError(f"H_q={num_q_heads} is not a multiple of H_kv={num_kv_heads}")
-        self.num_q_heads, self.dtype, self.config, self.scale = num_q_heads, dtype, config, scale
+        self.num_q_heads, self.dtype, self.config = num_q_heads, dtype, config
+        self.scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
         self.device = torch.device(device)
         self.block_size_tokens = block_size_tokens
         m = engine_sub_blocks(block_size_tokens)
@@ -139,10 +140,31 @@ class SyntheticLayer:
         once per step."""
         if begin_step and self.prefetcher is not None:
             self.prefetcher.begin_step()
-        rows = len(lens)
+        return self._op(*self._inputs(lens), layer, None)
+
+    def audited_call(self, lens: Sequence[int]) -> int:
+        """:meth:`call` with every head-step audited (``certvllm.attention.audit`` at rate 1: on CUDA the device
+        checks, ``triton_kernels.audit_check``), the checks read back; returns the violations (0 on these pages)."""
+        from certvllm.attention.audit import Auditor
+
+        q, tables, seq_lens = self._inputs(lens)
+        auditor = Auditor(self.config.model_copy(update={"audit_rate": 1.0, "audit_policy": "log"}))
+        auditor.device_reference = True  # the CUDA path's checks, as the calls (the interpreter on the CPU)
+        auditor.run(
+            0, q, self.cache, tables, seq_lens, self.scale, lambda force: self._op(q, tables, seq_lens, 0, force)
+        )
+        auditor.resolve(wait=True)
+        return auditor.violations
+
+    def _inputs(self, lens: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(q [R, H_q, D], tables [R, W] int64, lens [R] int64)`` of a call: the table cut to the longest row."""
         seq_lens = torch.tensor([int(n) for n in lens], dtype=torch.int64)
-        tables = self.tables(rows, table_width(int(seq_lens.max()), self.block_size_tokens))
-        q = self._randn(rows, self.num_q_heads, self.cache.layout.head_dim).to(self.device)
+        tables = self.tables(len(lens), table_width(int(seq_lens.max()), self.block_size_tokens))
+        q = self._randn(len(lens), self.num_q_heads, self.cache.layout.head_dim).to(self.device)
+        return q, tables, seq_lens
+
+    def _op(self, q: torch.Tensor, tables: torch.Tensor, seq_lens: torch.Tensor, layer: int,
+            force_exact: torch.Tensor | None) -> CertifiedOutput:  # fmt: skip
         return certified_attention(q, self.cache, tables, seq_lens, self.config, self.scale, pagein=self.pagein,
-                                   generator=self.generator, residency=self.residencies[layer],
-                                   backend="cuda")  # fmt: skip
+                                   generator=self.generator, residency=self.residencies[layer], backend="cuda",
+                                   force_exact=force_exact)  # fmt: skip

@@ -10,7 +10,8 @@ classes of the widths up to ``max_model_len`` — at most 15 — and :func:`warm
 :class:`~certvllm.attention.synthetic.SyntheticLayer`, whose block tables repeat a few real encoded blocks.
 That reaches every kernel of a layer call (phase 1, prepare, select, the pool lookup, the step prefetch's
 serve, snapshot and staging, the promotion and attend passes with their device re-run, finalize, combine)
-plus the write kernel and the page-in gather. No batch class remains: the batch size only sizes grids and
+plus the write kernel and the page-in gather; with audits on (``audit_rate`` > 0), one audited call compiles the
+audit's device checks. No batch class remains: the batch size only sizes grids and
 tensors, so one row per class is enough.
 
 On the CPU there is nothing to compile per shape: the certified CPU path is the C++ kernel built ahead of
@@ -21,6 +22,7 @@ Failures raise :class:`WarmupError` naming the class; there are no threads and n
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,6 +36,8 @@ from certvllm.formats.layout import BLOCK_SIZE
 from certvllm.triton_kernels import jit_cache
 from certvllm.triton_kernels.common import GLUE_MAX_BLOCKS
 from certvllm.triton_kernels.shape_class import WidthClass, width_classes
+
+logger = logging.getLogger("vllm.certvllm")
 
 MAX_CLASSES = GLUE_MAX_BLOCKS.bit_length() + 1
 """Most shape classes of any server (15): one per power of two up to ``GLUE_MAX_BLOCKS`` (8192: 14) and one
@@ -235,6 +239,17 @@ def _run_classes(
             raise WarmupError(msg) from err
         seconds.append(time.perf_counter() - t0)
         counts.append(jit_cache.compilations() - c0)
+    if layer.config.audit_rate > 0:  # the audit's device checks: no shape in their compile key, one call compiles them
+        try:
+            violations = layer.audited_call([BLOCK_SIZE + 1])
+            _sync(layer.device)
+        except Exception as err:
+            raise WarmupError(f"certvllm warm-up ({what}) failed at the audit's checks: {type(err).__name__}: "
+                              f"{err}") from err  # fmt: skip
+        if violations:  # logged, not raised: the audit goes on checking served head-steps and applies its policy
+            logger.error("certvllm warm-up (%s): the audit found %d head-step(s) of a synthetic call outside "
+                         "their certificate: the certified path may not be sound on this device", what,
+                         violations)  # fmt: skip
     return WarmupReport(str(layer.device), tuple(classes), tuple(seconds), tuple(counts), time.perf_counter() - start,
                         jit_cache.compilations() - before)  # fmt: skip
 

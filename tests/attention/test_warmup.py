@@ -116,9 +116,14 @@ def test_kernels_compile_into_certvllm_s_own_triton_cache(tmp_path, monkeypatch)
     class Recording:
         device = torch.device("cpu")
         prefetcher = None
+        config = load_config("default")  # audits on: one audited call compiles their checks
 
         def call(self, lens, layer=0, *, begin_step=False):
             seen.append(os.environ.get("TRITON_CACHE_DIR"))
+
+        def audited_call(self, lens):
+            seen.append(os.environ.get("TRITON_CACHE_DIR"))
+            return 0
 
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "vllm-per-config"))
     monkeypatch.setenv("CERTVLLM_TRITON_CACHE", str(tmp_path / "ours"))
@@ -128,7 +133,7 @@ def test_kernels_compile_into_certvllm_s_own_triton_cache(tmp_path, monkeypatch)
         run_classes(classes, 1000, "H_q=8, H_kv=2, D=64, float16", Recording)
     finally:
         env.environment.cache_clear()
-    assert seen == [str(tmp_path / "ours")] * len(classes) and (tmp_path / "ours").is_dir()
+    assert seen == [str(tmp_path / "ours")] * (len(classes) + 1) and (tmp_path / "ours").is_dir()
     assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "vllm-per-config")
 
 
@@ -212,6 +217,8 @@ def test_no_new_compile_key_after_warm_up(monkeypatch, preset, overrides, glue_m
         lens = [rng.randint(1, longest) for _ in range(rng.randint(0, 7))] + [longest]
         for i in range(2):
             layer.call(lens, i, begin_step=i == 0 and rng.random() < 0.7)
+        if cfg.audit_rate > 0 and rng.random() < 0.3:  # the audit's device checks (outputs are garbage here: unread)
+            layer.audited_call(lens)
     new = keys.keys[True] - warm[True]
     assert not new, sorted({n for n, *_ in new})
     assert keys.keys[False] - warm[False]  # with Triton's default specialisation the same calls compile more
@@ -239,6 +246,8 @@ def test_no_compilation_after_warm_up_at_llama_shapes():
         lens = [rng.randint(1, longest) for _ in range(rng.randint(0, max_seqs - 1))] + [longest]
         for i in range(2):  # 40 calls
             layer.call(lens, i, begin_step=i == 0)
+        if step % 4 == 0:  # the audit's device checks, at this step's longest row (a table as wide as it)
+            assert layer.audited_call([longest]) == 0
     torch.cuda.synchronize()
     after = jit_cache.variants_by_kernel()
     assert after == before, {k: after[k] - before[k] for k in after if after[k] != before[k]}
