@@ -538,15 +538,21 @@ class Auditor:
 
     # -- results ------------------------------------------------------------------------------------------
     def resolve(self, wait: bool = False) -> list[AuditOutcome]:
-        """Read every queued check whose device values have landed (all of them with ``wait``: blocks this
-        thread only), count, log and apply the policy; returns the outcomes (also given to ``on_outcome``).
+        """Read every queued check whose device values have landed (with ``wait``, every one queued when it was
+        called: it waits for them without holding the auditor's lock, so it blocks this thread only, never a layer
+        call), count, log and apply the policy; returns the outcomes (also given to ``on_outcome``).
         Also folds the fallback entries' hit reads (entries no row matched are dropped)."""
         if not self._pending and not self._hits:  # the common case: nothing queued
             return []
+        if wait:  # wait outside the lock: the layer calls take it, and must never wait on the device through it
+            with self._lock:
+                queued = [p.read for p in self._pending] + [h.read for h in self._hits]
+            for read in queued:
+                read.wait()
         with self._lock:
-            ready = [p for p in self._pending if wait or p.read.done()]
+            ready = [p for p in self._pending if p.read.done()]
             self._pending = [p for p in self._pending if p not in ready]
-            hits = [h for h in self._hits if wait or h.read.done()]
+            hits = [h for h in self._hits if h.read.done()]
             self._hits = [h for h in self._hits if h not in hits]
             for h in hits:
                 matched, forced = h.read.values()

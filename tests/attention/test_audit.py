@@ -665,3 +665,41 @@ def test_device_checks_count_a_non_finite_token_as_a_violation():
     o = rec.last()
     bad = (o.rows == 0) & (o.heads < HQ // HKV)
     assert bool(o.violated[bad].all()) and bool(o.ratio[bad].isinf().all()) and not bool(o.violated[~bad].any())
+
+
+def test_waiting_for_queued_checks_never_holds_the_lock_the_layer_calls_take():
+    """``resolve(wait=True)`` (the metrics' flusher thread) waits for the device values of the queued checks without
+    holding the auditor's lock: a layer call on another thread (which takes the lock to queue its own checks and
+    to read landed ones) must never wait on the device through it. A queued read whose wait checks that another
+    thread can take the lock meanwhile stands in for a CUDA read."""
+    import threading
+
+    cfg = load_config("default", audit_rate=1.0, audit_policy="log")
+    cs = cases("random", 5, lens=(37, 50))
+    cache, tables, lens = paged_batch(cs, cfg.value_group_size)
+    q = torch.stack([c.q for c in cs])
+    rec = Recorder(cfg, defer=True)
+    rec.call(cfg, cache, q, tables, lens, 0.2)  # queued, not read (defer)
+    pending = rec.auditor._pending[0]
+    taken: list[bool] = []
+
+    class SlowRead:
+        def __init__(self, read) -> None:
+            self.read, self.waited = read, False
+
+        def wait(self) -> None:
+            other = threading.Thread(target=lambda: taken.append(rec.auditor._lock.acquire(timeout=5) and
+                                                                  (rec.auditor._lock.release() or True)))  # fmt: skip
+            other.start()
+            other.join()
+            self.waited = True
+
+        def done(self) -> bool:
+            return self.waited
+
+        def values(self):
+            return self.read.values()
+
+    pending.read = SlowRead(pending.read)
+    outcomes = rec.auditor.resolve(wait=True)
+    assert taken == [True] and len(outcomes) == 1 and rec.auditor.audited == 2 * HQ
