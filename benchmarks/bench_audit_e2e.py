@@ -7,7 +7,9 @@ per request, prefix-cached after the warm-up, so a phase is almost only decode) 
 ``ignore_eos``. Before each phase every worker's audit rate is set (``Auditor.set_rate`` through the harness's
 ``"audit_rate"`` phase key: same engine, same sampler seed, same check); each repeat runs the rates in a rotated
 order so that drift and the other jobs of the machine hit them alike (``--torch-reference`` adds the audited rates
-again with the audit's torch float64 reference, ``Auditor.compiled_reference = False``). Reported per rate: the
+again with the audit's torch float64 reference, ``Auditor.compiled_reference = False``; the default variant is
+labelled ``compiled``: the compiled C++ reference on the CPU, the device kernels ``triton_kernels.audit_check`` on
+CUDA). Reported per rate: the
 median over repeats of generated tokens per second, the overhead against rate 0 (from the medians, and the median of
 the per-repeat ratios), and the head-steps audited in its phases (from ``vllm:cert_audits_total``), with
 violations. The load average is sampled before and after.
