@@ -558,6 +558,8 @@ def test_cuda_path_audit_and_device_fallback_in_the_interpreter():
     cs = cases("sink_and_recency", 11, lens=(40, 37))
     cache, tables, lens = paged_batch(cs, 16)
     corrupt(cache, tables[0, :2], 0, "value_scales")
+    if dev.type == "cuda":  # compiled kernels read device pages and a pinned shadow
+        cache = LayerKVCache(cache.pages.to(dev), cache.shadow.pin_memory(), cache.layout)
     q, tables, lens = torch.stack([c.q for c in cs]).to(dev), tables.to(dev), lens.to(dev)
     scale = 1 / math.sqrt(D)
     ref = exact64(cs, scale).to(dev)
