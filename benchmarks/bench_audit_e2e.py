@@ -9,10 +9,9 @@ per request, prefix-cached after the warm-up, so a phase is almost only decode) 
 order so that drift and the other jobs of the machine hit them alike (``--torch-reference`` adds the audited rates
 again with the audit's torch float64 reference, ``Auditor.compiled_reference = False``; the default variant is
 labelled ``compiled``: the compiled C++ reference on the CPU, the device kernels ``triton_kernels.audit_check`` on
-CUDA). Reported per rate: the
-median over repeats of generated tokens per second, the overhead against rate 0 (from the medians, and the median of
-the per-repeat ratios), and the head-steps audited in its phases (from ``vllm:cert_audits_total``), with
-violations. The load average is sampled before and after.
+CUDA). Reported per rate: the median over repeats of generated tokens per second, the overhead against rate 0 (from
+the medians, and the median of the per-repeat ratios with its bootstrap 95 % interval), and the head-steps audited
+in its phases (from ``vllm:cert_audits_total``), with violations. The load average is sampled before and after.
 
     .venv/bin/python benchmarks/bench_audit_e2e.py    # prints the table, writes benchmarks/results/cpu_audit_e2e.json
 
@@ -28,6 +27,7 @@ import argparse
 import json
 import os
 import platform
+import random
 import statistics
 import time
 from pathlib import Path
@@ -116,18 +116,21 @@ def main(argv: list[str] | None = None) -> int:
         audits, steps = sum(r["audits"] for r in runs), sum(r["head_steps"] for r in runs)
         rows.append({"audit_rate": v[0], "reference": v[1], "median_tok_s": statistics.median(tok_s),
                      "overhead_vs_median": statistics.median(base_runs) / statistics.median(tok_s) - 1.0,
-                     "overhead_median_of_repeats": statistics.median(ratios), "runs_tok_s": tok_s,
+                     "overhead_median_of_repeats": statistics.median(ratios),
+                     "overhead_ci95": median_ci(ratios) if v[0] > 0 else [0.0, 0.0], "runs_tok_s": tok_s,
                      "runs_overhead": ratios, "audits": audits, "head_steps": steps,
                      "audited_share": audits / steps if steps else 0.0,
                      "violations": sum(r["violations"] for r in runs)})  # fmt: skip
     print(f"decode through vLLM, {args.batch} requests × ~{args.prompt_tokens}-token prompts (prefix-cached) × "
           f"{args.max_tokens} tokens, {args.dtype}, certified (default preset); {reps} repeats, rates interleaved; "
           f"load average {load_before[0]:.2f} before, {load_after[0]:.2f} after")  # fmt: skip
-    print(f"{'audit_rate':>10} {'reference':>9} {'tok/s':>8} {'overhead':>9} {'(per repeat)':>13} {'audits':>8} "
-          f"{'share':>8} {'violations':>10}")  # fmt: skip
+    print(f"{'audit_rate':>10} {'reference':>9} {'tok/s':>8} {'overhead':>9} {'(per repeat)':>13} "
+          f"{'95% CI':>18} {'audits':>8} {'share':>8} {'violations':>10}")  # fmt: skip
     for r in rows:
+        lo, hi = r["overhead_ci95"]
         print(f"{r['audit_rate']:>10g} {r['reference']:>9} {r['median_tok_s']:>8.2f} "
               f"{100 * r['overhead_vs_median']:>8.2f}% {100 * r['overhead_median_of_repeats']:>12.2f}% "
+              f"{f'[{100 * lo:+.1f}, {100 * hi:+.1f}] %':>18} "
               f"{int(r['audits']):>8d} {r['audited_share']:>8.5f} {int(r['violations']):>10d}")  # fmt: skip
     threads = [line[-300:] for line in res["log"].splitlines() if "thread" in line.lower()]
     meta = {"model": model, "engine_args": engine_args,
@@ -142,6 +145,14 @@ def main(argv: list[str] | None = None) -> int:
     args.out.write_text(json.dumps({"config": meta, "results": rows}, indent=2) + "\n")
     print(f"wrote {args.out}")
     return 0
+
+
+def median_ci(values: list[float], resamples: int = 10_000, seed: int = 20261203) -> list[float]:
+    """Percentile bootstrap 95 % interval of the median of ``values`` (the paired per-repeat overheads): how far the
+    phases' scatter leaves the estimate from resolving a small effect."""
+    rng = random.Random(seed)
+    medians = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(resamples))
+    return [medians[int(0.025 * resamples)], medians[int(0.975 * resamples) - 1]]
 
 
 if __name__ == "__main__":
