@@ -705,3 +705,27 @@ def test_waiting_for_queued_checks_never_holds_the_lock_the_layer_calls_take():
     pending.read = SlowRead(pending.read)
     outcomes = rec.auditor.resolve(wait=True)
     assert taken == [True] and len(outcomes) == 1 and rec.auditor.audited == 2 * HQ
+
+
+def test_device_checks_in_chunks_equal_one_launch(monkeypatch):
+    """Pairs checked in several launches (the partials' buffer capped, as at 128K with every head-step audited) give
+    the verdict rows of one launch, bit for bit."""
+    pytest.importorskip("triton")
+    from certvllm.triton_kernels import audit_check
+
+    cfg = load_config("default", audit_rate=1.0, audit_policy="log")
+    cs = cases("sink_and_recency", 31, lens=(37, 160, 211))
+    cache, tables, lens = paged_batch(cs, cfg.value_group_size)
+    q = torch.stack([c.q for c in cs])
+    if torch.cuda.is_available():
+        cache = LayerKVCache(cache.pages.cuda(), cache.shadow.pin_memory(), cache.layout)
+        q, tables, lens = q.cuda(), tables.cuda(), lens.cuda()
+    res = certified_attention(q, cache, tables, lens, cfg, 0.2)
+    pairs = list(range(len(cs) * HQ))
+    auditor = Auditor(cfg)
+    auditor.device_reference = True
+    whole = auditor.queue_checks(q, cache, tables, lens, 0.2, res, pairs, torch.float32)[0].cpu()
+    splits = -(-tables.shape[1] // audit_check.COLUMNS_PER_SPLIT)
+    monkeypatch.setattr(audit_check, "PARTIAL_BYTES", 5 * splits * (4 + D) * 8)  # 4 pairs per launch (even)
+    chunked = auditor.queue_checks(q, cache, tables, lens, 0.2, res, pairs, torch.float32)[0].cpu()
+    assert auditor._device_failure is None and torch.equal(whole, chunked)
