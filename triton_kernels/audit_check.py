@@ -46,7 +46,7 @@ def _audit_partial_kernel(
     tables,  # [R, B] int block ids (last dim contiguous)
     TB_STRIDE,  # its row stride
     lens,  # [R] int context lengths (contiguous)
-    consts,  # [5] float64: scale, tol_a, tol_b, bound_slack, f64_slack
+    consts,  # [6] float64: scale, tol_a, tol_b, bound_slack, f64_slack, padding
     num_blocks,  # 16-token blocks of the cache (ids are clamped into [0, num_blocks))
     B,  # block-table width
     S,  # partials per pair
@@ -193,7 +193,7 @@ def audit_check(
     bound_slack: float,
     f64_slack: float,
     rung_values: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> torch.Tensor:
     """The audit's verdicts on the (row, head) pairs ``pairs`` of one call, queued on the current stream of
     ``q``'s device (nothing is read on the host; one host-to-device copy, from pinned memory, two launches).
 
@@ -207,7 +207,7 @@ def audit_check(
             ``bound·bound_slack + f64_slack·v_max``; rung_values: the last rung judged by the certificate.
 
     Returns:
-        ``(verdict [n, 10] float64`` (:data:`VERDICT_COLUMNS`), ``pairs [n] int64)`` on the device.
+        ``verdict [n, 10]`` float64 (:data:`VERDICT_COLUMNS`) on the device.
     """
     n = len(pairs)
     R, hq, d = q.shape
@@ -221,7 +221,7 @@ def audit_check(
     consts_d, pairs_d = staged[:6].view(torch.float64), staged[6:]
     verdict = torch.empty(n, len(VERDICT_COLUMNS), dtype=torch.float64, device=dev)
     if n == 0:
-        return verdict, pairs_d
+        return verdict
     launch_device_ok(verdict)
     q, out, rung, bound, lens = (t.contiguous() for t in (q, out, rung, bound, lens))
     tables = tables if tables.stride(-1) == 1 else tables.contiguous()
@@ -244,4 +244,4 @@ def audit_check(
             partial, verdict[start:], pairs_d[start:], out, rung, bound, tables, tables.stride(0), lens, W, splits,
             consts_d, HQ=hq, D=d, DP=dp, RUNG_VALUES=rung_values, CHUNK=MERGE_CHUNK, num_warps=4,
         )  # fmt: skip
-    return verdict, pairs_d
+    return verdict

@@ -514,7 +514,7 @@ class Auditor:
                                             exact_dtype)  # fmt: skip
         rep = res.report
         try:
-            verdict, _ = audit_check(ensure_device_readable(cache), picked, q.to(dev), res.out, rep.rung, rep.bound,
+            verdict = audit_check(ensure_device_readable(cache), picked, q.to(dev), res.out, rep.rung, rep.bound,
                                      tables.to(dev), lens.to(dev), scale, num_kv_heads=cache.num_kv_heads,
                                      num_blocks=cache.num_blocks, channel_major=cache.keys_channel_major, tol_a=a,
                                      tol_b=b, bound_slack=BOUND_SUM_SLACK, f64_slack=F64_SLACK,

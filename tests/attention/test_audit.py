@@ -423,6 +423,11 @@ class CountingPageIn(PageInEngine):
         return super().gather_kv(cache, block_ids, kv_heads)
 
 
+def on_gpu(cache: LayerKVCache) -> LayerKVCache:
+    """The cache as the compiled CUDA path reads it: pages on the GPU, the shadow in pinned host memory."""
+    return LayerKVCache(cache.pages.cuda(), cache.shadow.pin_memory(), cache.layout, cache.keys_channel_major)
+
+
 def channel_major(cache: LayerKVCache) -> LayerKVCache:
     """The same originals with the keys stored channel-major (vLLM's CPU key cache layout, the plugin's shadow)."""
     e, h, _, run, d = cache.shadow.shape
@@ -558,8 +563,8 @@ def test_cuda_path_audit_and_device_fallback_in_the_interpreter():
     cs = cases("sink_and_recency", 11, lens=(40, 37))
     cache, tables, lens = paged_batch(cs, 16)
     corrupt(cache, tables[0, :2], 0, "value_scales")
-    if dev.type == "cuda":  # compiled kernels read device pages and a pinned shadow
-        cache = LayerKVCache(cache.pages.to(dev), cache.shadow.pin_memory(), cache.layout)
+    if dev.type == "cuda":
+        cache = on_gpu(cache)
     q, tables, lens = torch.stack([c.q for c in cs]).to(dev), tables.to(dev), lens.to(dev)
     scale = 1 / math.sqrt(D)
     ref = exact64(cs, scale).to(dev)
@@ -611,9 +616,8 @@ def test_device_checks_reach_the_torch_paths_verdicts(keys):
         cache = channel_major(cache)
     wide = torch.cat([tables, tables.flip(0), tables], dim=1)
     q = torch.stack([c.q for c in cs])
-    if torch.cuda.is_available():  # compiled kernels: pages on the device, the shadow pinned (read over PCIe)
-        cache = LayerKVCache(cache.pages.cuda(), cache.shadow.pin_memory(), cache.layout, cache.keys_channel_major)
-        q, wide, lens = q.cuda(), wide.cuda(), lens.cuda()
+    if torch.cuda.is_available():
+        cache, q, wide, lens = on_gpu(cache), q.cuda(), wide.cuda(), lens.cuda()
     nan_slots = cpu_kernels.audit_available() and not torch.cuda.is_available()
     scale = 1 / math.sqrt(D)
     pairs = list(range(len(cs) * HQ))
@@ -653,8 +657,7 @@ def test_device_checks_count_a_non_finite_token_as_a_violation():
     cache, tables, lens = paged_batch(cs, cfg.value_group_size)
     q = torch.stack([c.q for c in cs])
     if torch.cuda.is_available():
-        cache = LayerKVCache(cache.pages.cuda(), cache.shadow.pin_memory(), cache.layout)
-        q, tables, lens = q.cuda(), tables.cuda(), lens.cuda()
+        cache, q, tables, lens = on_gpu(cache), q.cuda(), tables.cuda(), lens.cuda()
     rec = Recorder(cfg)
     rec.call(cfg, cache, q, tables, lens, 0.2)  # pages encoded before the shadow is spoilt: the output stays finite
     rec.auditor.resolve(wait=True)
@@ -718,8 +721,7 @@ def test_device_checks_in_chunks_equal_one_launch(monkeypatch):
     cache, tables, lens = paged_batch(cs, cfg.value_group_size)
     q = torch.stack([c.q for c in cs])
     if torch.cuda.is_available():
-        cache = LayerKVCache(cache.pages.cuda(), cache.shadow.pin_memory(), cache.layout)
-        q, tables, lens = q.cuda(), tables.cuda(), lens.cuda()
+        cache, q, tables, lens = on_gpu(cache), q.cuda(), tables.cuda(), lens.cuda()
     res = certified_attention(q, cache, tables, lens, cfg, 0.2)
     pairs = list(range(len(cs) * HQ))
     auditor = Auditor(cfg)
