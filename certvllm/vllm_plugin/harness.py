@@ -389,6 +389,7 @@ def _follow(proc: subprocess.Popen, progress: Path, on_phase: Callable[[dict[str
                 last_phase = time.monotonic()
                 on_phase(json.loads(line))
 
+    restore = _raise_on_sigterm()
     try:
         while True:
             try:
@@ -420,6 +421,33 @@ def _follow(proc: subprocess.Popen, progress: Path, on_phase: Callable[[dict[str
             os.killpg(proc.pid, signal.SIGKILL)  # the engine and its workers share the child's session
         proc.wait()
         raise
+    finally:
+        restore()
+
+
+class Terminated(SystemExit):
+    """This process got ``SIGTERM`` (``timeout``, a job scheduler) while it followed an engine run."""
+
+
+def _raise_on_sigterm() -> Callable[[], None]:
+    """While a run is followed, ``SIGTERM`` raises :class:`Terminated` here instead of ending the process at once,
+    so that :func:`_follow` stops the engine's session first: the engine runs in its own session and would
+    otherwise outlive its parent, holding its GPU memory (found on the H200: a benchmark cut by ``timeout``
+    left an engine core holding 57 GiB, and the next engine could not start). Only in the main thread, and
+    only where no other handler is installed. Returns the function that restores the previous handler."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) not in (
+        signal.SIG_DFL,
+        None,
+    ):
+        return lambda: None
+
+    def terminated(signum: int, frame: Any) -> None:
+        raise Terminated(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, terminated)
+    return lambda: signal.signal(signal.SIGTERM, previous)
 
 
 def first_errors(log_text: str, lines: int = 40) -> str:

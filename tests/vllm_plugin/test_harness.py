@@ -3,6 +3,7 @@ waiting for outputs that will not come."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -104,3 +105,28 @@ def test_a_perplexity_window_without_a_scored_token_is_an_error_not_a_result():
 
     with pytest.raises(ValueError, match="no prompt log-probability after the 4 cached tokens"):
         score_perplexity({"id": "ppl-4k-0", "token_ids": [0] * 7}, [None] * 7, cached_tokens=4)
+
+
+def test_a_terminated_parent_stops_its_engine_session_first(tmp_path):
+    """``SIGTERM`` to the process following a run (``timeout`` around a benchmark) ends the engine's session
+    too: the engine lives in its own session and would otherwise outlive its parent, holding the GPU."""
+    pid_file = tmp_path / "engine.pid"
+    parent = (
+        "import subprocess, sys\n"
+        "from pathlib import Path\n"
+        "from certvllm.vllm_plugin import harness\n"
+        "proc = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'], start_new_session=True)\n"
+        f"Path({str(pid_file)!r}).write_text(str(proc.pid))\n"
+        f"harness._follow(proc, Path({str(tmp_path / 'progress.jsonl')!r}), lambda _: None, 100.0)\n"
+    )
+    follower = subprocess.Popen([sys.executable, "-c", parent])
+    deadline = time.monotonic() + 60.0
+    while not pid_file.exists() or not pid_file.read_text():
+        assert time.monotonic() < deadline and follower.poll() is None, "the follower did not start its engine"
+        time.sleep(0.1)
+    engine_pid = int(pid_file.read_text())
+    time.sleep(1.5)  # the follower is inside _follow's wait loop
+    follower.terminate()
+    assert follower.wait(timeout=30) == 128 + 15
+    with pytest.raises(ProcessLookupError):  # gone (the follower reaped it), not orphaned
+        os.kill(engine_pid, 0)
