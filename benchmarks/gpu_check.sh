@@ -24,6 +24,11 @@ if [ -z "${SKIP_TESTS:-}" ]; then
   # shellcheck disable=SC2086
   python3 -m pytest -m gpu ${PYTEST_FLAGS:--x -q} tests/triton_kernels 2>&1 | tee "$OUT/pytest_gpu.log"
   test_rc=${PIPESTATUS[0]}
+  # the audit's device checks: CPU tests (Triton interpreter) that run the compiled kernels where a GPU is
+  # present, so they carry no gpu marker and -m gpu above does not select them
+  python3 -m pytest -q tests/attention/test_audit.py -k "device_checks or cuda_path" 2>&1 \
+    | tee "$OUT/pytest_gpu_audit.log"
+  test_rc=$(( test_rc != 0 || PIPESTATUS[0] != 0 ))
 fi
 # shellcheck disable=SC2086
 python3 benchmarks/bench_decode.py --out "$OUT/decode.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
