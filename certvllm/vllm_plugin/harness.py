@@ -60,6 +60,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -435,12 +436,8 @@ def _raise_on_sigterm() -> Callable[[], None]:
     otherwise outlive its parent, holding its GPU memory (found on the H200: a benchmark cut by ``timeout``
     left an engine core holding 57 GiB, and the next engine could not start). Only in the main thread, and
     only where no other handler is installed. Returns the function that restores the previous handler."""
-    import threading
-
-    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) not in (
-        signal.SIG_DFL,
-        None,
-    ):
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    if not in_main_thread or signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, None):
         return lambda: None
 
     def terminated(signum: int, frame: Any) -> None:
