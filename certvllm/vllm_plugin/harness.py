@@ -10,13 +10,16 @@ SPEC: ``{"model": DIR, "kv_cache_dtype": "auto"|"certified", "cert": {...additio
 "engine": {...LLM kwargs...}, "requests": [{"prompt": str | "prompt_token_ids": [...], "max_tokens": n,
 "ignore_eos": bool, "prompt_logprobs": bool, "logprobs": bool, "skip_reading_prefix_cache": bool,
 "detokenize": bool, "abort_after_tokens": n}], "batch": bool, "repeat": int, "audit_rate": float,
-"audit_reference": str}``, or several such groups as ``"phases": [...]``, run one after the other in the same
-engine;
+"audit_reference": str, "profile": n}``, or several such groups as ``"phases": [...]``, run one after the other
+in the same engine;
 ``"environment": {VAR: value}`` is set in the process before vLLM is imported. A group's ``"audit_rate"``
 sets every worker's audit rate (``Auditor.set_rate``) before the group runs, so rates can be compared inside
 one engine, and ``"audit_reference"`` (``"compiled"`` or ``"torch"``, ``Auditor.compiled_reference``) the audit's
 exact reference (needs ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` in the engine's environment: vLLM sends the setter
 as a function); its phase record then also holds ``"workers"``: each worker's ``{"audited", "threads"}``.
+A group's ``"profile": n`` serves it under cProfile and adds ``"profile"`` to its record: the ``n`` functions with the
+most own time and the ``n`` with the most time including callees (:func:`profile_summary`; the engine's own work is
+in it only with ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` in ``"environment"``).
 RESULT: ``{"outputs": [{"token_ids": [...], "text": str, "prompt_tokens": n, "cached_tokens": n,
 "aborted": bool}], "seconds": [...], "init_seconds": s, "metrics": {series: value},
 "phases": [{"outputs", "seconds", "metrics", "metrics_before"}, ...], "engine_config": {...}, "log": str}``
@@ -50,11 +53,13 @@ evaluation suite's resumable runs).
 from __future__ import annotations
 
 import contextlib
+import cProfile
 import enum
 import faulthandler
 import itertools
 import json
 import os
+import pstats
 import re
 import signal
 import subprocess
@@ -223,11 +228,13 @@ def _run(spec: dict[str, Any]) -> dict[str, Any]:
             workers = llm.collective_rpc(_set_audit_rate,
                                          args=(float(phase["audit_rate"]), phase.get("audit_reference")))  # fmt: skip
         seconds, outputs = [], []
+        profiler = cProfile.Profile() if phase.get("profile") else None
         for _ in range(phase.get("repeat", 1)):
             got, aborted = [], set()
             for group in [requests] if phase.get("batch", True) else [[r] for r in requests]:
                 t = time.perf_counter()
-                outs, cut = serve(group)
+                with profiler or contextlib.nullcontext():
+                    outs, cut = serve(group)
                 seconds.append(time.perf_counter() - t)
                 got += outs
                 aborted |= cut
@@ -242,7 +249,12 @@ def _run(spec: dict[str, Any]) -> dict[str, Any]:
                     sample = o.outputs[0]
                     out["logprobs"] = [float(lp[t].logprob) for t, lp in zip(sample.token_ids, sample.logprobs or [],
                                                                             strict=True)]  # fmt: skip
-        return {"outputs": outputs, "seconds": seconds, **({"workers": workers} if workers is not None else {})}
+        record: dict[str, Any] = {"outputs": outputs, "seconds": seconds}
+        if workers is not None:
+            record["workers"] = workers
+        if profiler is not None:
+            record["profile"] = profile_summary(profiler, int(phase["profile"]))
+        return record
 
     progress = spec.get("progress")
     engine_config = _engine_config(llm)
@@ -258,6 +270,27 @@ def _run(spec: dict[str, Any]) -> dict[str, Any]:
     _shutdown(llm)
     return {"outputs": phases[0]["outputs"], "seconds": phases[0]["seconds"], "phases": phases,
             "init_seconds": init, "metrics": before, "engine_config": engine_config}  # fmt: skip
+
+
+def _short_path(path: str) -> str:
+    """A profiled function's file as a package-relative path (``vllm/...``, ``certvllm/...``, ``torch/...``)."""
+    for marker in ("site-packages/", "dist-packages/", "/certvllm-src/"):
+        if marker in path:
+            return path.split(marker, 1)[1]
+    return path
+
+
+def profile_summary(profiler: cProfile.Profile, top: int) -> dict[str, list[dict[str, Any]]]:
+    """The ``top`` functions of a profiled phase by own time (``tottime``) and by time including callees
+    (``cumtime``): ``{"tottime": [...], "cumtime": [...]}``, each entry ``{"function", "calls", "tottime",
+    "cumtime"}`` (seconds over the whole phase). cProfile sees the thread that serves the phase only: the engine
+    core and its worker are in it when the engine runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``)."""
+    stats = pstats.Stats(profiler).stats  # type: ignore[attr-defined]  # (file, line, name) → (cc, nc, tt, ct, callers)
+    rows = [
+        {"function": f"{_short_path(file)}:{line}({name})", "calls": nc, "tottime": tt, "cumtime": ct}
+        for (file, line, name), (_cc, nc, tt, ct, _callers) in stats.items()
+    ]
+    return {key: sorted(rows, key=lambda r: -r[key])[:top] for key in ("tottime", "cumtime")}
 
 
 def _shutdown(llm: Any) -> None:

@@ -130,3 +130,29 @@ def test_a_terminated_parent_stops_its_engine_session_first(tmp_path):
     assert follower.wait(timeout=30) == 128 + 15
     with pytest.raises(ProcessLookupError):  # gone (the follower reaped it), not orphaned
         os.kill(engine_pid, 0)
+
+
+def test_a_profiled_phase_ranks_its_functions_by_own_and_total_time():
+    import cProfile
+
+    def leaf(n: int) -> int:
+        return sum(i * i for i in range(n))
+
+    def caller() -> int:
+        return sum(leaf(20000) for _ in range(20))
+
+    profiler = cProfile.Profile()
+    with profiler:
+        caller()
+    summary = harness.profile_summary(profiler, top=5)
+    assert set(summary) == {"tottime", "cumtime"}
+    for key, rows in summary.items():
+        assert 1 <= len(rows) <= 5
+        assert [r[key] for r in rows] == sorted((r[key] for r in rows), reverse=True)
+        assert all(r["cumtime"] >= r["tottime"] >= 0 for r in rows)
+    # the caller includes the leaf's time (cumtime) and is ranked at or above it there
+    cum = [r["function"] for r in summary["cumtime"]]
+    by_name = {r["function"].rsplit("(", 1)[1].rstrip(")"): r for r in summary["cumtime"]}
+    assert "caller" in by_name and "leaf" in by_name, cum
+    assert by_name["caller"]["cumtime"] >= by_name["leaf"]["cumtime"]
+    assert by_name["leaf"]["calls"] == 20
