@@ -44,9 +44,10 @@ from .shape_class import JIT_OPTIONS
 def _encode_pages_kernel(
     k_ptr,  # keys of the source blocks (float16/bfloat16); element (t, d) of item i at k_ptr + k_off[i] + t*K_ST + d*K_SC
     v_ptr,  # values (same dtype), token-major; element (t, d) of item i at v_ptr + v_off[i] + t*D + d
-    k_off,  # [P] int64 element offset of each item's key block
-    v_off,  # [P] int64 element offset of each item's value block
-    dst_off,  # [P] int64 byte offset of each item's page in the output
+    k_off,  # [P] int64 element offset of each item's key block (FROM_SLOTS: [T] int64 token slots)
+    v_off,  # [P] int64 element offset of each item's value block (unused with FROM_SLOTS)
+    dst_off,  # [P] int64 byte offset of each item's page in the output (unused with FROM_SLOTS)
+    gen,  # [blocks] int64 write generations of the 16-token blocks (read only with BUMP)
     out_u8,  # the page storage viewed as uint8
     out_f16,  # the same storage viewed as float16 (byte offsets / 2)
     out_f32,  # the same storage viewed as float32 (byte offsets / 4)
@@ -69,15 +70,33 @@ def _encode_pages_kernel(
     PRECISE: tl.constexpr,  # libdevice rint (compiled) or the 2^23 trick (interpreter)
     KL: tl.constexpr = 255.0,  # largest key code (PageLayout.key_levels, as a float)
     VL: tl.constexpr = 15.0,  # largest value code (PageLayout.value_levels)
+    FROM_SLOTS: tl.constexpr = False,  # items (token, KV head) of a token-major shadow, offsets from the slots
+    H_KV: tl.constexpr = 1,  # FROM_SLOTS: KV heads
+    M_SUB: tl.constexpr = 1,  # FROM_SLOTS: 16-token blocks per engine block
+    BUMP: tl.constexpr = False,  # FROM_SLOTS: add 1 to each encoded block's generation
 ):
     N: tl.constexpr = 16
     HALF: tl.constexpr = GRP // 2
     pid = tl.program_id(0)
-    koff = tl.load(k_off + pid)
-    voff = tl.load(v_off + pid)
-    dst = tl.load(dst_off + pid)
-    if dst < 0:  # no block here (the device write path lists every token's block, -1 where none completes)
-        return
+    if FROM_SLOTS:  # item = token · H_KV + head; only a token at its block's last offset completes the block
+        head = (pid % H_KV).to(tl.int64)
+        slot = tl.load(k_off + pid // H_KV)
+        if (slot < 0) | (slot % N != N - 1):  # padding, or the block is not full yet
+            return
+        block = slot // N
+        run = M_SUB * N * D  # elements of one (engine block, head, k|v) run of the shadow
+        run_base = (block // M_SUB * H_KV + head) * 2 * run
+        koff = run_base + (block % M_SUB) * N * D
+        voff = koff + run
+        dst = ((block // M_SUB * H_KV + head) * M_SUB + block % M_SUB) * PAGE_BYTES
+        if BUMP:  # once per block (head 0): its pages changed, copies taken before are stale
+            tl.atomic_add(gen + block, 1, mask=head == 0)
+    else:
+        koff = tl.load(k_off + pid)
+        voff = tl.load(v_off + pid)
+        dst = tl.load(dst_off + pid)
+        if dst < 0:  # no block here (a caller's list may hold -1 where nothing is to be encoded)
+            return
     t = tl.arange(0, N)
     d = tl.arange(0, DP)
     dm = d < D
@@ -232,20 +251,51 @@ def encode_into(
     if p == 0:
         return
     launch_device_ok(pages)
-    d = layout.head_dim
-    g = layout.value_group
     if keys_channel_major_stride is None:
-        k_st, k_sc = d, 1
+        k_st, k_sc = layout.head_dim, 1
     else:
         k_st, k_sc = 1, int(keys_channel_major_stride)
-    pad = layout.page_bytes - layout.header - 10
     _encode_pages_kernel[(p,)](
-        device_arg(k_src), device_arg(v_src), k_offsets, v_offsets, dst_offsets,
+        device_arg(k_src), device_arg(v_src), k_offsets, v_offsets, dst_offsets, dst_offsets,
         pages, pages.view(torch.float16), pages.view(torch.float32), _lut64(pages.device),
-        K_ST=k_st, K_SC=k_sc, D=d, DP=next_pow2(d), GRP=g, NG=layout.groups, NGP=next_pow2(layout.groups),
-        V_CODES=layout.v_codes, V_SCALE=layout.v_scale, V_ZERO=layout.v_zero, K_OFFSET=layout.k_offset,
-        K_SCODE=layout.k_scale_code, HEADER=layout.header, PAGE_BYTES=layout.page_bytes, PADP=next_pow2(pad),
-        PRECISE=precise(), KL=float(layout.key_levels), VL=float(layout.value_levels), num_warps=4,
+        K_ST=k_st, K_SC=k_sc, **_layout_args(layout), num_warps=4,
+    )  # fmt: skip
+
+
+def _layout_args(layout: PageLayout) -> dict:
+    """The encode kernel's compile-time arguments that follow the page layout."""
+    d, pad = layout.head_dim, layout.page_bytes - layout.header - 10
+    return dict(D=d, DP=next_pow2(d), GRP=layout.value_group, NG=layout.groups, NGP=next_pow2(layout.groups),
+                V_CODES=layout.v_codes, V_SCALE=layout.v_scale, V_ZERO=layout.v_zero, K_OFFSET=layout.k_offset,
+                K_SCODE=layout.k_scale_code, HEADER=layout.header, PAGE_BYTES=layout.page_bytes,
+                PADP=next_pow2(pad), PRECISE=precise(), KL=float(layout.key_levels),
+                VL=float(layout.value_levels))  # fmt: skip
+
+
+def encode_completed_blocks(pages: torch.Tensor, shadow: torch.Tensor, slots: torch.Tensor, layout: PageLayout,
+                            num_kv_heads: int, sub_blocks: int, generation: torch.Tensor | None = None) -> None:  # fmt: skip
+    """Encode the blocks a write completes, in one launch: for every token slot at the last offset of its 16-token
+    block, that block's page of every KV head, from the token-major shadow (what :func:`encode_into` does for a
+    list of blocks, with the same bytes; the offsets are formed in the kernel, so the caller runs no glue).
+
+    Args:
+        pages: ``[E, H_kv, M·page_bytes]`` uint8 (contiguous) tier-1 pages.
+        shadow: ``[E, H_kv, 2, M·16, D]`` token-major originals (pinned host memory the device addresses).
+        slots: ``[T]`` int64 token slots of the write (16-token block · 16 + offset), on the pages' device;
+            negative: padding.
+        num_kv_heads, sub_blocks: ``H_kv`` and ``M`` (16-token blocks per engine block).
+        generation: ``[blocks]`` int64 write generations, each encoded block's bumped by 1 (None: not counted).
+    """
+    t = slots.numel()
+    if t == 0:
+        return
+    launch_device_ok(pages)
+    bump = generation is not None
+    _encode_pages_kernel[(t * num_kv_heads,)](
+        device_arg(shadow), device_arg(shadow), slots, slots, slots, generation if bump else slots,
+        pages, pages.view(torch.float16), pages.view(torch.float32), _lut64(pages.device),
+        K_ST=layout.head_dim, K_SC=1, **_layout_args(layout), FROM_SLOTS=True, H_KV=num_kv_heads,
+        M_SUB=sub_blocks, BUMP=bump, num_warps=4,
     )  # fmt: skip
 
 

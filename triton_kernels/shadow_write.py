@@ -30,6 +30,7 @@ def _scatter_kernel(
     value,  # [T, H_kv, D] values, same
     slots,  # [T] int64 token slots (16-token block · N + offset), < 0: skip
     shadow,  # the shadow storage (layout above)
+    gen,  # [blocks] int64 write generations of the 16-token blocks (read only with BUMP)
     KEY_T,  # key token stride (elements)
     KEY_H,  # key head stride
     VAL_T,  # value token stride
@@ -39,6 +40,7 @@ def _scatter_kernel(
     N: tl.constexpr,  # tokens per 16-token block
     D: tl.constexpr,  # head dim
     DP: tl.constexpr,  # next power of two ≥ D
+    BUMP: tl.constexpr = False,  # add 1 to the token's block generation (LayerKVCache.bump_generation)
 ):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
@@ -46,6 +48,8 @@ def _scatter_kernel(
     if slot < 0:  # padding token
         return
     block = slot // N
+    if BUMP:  # once per token (head 0)
+        tl.atomic_add(gen + block, 1, mask=h == 0)
     run = M * N * D
     base = ((block // M) * H + h) * 2 * run + ((block % M) * N + slot % N) * D
     d = tl.arange(0, DP)
@@ -57,10 +61,12 @@ def _scatter_kernel(
 
 
 def scatter_into_shadow(shadow: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor,
-                        sub_blocks: int, block_size: int) -> None:  # fmt: skip
+                        sub_blocks: int, block_size: int, generation: torch.Tensor | None = None) -> None:  # fmt: skip
     """Store ``key``/``value`` ``[T, H_kv, D]`` (the shadow's dtype, channel stride 1) at ``slots`` ``[T]`` int64
     (on the keys' device; negative: skipped) into ``shadow`` ``[E, H_kv, 2, M·N, D]`` (token-major, contiguous;
-    pinned host memory the device can address, or any tensor under the interpreter)."""
+    pinned host memory the device can address, or any tensor under the interpreter). With ``generation``
+    (``[blocks]`` int64 on the keys' device, ``LayerKVCache.generation``), each stored token adds 1 to its
+    16-token block's counter in the same launch."""
     t, h, d = key.shape
     if t == 0:
         return
@@ -70,7 +76,9 @@ def scatter_into_shadow(shadow: torch.Tensor, key: torch.Tensor, value: torch.Te
     if key.stride(2) != 1 or value.stride(2) != 1 or not shadow.is_contiguous():
         raise ValueError("the keys' and values' channels must be contiguous and the shadow contiguous")
     launch_device_ok(key)
+    bump = generation is not None
     _scatter_kernel[(t, h)](
-        key, value, slots, device_arg(shadow), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        H=h, M=sub_blocks, N=block_size, D=d, DP=next_pow2(d), num_warps=1,
+        key, value, slots, device_arg(shadow), generation if bump else slots, key.stride(0), key.stride(1),
+        value.stride(0), value.stride(1), H=h, M=sub_blocks, N=block_size, D=d, DP=next_pow2(d), BUMP=bump,
+        num_warps=1,
     )  # fmt: skip

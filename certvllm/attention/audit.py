@@ -35,9 +35,9 @@ audited head-step costs one subtraction and draws nothing. The draws come from t
 ``random.Random`` seeded from ``CertConfig.seed``; the op's exploration generator is never touched. The
 audit's device work is queued in stream order right after the call (the shadow pages it reads are exactly
 those the call read) and its results are taken as a :class:`~certvllm.kv.deferred.DeferredRead`: on CUDA a
-non-blocking copy behind an event, read once the event has completed (a later call, or the metrics'
-flusher via :meth:`Auditor.resolve`), never a host synchronisation in the layer call. The fallback mask of a
-call is computed on the device too. On the CPU everything is read at once.
+non-blocking copy behind an event, read once the event has completed (by the next step's first layer call,
+or the metrics' flusher via :meth:`Auditor.resolve`), never a host synchronisation in the layer call. The
+fallback mask of a call is computed on the device too. On the CPU everything is read at once.
 """
 
 from __future__ import annotations
@@ -380,6 +380,7 @@ class Auditor:
         self.audited = 0  # head-steps audited and resolved so far
         self.violations = 0
         self._steps: dict[int, int] = {}
+        self._first_layer: int | None = None  # the lowest layer index audited: where a step's calls start
         self._pending: list[_Pending] = []
         self._hits: list[_PendingHits] = []
         self._entries: dict[int, list[FallbackEntry]] = {}
@@ -428,20 +429,26 @@ class Auditor:
         """
         step = self._steps.get(layer, 0)
         self._steps[layer] = step + 1
-        self.resolve()
+        dev = cache.pages.device
+        deferred = self.defer or (self.defer is None and dev.type == "cuda")
+        self._first_layer = layer if self._first_layer is None else min(self._first_layer, layer)
+        if not deferred or layer == self._first_layer:
+            # deferred checks land after their call: reading the landed ones once per step (at the first layer)
+            # starts their fallbacks from the next step, as reading them at every layer would, for one pass over
+            # the queue instead of one per layer
+            self.resolve()
         force = self.forced_rows(layer, tables, lens)
         res = call(force)
         R, Hq = q.shape[0], q.shape[1]
         picked = self.sampler.sample(R * Hq) if R else []
         if not picked:
             return res
-        dev = cache.pages.device
         exact_dtype = cache.dtype if exact_rows is not None else torch.float32
         read = DeferredRead(self.queue_checks(q, cache, tables, lens, scale, res, picked, exact_dtype, tag))
         with self._lock:
             self._pending.append(_Pending(layer, step, read))
-        if self.defer or (self.defer is None and dev.type == "cuda"):
-            return res  # read by a later call's resolve() or by the metrics' flush
+        if deferred:
+            return res  # read by the next step's first call (resolve()) or by the metrics' flush
         for outcome in self.resolve():
             here = outcome.layer == layer and outcome.step == step
             if here and self.policy != "log" and bool(outcome.violated.any()):

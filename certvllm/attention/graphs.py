@@ -5,8 +5,9 @@ Python between them.
 Why here and not in vLLM's own graphs: vLLM's piecewise CUDA graphs (what the plugin lowers full graphs to,
 ``vllm_plugin.routing``) run attention eagerly between the captured pieces, and its full graphs are keyed by
 batch size alone, while a certified call's grids follow the block-table width as well. So the op's caller
-captures it itself: :class:`LayerCallGraphs` holds, per layer, static inputs of a padded shape and a graph that
-reads them.
+captures it itself: :class:`LayerCallGraphs` holds, per layer, a graph that reads static inputs of a padded
+shape (shared by the layers' graphs of that shape: a step's tables and lengths are written once, the query per
+call).
 
 Padding (``row_bucket``, ``width_bucket``):
 
@@ -42,6 +43,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Hashable
 from dataclasses import dataclass
@@ -58,7 +60,8 @@ from certvllm.triton_kernels.common import next_pow2
 
 logger = logging.getLogger("certvllm")
 MAX_GRAPHS = 1024
-"""Graphs a worker keeps (each holds its static inputs and outputs: ~1 MiB at 64 rows, 32 heads of 128)."""
+"""Graphs a worker keeps (each holds its outputs, ~1 MiB at 64 rows and 32 heads of 128; the graphs of one shape
+share their inputs)."""
 
 
 def row_bucket(rows: int) -> int:
@@ -77,26 +80,35 @@ def width_bucket(columns: int) -> int:
     return -(-columns // step) * step
 
 
-@dataclass
 class _Inputs:
-    """A graph's static inputs, written before each replay."""
+    """The static inputs of every graph of one (query dtype and heads, row bucket, width bucket): the graphs of all
+    layers read the same buffers, written before each replay. A step's block tables and lengths are the same for
+    every layer, so they are written once per step (when the tensors handed in change: another object, or the same
+    one modified in place, which bumps its version counter); only the query is written per call."""
 
-    q: torch.Tensor  # [R_b, H_q, D] the model dtype
-    tables: torch.Tensor  # [R_b, W_b] int64
-    lens: torch.Tensor  # [R_b] int64
+    def __init__(self, rows: int, width: int, q_shape: tuple[int, ...], dtype: torch.dtype,
+                 device: torch.device) -> None:  # fmt: skip
+        self.q = torch.zeros(rows, *q_shape, dtype=dtype, device=device)  # [R_b, H_q, D] the model dtype
+        self.tables = torch.zeros(rows, width, dtype=torch.int64, device=device)  # [R_b, W_b]
+        self.lens = torch.ones(rows, dtype=torch.int64, device=device)  # [R_b]
+        self._source: tuple[torch.Tensor, int, torch.Tensor, int] | None = None  # tables, lens last written
 
     def load(self, q: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor) -> None:
         """Write a call's inputs; padding rows get query 0, length 1 and block 0, padding columns block 0."""
         R, B = tables.shape
+        src = self._source
+        if src is None or src[0] is not tables or src[1] != tables._version or src[2] is not lens or \
+                src[3] != lens._version:  # fmt: skip
+            self.tables[:R, :B].copy_(tables)
+            self.lens[:R].copy_(lens)
+            if self.tables.shape[1] > B:
+                self.tables[:R, B:].zero_()
+            if self.q.shape[0] > R:
+                self.q[R:].zero_()
+                self.tables[R:].zero_()
+                self.lens[R:].fill_(1)
+            self._source = (tables, tables._version, lens, lens._version)
         self.q[:R].copy_(q)
-        self.tables[:R, :B].copy_(tables)
-        self.lens[:R].copy_(lens)
-        if self.tables.shape[1] > B:
-            self.tables[:R, B:].zero_()
-        if self.q.shape[0] > R:
-            self.q[R:].zero_()
-            self.tables[R:].zero_()
-            self.lens[R:].fill_(1)
 
 
 @dataclass
@@ -127,6 +139,9 @@ class LayerCallGraphs:
         self.max_rows, self.max_graphs = int(max_rows), int(max_graphs)
         self.pool = torch.cuda.graph_pool_handle()
         self._graphs: OrderedDict[Hashable, _Graph] = OrderedDict()
+        # shared by the graphs of every layer with one (dtype, heads, row bucket, width bucket); dropped with the
+        # last graph that reads them
+        self._inputs: weakref.WeakValueDictionary[Hashable, _Inputs] = weakref.WeakValueDictionary()
         self.captures = 0
         self.capture_seconds = 0.0  # wall time of the captures (their eager first runs included)
         self.replays = 0
@@ -175,9 +190,10 @@ class LayerCallGraphs:
                     residency: Residency, generator: torch.Generator | None) -> CertifiedOutput:  # fmt: skip
         """Run the padded call eagerly (this call's answer), then capture it under ``key``."""
         _, _, rows, width = key
-        inputs = _Inputs(torch.empty(rows, *q.shape[1:], dtype=q.dtype, device=self.device),
-                         torch.empty(rows, width, dtype=torch.int64, device=self.device),
-                         torch.empty(rows, dtype=torch.int64, device=self.device))  # fmt: skip
+        shape = (q.dtype, tuple(q.shape[1:]), rows, width)
+        inputs = self._inputs.get(shape)
+        if inputs is None:
+            inputs = self._inputs[shape] = _Inputs(rows, width, tuple(q.shape[1:]), q.dtype, self.device)
         inputs.load(q, tables, lens)
 
         def call() -> CertifiedOutput:

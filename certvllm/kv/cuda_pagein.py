@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from certvllm.kv.deferred import DeferredRead, DeferredStats
+from certvllm.kv.deferred import DeferredRead, DeferredStats, ReadBatch
 from certvllm.kv.pagein import PageInEngine, PageInStats
 
 if TYPE_CHECKING:
@@ -199,41 +199,44 @@ class CudaPageInEngine(PageInEngine):
             self._device_counts = None
         return super().take_stats()
 
-    def take_stats_deferred(self) -> DeferredStats:
+    def take_stats_deferred(self, batch: ReadBatch | None = None) -> DeferredStats:
         """:meth:`take_stats` without a synchronisation: the host counts now, the device counts (promoted key
         and value blocks, fused page-in bytes) as a pinned host copy queued in stream order, read when the
-        result is resolved. The next call's device counts start from nothing."""
+        result is resolved (with a ``batch``: as a member of its read, queued by ``batch.issue()``). The next
+        call's device counts start from nothing."""
         counts, self._device_counts = self._device_counts, None
         host = asdict(super().take_stats())  # the host counts only: the device ones are taken above
         if counts is None:
             return DeferredStats.of(host)
-        return DeferredStats(host, ("key_blocks", "value_blocks", "bytes"), DeferredRead([counts]))
+        read = batch.add([counts]) if batch is not None else DeferredRead([counts])
+        return DeferredStats(host, ("key_blocks", "value_blocks", "bytes"), read)
 
 
 def write_tokens_on_device(cache: LayerKVCache, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
-    """The CUDA write path with no host synchronisation: this step's tokens go into the shadow by device stores
-    (``triton_kernels.shadow_write``), their blocks' write generations are bumped, and every block a token
-    completes (its offset is the last of the block) is encoded into its pages. The same shadow bytes, pages and
-    generations as ``LayerKVCache.write_shadow`` followed by :func:`encode_blocks_from_shadow` of the blocks it
-    returns, which bring the slots and the keys to the host.
+    """The CUDA write path with no host synchronisation and two launches: this step's tokens go into the shadow
+    by device stores, each bumping its block's write generation (``triton_kernels.shadow_write``), then every
+    block a token completes (its offset is the last of the block) is encoded into its pages and its generation
+    bumped again (``triton_kernels.encode.encode_completed_blocks``, offsets formed in the kernel). The same
+    shadow bytes, pages and generations as ``LayerKVCache.write_shadow`` followed by
+    :func:`encode_blocks_from_shadow` of the blocks it returns, which bring the slots and the keys to the host.
 
     Args:
         cache: the layer's cache (token-major shadow, pages on the device).
         key, value: ``[T, H_kv, D]`` in the shadow's dtype, on the pages' device.
         slots: ``[T]`` token slots (16-token block · 16 + offset) on the device; negative: padding, skipped.
     """
+    from certvllm.triton_kernels.encode import encode_completed_blocks
     from certvllm.triton_kernels.shadow_write import scatter_into_shadow
 
     if cache.keys_channel_major:
         raise ValueError("the device write path needs a token-major shadow (the CPU layout is channel-major)")
+    if cache.layout.block_size != 16:
+        raise ValueError(f"the device write path encodes 16-token blocks, the layout has {cache.layout.block_size}")
     shadow = ensure_device_readable(cache)
-    n = cache.layout.block_size
     slots = slots.to(cache.pages.device, torch.int64)
-    scatter_into_shadow(shadow, key, value, slots, cache.sub_blocks, n)
-    written = slots >= 0
-    block = torch.where(written, slots // n, 0)
-    cache.bump_generation(block, written.to(torch.int64))
-    encode_blocks_from_shadow(cache, torch.where(written & (slots % n == n - 1), block, -1))
+    scatter_into_shadow(shadow, key, value, slots, cache.sub_blocks, 16, cache.generation)
+    encode_completed_blocks(cache.pages, shadow, slots, cache.layout, cache.num_kv_heads, cache.sub_blocks,
+                            cache.generation)  # fmt: skip
 
 
 def encode_blocks_from_shadow(cache: LayerKVCache, block_ids: torch.Tensor) -> None:

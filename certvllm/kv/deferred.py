@@ -16,7 +16,10 @@ next layer while the GPU works. Counters are therefore accumulated on the device
   step prefetcher.
 
 Several tensors of one read are packed into one byte buffer on the device (:func:`pack`: one ``cat``, one
-copy, one event per read), widest dtype first so that every tensor's host view stays aligned.
+copy, one event per read), widest dtype first so that every tensor's host view stays aligned. A
+:class:`ReadBatch` goes one step further: the counters and the report of one layer call (the page-in engine's,
+the promotion pool's, the step prefetcher's) join one read, so a call queues one pinned copy and one event, and
+the metrics' flusher unpacks one buffer, instead of one each.
 
 This module lives in ``certvllm.kv`` (below ``certvllm.metrics``) because the counters' owners need it.
 """
@@ -115,17 +118,74 @@ class DeferredRead:
         return self._host
 
 
+class ReadBatch:
+    """Device tensors to read together (one :class:`DeferredRead`), each member handed a :class:`BatchedRead`.
+
+    Members join with :meth:`add` (a snapshot) or :meth:`add_take` (a snapshot, then the tensor zeroed on the
+    device: read-and-reset), then :meth:`issue` queues the one read, in stream order, and zeroes the taken
+    tensors behind it. A member read before :meth:`issue` is an error (nothing was queued for it)."""
+
+    def __init__(self) -> None:
+        self._tensors: list[torch.Tensor] = []
+        self._resets: list[torch.Tensor] = []
+        self.read: DeferredRead | None = None
+
+    def add(self, tensors: Sequence[torch.Tensor]) -> BatchedRead:
+        """Add ``tensors`` (on the batch's one device); their host copies come from :meth:`BatchedRead.values`."""
+        if self.read is not None:
+            raise RuntimeError("this read batch was issued already: start a new ReadBatch")
+        start = len(self._tensors)
+        self._tensors.extend(tensors)
+        return BatchedRead(self, start, len(tensors))
+
+    def add_take(self, counts: torch.Tensor) -> BatchedRead:
+        """Add ``counts`` and zero it once the read is queued (:meth:`DeferredRead.take`, batched)."""
+        member = self.add([counts])
+        self._resets.append(counts)
+        return member
+
+    def issue(self) -> DeferredRead:
+        """Queue the read of every member (one pack, one copy, one event), then zero the taken counters."""
+        if self.read is None:
+            self.read = DeferredRead(self._tensors)
+            for counts in self._resets:
+                counts.zero_()
+        return self.read
+
+
+class BatchedRead:
+    """One member of a :class:`ReadBatch`: ``count`` tensors from ``start``, with :class:`DeferredRead`'s
+    ``done`` / ``wait`` / ``values``."""
+
+    def __init__(self, batch: ReadBatch, start: int, count: int) -> None:
+        self._batch, self._start, self._count = batch, start, count
+
+    def _read(self) -> DeferredRead:
+        if self._batch.read is None:
+            raise RuntimeError("a batched read was resolved before its batch was issued (ReadBatch.issue)")
+        return self._batch.read
+
+    def done(self) -> bool:
+        return self._read().done()
+
+    def wait(self) -> None:
+        self._read().wait()
+
+    def values(self) -> list[torch.Tensor]:
+        return self._read().values()[self._start : self._start + self._count]
+
+
 class DeferredStats:
     """Named counters: values known on the host now plus the values of a :class:`DeferredRead` later.
 
     Args:
         host: counts known now (name → value).
         names: the names of the deferred read's first tensor's entries (a ``[len(names)]`` tensor).
-        read: the device part (None: host counts only).
+        read: the device part (None: host counts only), alone or as a member of a :class:`ReadBatch`.
     """
 
     def __init__(self, host: Mapping[str, float] | None = None, names: Sequence[str] = (),
-                 read: DeferredRead | None = None) -> None:  # fmt: skip
+                 read: DeferredRead | BatchedRead | None = None) -> None:  # fmt: skip
         self._host = dict(host or {})
         self._names = tuple(names)
         self._read = read

@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from certvllm.kv.deferred import DeferredRead, DeferredStats
+from certvllm.kv.deferred import DeferredRead, DeferredStats, ReadBatch
 from certvllm.triton_kernels.tuning import DEFAULT_TUNING, KernelTuning
 
 if TYPE_CHECKING:
@@ -249,7 +249,9 @@ class StepPrefetcher:
         self.counts.zero_()
         return {"staged": staged, "candidates": cand, "served": served}
 
-    def take_stats_deferred(self) -> DeferredStats:
+    def take_stats_deferred(self, batch: ReadBatch | None = None) -> DeferredStats:
         """:meth:`take_stats` without a synchronisation: the counters are copied to pinned host memory and
-        zeroed on the device, in stream order, and read when the result is resolved (the same names)."""
-        return DeferredStats(names=("staged", "candidates", "served"), read=DeferredRead.take(self.counts))
+        zeroed on the device, in stream order, and read when the result is resolved (the same names); with a
+        ``batch``, as a member of its read (queued by ``batch.issue()``)."""
+        read = batch.add_take(self.counts) if batch is not None else DeferredRead.take(self.counts)
+        return DeferredStats(names=("staged", "candidates", "served"), read=read)

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from certvllm.bounds.report import CertReport
-from certvllm.kv.deferred import DeferredRead, DeferredStats
+from certvllm.kv.deferred import BatchedRead, DeferredRead, DeferredStats, ReadBatch
 
 logger = logging.getLogger("certvllm")
 
@@ -146,7 +146,7 @@ class _Queued:
     """One attention call waiting for the flusher: its report (a host report, or the pending host copy of
     a device one, in ``fields(CertReport)`` order) and its counters."""
 
-    report: CertReport | DeferredRead
+    report: CertReport | DeferredRead | BatchedRead
     layer: int
     page_in_bytes: int = 0
     page_in_seconds: float = 0.0
@@ -155,7 +155,7 @@ class _Queued:
 
     def host_report(self) -> CertReport:
         """The report on the host (waits for its copy if needed)."""
-        if not isinstance(self.report, DeferredRead):
+        if isinstance(self.report, CertReport):
             return self.report
         return CertReport(**{f.name: t for f, t in zip(fields(CertReport), self.report.values(), strict=True)})
 
@@ -292,7 +292,8 @@ class CertMetrics:
             self._child("vllm:cert_exact_tokens_total", reason=reason).inc(n)
 
     def record(self, report: CertReport, layer: int, page_in_bytes: int = 0, page_in_seconds: float = 0.0, *,
-               page_in: DeferredStats | None = None, key_pages: KeyPageCounts | None = None) -> None:  # fmt: skip
+               page_in: DeferredStats | None = None, key_pages: KeyPageCounts | None = None,
+               batch: ReadBatch | None = None) -> None:  # fmt: skip
         """Queue one attention call for the next flush, without a host synchronisation.
 
         Args:
@@ -303,12 +304,19 @@ class CertMetrics:
             page_in_bytes, page_in_seconds: page-in traffic known on the host.
             page_in: the page-in engine's counters (``take_stats_deferred``), added to the two above.
             key_pages: where the call's promoted key pages came from (CUDA path with a promotion pool).
+            batch: the read the call's counters joined (``take_stats_deferred(batch)``); a CUDA report joins it
+                too, and it is issued here: one copy and one event for the whole call.
         """
         device = report.rung.device
         if device.type == "cuda":
-            queued: CertReport | DeferredRead = DeferredRead([getattr(report, f.name) for f in fields(CertReport)])
+            tensors = [getattr(report, f.name) for f in fields(CertReport)]
+            queued: CertReport | DeferredRead | BatchedRead = (
+                batch.add(tensors) if batch is not None else DeferredRead(tensors)
+            )
         else:
             queued = report if device.type == "cpu" else report.to("cpu")
+        if batch is not None:
+            batch.issue()
         item = _Queued(queued, layer, page_in_bytes, page_in_seconds, page_in, key_pages)
         with self._pending_lock:
             self._pending.append(item)

@@ -38,6 +38,7 @@ from vllm.v1.kv_cache_interface import AttentionSpec
 
 from certvllm.config import CertConfig
 from certvllm.formats.layout import BLOCK_SIZE
+from certvllm.kv.deferred import ReadBatch
 from certvllm.metrics import KeyPageCounts
 from certvllm.vllm_plugin import settings
 from certvllm.vllm_plugin._compat import KV_CACHE_DTYPE, lbhnc_layouts
@@ -120,6 +121,8 @@ class CertifiedMetadata:
         row_slots_dev: ``[R]`` int64 on the attention device, each certified row's request slot in the worker's
             per-request ledger (None when the run returns no certificates: ``certificates.py``).
         exact_requests: ``(request id, reason, tokens)`` of the exact tokens, for the same ledger.
+        rows_leading: the certified rows are the batch's first ``R`` query tokens in order (a decode-only step):
+            the layers read and write them as slices, without a gather and a scatter.
     """
 
     num_actual_tokens: int
@@ -135,6 +138,7 @@ class CertifiedMetadata:
     exact_counts: dict[str, int] = field(default_factory=dict)
     row_slots_dev: torch.Tensor | None = None
     exact_requests: tuple[tuple[str, str, int], ...] = ()
+    rows_leading: bool = False
 
 
 def exact_reason(query_len: int, context: int, cfg: CertConfig) -> str | None:
@@ -291,6 +295,8 @@ class CertifiedMetadataBuilder(AttentionMetadataBuilder[CertifiedMetadata]):
             exact_counts=counts,
             row_slots_dev=slots_dev,
             exact_requests=exact_requests,
+            # ascending token indices: tokens 0..R-1 exactly when the last one is R-1
+            rows_leading=bool(row_tokens.numel()) and int(row_tokens[-1]) == row_tokens.numel() - 1,
         )
 
     def _requests(self, n_req: int, q_lens: torch.Tensor, context: torch.Tensor,
@@ -412,15 +418,21 @@ class CertifiedAttentionImpl(AttentionImpl[CertifiedMetadata]):
             # no host synchronisation from here to the end of the certified rows on CUDA: the step's index
             # tensors went up once, from pinned memory, when the builder made them; the report and counters
             # go down the same way, read by the metrics' flusher thread
-            rows_q = q[meta.row_tokens_dev]
+            R = meta.row_tokens.numel()
+            rows_q = q[:R] if meta.rows_leading else q[meta.row_tokens_dev]
             # CPU: rungs 3/4 run vLLM's own CPU kernel on the shadow (token-identical to `auto`); CUDA: the op
             # recomputes them on the device, inside the layer call (a CUDA graph's replay where the runtime has one)
             exact_rows = self._exact_rows(exact, meta, rows_q, cache, pagein) if exact.on_cpu else None
             res = self.runtime.certified(state, rows_q, meta.row_block_table, meta.row_seq_lens_dev, self.scale,
                                          self.generator, exact_rows, slots=meta.row_slots_dev)  # fmt: skip
-            out[meta.row_tokens_dev] = res.out.to(out.dtype)
-            key_pages = self._count_key_pages(state) if state.residency.pool is not None else None
-            metrics.record(res.report, state.index, page_in=pagein.take_stats_deferred(), key_pages=key_pages)
+            if meta.rows_leading:
+                out[:R].copy_(res.out)
+            else:
+                out[meta.row_tokens_dev] = res.out.to(out.dtype)
+            batch = ReadBatch()  # the report and every counter of the call: one copy, one event
+            key_pages = self._count_key_pages(state, batch) if state.residency.pool is not None else None
+            metrics.record(res.report, state.index, page_in=pagein.take_stats_deferred(batch), key_pages=key_pages,
+                           batch=batch)  # fmt: skip
 
         if meta.exact_plan is not None:
             # this step's keys and values (already in the shadow): a prefill on CUDA reads only its cached
@@ -458,14 +470,14 @@ class CertifiedAttentionImpl(AttentionImpl[CertifiedMetadata]):
 
         return dense_rows
 
-    def _count_key_pages(self, state: LayerState) -> KeyPageCounts:
+    def _count_key_pages(self, state: LayerState, batch: ReadBatch) -> KeyPageCounts:
         """Where this call's promoted key pages came from: the pool (hits), the step prefetch (served) or PCIe
-        (lookups − hits − served). The two components' device counters are snapshotted and reset in stream
-        order, without a synchronisation; the metrics read them when they fold the call
-        (:meth:`KeyPageCounts.sources`)."""
+        (lookups − hits − served). The two components' device counters join ``batch`` (snapshotted and reset
+        in stream order when it is issued, without a synchronisation); the metrics read them when they fold the
+        call (:meth:`KeyPageCounts.sources`)."""
         slot = state.residency.prefetch_slot()
-        prefetch = slot[0].take_stats_deferred() if slot is not None else None
-        return KeyPageCounts(state.residency.pool.take_stats_deferred(), prefetch)
+        prefetch = slot[0].take_stats_deferred(batch) if slot is not None else None
+        return KeyPageCounts(state.residency.pool.take_stats_deferred(batch), prefetch)
 
     def _exact_runtime(self, kv_cache: torch.Tensor) -> ExactAttention:
         if self._exact is None:

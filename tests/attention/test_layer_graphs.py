@@ -128,4 +128,20 @@ def test_replays_equal_eager_calls_on_the_padded_inputs_and_stay_certified():
         certified = got_report.rung.cpu() <= 2
         bound = got_report.bound.double().cpu()
         assert bool((err[certified] <= bound[certified]).all()), (lens_list, float((err - bound)[certified].max()))
-    assert graphs.replays == 3 and graphs.captures == len(graphs) == 5  # keys: 1×3, 4×20, 8×32, 2×6, 4×64
+        # a second layer in the same step: its graph shares the inputs (tables and lengths already written)
+        q1 = torch.randn(len(lens_list), 8, 128, generator=gen).to(torch.bfloat16).cuda()
+        got1 = graphs.run("layer1", q1, layer.cache, tables, lens, cfg, scale, pagein=layer.pagein,
+                          residency=residency)  # fmt: skip
+        got1_out = got1.out.clone()
+        want1 = certified_attention(_padded(q1, tables, lens)[0], layer.cache, tp, lp, cfg, scale,
+                                    pagein=layer.pagein, residency=residency, backend="cuda")  # fmt: skip
+        assert torch.equal(got1_out, want1.out[:R]), ("layer1", lens_list)
+    assert graphs.replays == 6 and graphs.captures == len(graphs) == 10  # 2 layers × keys 1×3, 4×20, 8×32, 2×6, 4×64
+    # the same table tensor modified in place between calls: its new values are what the replay reads
+    tables[0, 0] = tables[1, 0]
+    got = graphs.run("layer0", q, layer.cache, tables, lens, cfg, scale, pagein=layer.pagein, residency=residency)
+    got_out = got.out.clone()
+    qp, tp, lp = _padded(q, tables, lens)
+    want = certified_attention(qp, layer.cache, tp, lp, cfg, scale, pagein=layer.pagein, residency=residency,
+                               backend="cuda")  # fmt: skip
+    assert graphs.replays == 7 and torch.equal(got_out, want.out[: len(lens)])

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from certvllm.kv.deferred import DeferredRead, DeferredStats, pack, unpack
+from certvllm.kv.deferred import DeferredRead, DeferredStats, ReadBatch, pack, unpack
 
 
 def _mixed(gen: torch.Generator) -> list[torch.Tensor]:
@@ -117,3 +117,45 @@ def test_pool_and_prefetch_counters_defer_what_take_stats_reads(gen):
             stats = deferred.take_stats_deferred()
             assert deferred.counts.abs().sum() == 0  # zeroed behind the snapshot
             assert stats.values() == sync.take_stats(), step
+
+
+def test_a_read_batch_gives_each_member_what_its_own_read_would(gen):
+    """One layer call's counters and report in one read: every member gets exactly the values its own
+    ``DeferredRead`` (or ``take``) would have given, the taken counters are zeroed only once the batch is issued,
+    and a member cannot be read before that (nothing was queued for it)."""
+    from certvllm.kv.cuda_pagein import CudaPageInEngine
+    from certvllm.kv.prefetch import StepPrefetcher
+    from certvllm.kv.promotion_cache import PromotionCache
+    from certvllm.testing import make_case, paged_batch
+
+    cache, _, _ = paged_batch([make_case("sink_and_recency", 40, 4, 2, 32, torch.float16, gen)])
+    pools = [PromotionCache(cache, 8) for _ in range(2)]
+    prefetchers = [StepPrefetcher(32, torch.float16, cache.pages.device, 4) for _ in range(2)]
+    engines = [CudaPageInEngine("cpu") for _ in range(2)]
+    for step in range(3):
+        for pair in (pools, prefetchers):
+            add = torch.randint(0, 50, pair[0].counts.shape, generator=gen)
+            for owner in pair:
+                owner.counts += add
+        for engine in engines:
+            engine.stats.bytes += 100 * step
+            engine.add_device_counts(torch.tensor(step + 1), torch.tensor(2), torch.tensor(64 * step))
+        report = _mixed(gen)
+        batch = ReadBatch()
+        joint = [pools[0].take_stats_deferred(batch), prefetchers[0].take_stats_deferred(batch),
+                 engines[0].take_stats_deferred(batch)]  # fmt: skip
+        member = batch.add(report)
+        with pytest.raises(RuntimeError, match="before its batch was issued"):
+            member.values()
+        assert pools[0].counts.abs().sum() > 0  # not taken yet: the batch is not issued
+        batch.issue()
+        assert pools[0].counts.abs().sum() == 0 and prefetchers[0].counts.abs().sum() == 0
+        alone = [pools[1].take_stats_deferred(), prefetchers[1].take_stats_deferred(),
+                 engines[1].take_stats_deferred()]  # fmt: skip
+        assert [s.values() for s in joint] == [s.values() for s in alone], step
+        got = member.values()
+        assert member.done() and len(got) == len(report)
+        for a, b in zip(got, report, strict=True):
+            assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+        with pytest.raises(RuntimeError, match="issued already"):
+            batch.add(report)

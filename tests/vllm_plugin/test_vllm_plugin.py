@@ -356,20 +356,27 @@ def test_key_page_sources_come_from_the_pool_and_the_prefetch_counters():
     metrics fold the call, not in the layer call)."""
     from types import SimpleNamespace
 
-    from certvllm.kv.deferred import DeferredStats
+    from certvllm.kv.deferred import DeferredStats, ReadBatch
     from certvllm.kv.residency import Residency
     from certvllm.vllm_plugin.backend import CertifiedAttentionImpl
 
-    pool = SimpleNamespace(
-        take_stats_deferred=lambda: DeferredStats.of({"lookups": 100, "hits": 60, "fills": 10, "bypass": 30})
-    )
-    prefetch = SimpleNamespace(
-        take_stats_deferred=lambda: DeferredStats.of({"staged": 40, "candidates": 40, "served": 25})
-    )
+    batches = []
+
+    def taker(values):
+        def take(batch):  # the call's counters join its one read
+            batches.append(batch)
+            return DeferredStats.of(values)
+
+        return take
+
+    pool = SimpleNamespace(take_stats_deferred=taker({"lookups": 100, "hits": 60, "fills": 10, "bypass": 30}))
+    prefetch = SimpleNamespace(take_stats_deferred=taker({"staged": 40, "candidates": 40, "served": 25}))
     impl = SimpleNamespace()
-    seen = [CertifiedAttentionImpl._count_key_pages(impl, SimpleNamespace(residency=r)).sources()
-            for r in (Residency(pool, prefetch, 3), Residency(pool))]  # fmt: skip
+    calls = [ReadBatch(), ReadBatch()]
+    seen = [CertifiedAttentionImpl._count_key_pages(impl, SimpleNamespace(residency=r), b).sources()
+            for r, b in zip((Residency(pool, prefetch, 3), Residency(pool)), calls, strict=True)]  # fmt: skip
     assert seen == [(60, 25, 15), (60, 0, 40)]
+    assert batches == [calls[0], calls[0], calls[1]]
 
 
 def test_runtime_warms_up_each_head_layout_once_and_logs_it(caplog):
