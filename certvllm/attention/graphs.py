@@ -83,22 +83,21 @@ def width_bucket(columns: int) -> int:
 class _Inputs:
     """The static inputs of every graph of one (query dtype and heads, row bucket, width bucket): the graphs of all
     layers read the same buffers, written before each replay. A step's block tables and lengths are the same for
-    every layer, so they are written once per step (when the tensors handed in change: another object, or the same
-    one modified in place, which bumps its version counter); only the query is written per call."""
+    every layer, so with a ``step`` token (:meth:`LayerCallGraphs.run`) they are written once per token; only the
+    query is written per call."""
 
     def __init__(self, rows: int, width: int, q_shape: tuple[int, ...], dtype: torch.dtype,
                  device: torch.device) -> None:  # fmt: skip
         self.q = torch.zeros(rows, *q_shape, dtype=dtype, device=device)  # [R_b, H_q, D] the model dtype
         self.tables = torch.zeros(rows, width, dtype=torch.int64, device=device)  # [R_b, W_b]
         self.lens = torch.ones(rows, dtype=torch.int64, device=device)  # [R_b]
-        self._source: tuple[torch.Tensor, int, torch.Tensor, int] | None = None  # tables, lens last written
+        self._step: object | None = None  # the step token whose tables and lengths are written
 
-    def load(self, q: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor) -> None:
-        """Write a call's inputs; padding rows get query 0, length 1 and block 0, padding columns block 0."""
+    def load(self, q: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, step: object | None = None) -> None:
+        """Write a call's inputs; padding rows get query 0, length 1 and block 0, padding columns block 0. The
+        tables and lengths are written unless ``step`` is the token of the last write (None: always written)."""
         R, B = tables.shape
-        src = self._source
-        if src is None or src[0] is not tables or src[1] != tables._version or src[2] is not lens or \
-                src[3] != lens._version:  # fmt: skip
+        if step is None or step is not self._step:
             self.tables[:R, :B].copy_(tables)
             self.lens[:R].copy_(lens)
             if self.tables.shape[1] > B:
@@ -107,7 +106,7 @@ class _Inputs:
                 self.q[R:].zero_()
                 self.tables[R:].zero_()
                 self.lens[R:].fill_(1)
-            self._source = (tables, tables._version, lens, lens._version)
+            self._step = step
         self.q[:R].copy_(q)
 
 
@@ -156,7 +155,7 @@ class LayerCallGraphs:
 
     def run(self, layer: Hashable, q: torch.Tensor, cache: LayerKVCache, tables: torch.Tensor, lens: torch.Tensor,
             config: CertConfig, scale: float, *, pagein: CudaPageInEngine, residency: Residency,
-            generator: torch.Generator | None = None) -> CertifiedOutput:  # fmt: skip
+            generator: torch.Generator | None = None, step: object | None = None) -> CertifiedOutput:  # fmt: skip
         """``certified_attention`` of one layer's decode rows, replayed from (or captured into) a graph.
 
         Args:
@@ -165,6 +164,9 @@ class LayerCallGraphs:
                 device; lens: ``[R]`` int64 lengths on the device.
             config, scale, pagein, residency, generator: as ``certified_attention`` (``residency`` without a
                 step prefetch).
+            step: a token that stands for ``tables`` and ``lens`` (the caller's per-step metadata): every call
+                with the same token (compared by identity) must pass the same values, and then the graphs of
+                the layers share one write of them per step. None: written at every call.
 
         Returns:
             views of the replay's ``[R, ...]`` outputs, valid until the next replay of any graph of this
@@ -178,7 +180,7 @@ class LayerCallGraphs:
         if entry is None:
             return self._first_call(key, q, cache, tables, lens, config, scale, pagein, residency, generator)
         self._graphs.move_to_end(key)
-        entry.inputs.load(q, tables, lens)
+        entry.inputs.load(q, tables, lens, step)
         entry.graph.replay()
         pagein.add_recorded(entry.traffic)
         self.replays += 1

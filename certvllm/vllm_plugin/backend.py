@@ -424,7 +424,7 @@ class CertifiedAttentionImpl(AttentionImpl[CertifiedMetadata]):
             # recomputes them on the device, inside the layer call (a CUDA graph's replay where the runtime has one)
             exact_rows = self._exact_rows(exact, meta, rows_q, cache, pagein) if exact.on_cpu else None
             res = self.runtime.certified(state, rows_q, meta.row_block_table, meta.row_seq_lens_dev, self.scale,
-                                         self.generator, exact_rows, slots=meta.row_slots_dev)  # fmt: skip
+                                         self.generator, exact_rows, slots=meta.row_slots_dev, step=meta)  # fmt: skip
             if meta.rows_leading:
                 out[:R].copy_(res.out)
             else:

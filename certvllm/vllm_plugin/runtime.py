@@ -236,14 +236,16 @@ class WorkerRuntime:
 
     # -- per step -----------------------------------------------------------------------------------
     def certified(self, state: LayerState, q: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, scale: float,
-                  generator: torch.Generator | None, exact_rows: Any = None,
-                  slots: torch.Tensor | None = None) -> CertifiedOutput:  # fmt: skip
+                  generator: torch.Generator | None, exact_rows: Any = None, slots: torch.Tensor | None = None,
+                  step: object | None = None) -> CertifiedOutput:  # fmt: skip
         """One layer's certified rows (``certified_attention``'s arguments): replayed from the layer's CUDA graph
         where this worker graphs its calls (``CertConfig.cuda_graphs``, CUDA, at most ``max_decode_rows`` rows,
         rungs 3/4 on the device, no step prefetch, no audit fallback active for the layer), else the op called
         directly. Audited (``self.audit``: sampled head-steps checked against exact attention, audit fallbacks
         applied) and, with ``slots`` (``[R]`` the rows' request slots on the device, :meth:`RequestLedger.slots`),
-        added to the rows' per-request totals. Consume the result before the next call."""
+        added to the rows' per-request totals. ``step``: the step's metadata object, which stands for ``tables``
+        and ``lens`` in every layer of the step (the graphs write them once per step). Consume the result before
+        the next call."""
         pagein = self.pagein(q.device)
         graphs = self._layer_graphs(q.device) if exact_rows is None else None
 
@@ -252,7 +254,7 @@ class WorkerRuntime:
                     and state.residency.prefetch_slot() is None):  # fmt: skip
                 return graphs.run((state.name, state.cache.pages.data_ptr()), q, state.cache, tables, lens,
                                   self.config, scale, pagein=pagein, residency=state.residency,
-                                  generator=generator)  # fmt: skip
+                                  generator=generator, step=step)  # fmt: skip
             return certified_attention(q, state.cache, tables, lens, self.config, scale, pagein=pagein,
                                        generator=generator, residency=state.residency, exact_rows=exact_rows,
                                        force_exact=force_exact)  # fmt: skip

@@ -105,8 +105,9 @@ def test_replays_equal_eager_calls_on_the_padded_inputs_and_stay_certified():
         tables = layer.tables(len(lens_list), table_width(max(lens_list), 16))
         q = torch.randn(len(lens_list), 8, 128, generator=gen).to(torch.bfloat16).cuda()
         before = graphs.replays
+        step = object()  # the step's token: both layers of the step share one write of its tables and lengths
         got = graphs.run("layer0", q, layer.cache, tables, lens, cfg, scale, pagein=layer.pagein,
-                         residency=residency)  # fmt: skip
+                         residency=residency, step=step)  # fmt: skip
         got_out = got.out.clone()
         got_report = got.report.select(torch.arange(len(lens_list), device="cuda"))
         got_traffic = layer.pagein.take_stats()
@@ -131,15 +132,17 @@ def test_replays_equal_eager_calls_on_the_padded_inputs_and_stay_certified():
         # a second layer in the same step: its graph shares the inputs (tables and lengths already written)
         q1 = torch.randn(len(lens_list), 8, 128, generator=gen).to(torch.bfloat16).cuda()
         got1 = graphs.run("layer1", q1, layer.cache, tables, lens, cfg, scale, pagein=layer.pagein,
-                          residency=residency)  # fmt: skip
+                          residency=residency, step=step)  # fmt: skip
         got1_out = got1.out.clone()
         want1 = certified_attention(_padded(q1, tables, lens)[0], layer.cache, tp, lp, cfg, scale,
                                     pagein=layer.pagein, residency=residency, backend="cuda")  # fmt: skip
         assert torch.equal(got1_out, want1.out[:R]), ("layer1", lens_list)
+        layer.pagein.take_stats()  # the second layer's traffic is not the next step's
     assert graphs.replays == 6 and graphs.captures == len(graphs) == 10  # 2 layers × keys 1×3, 4×20, 8×32, 2×6, 4×64
-    # the same table tensor modified in place between calls: its new values are what the replay reads
+    # the same table tensor modified in place, under a new step token: its new values are what the replay reads
     tables[0, 0] = tables[1, 0]
-    got = graphs.run("layer0", q, layer.cache, tables, lens, cfg, scale, pagein=layer.pagein, residency=residency)
+    got = graphs.run("layer0", q, layer.cache, tables, lens, cfg, scale, pagein=layer.pagein, residency=residency,
+                     step=object())  # fmt: skip
     got_out = got.out.clone()
     qp, tp, lp = _padded(q, tables, lens)
     want = certified_attention(qp, layer.cache, tp, lp, cfg, scale, pagein=layer.pagein, residency=residency,
