@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from certvllm.kv.deferred import DeferredStats
+from certvllm.kv.deferred import DeferredStats, ReadBatch
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -50,10 +50,10 @@ class PageInEngine:
         stats, self.stats = self.stats, PageInStats()
         return stats
 
-    def take_stats_deferred(self) -> DeferredStats:
+    def take_stats_deferred(self, batch: ReadBatch | None = None) -> DeferredStats:
         """:meth:`take_stats` without reading the device: the counters (``bytes``, ``seconds``,
         ``key_blocks``, ``value_blocks``) as a :class:`~certvllm.kv.deferred.DeferredStats` that is read
-        later (here all known on the host)."""
+        later (here all known on the host: nothing joins ``batch``, the read a device engine's counts join)."""
         return DeferredStats.of(asdict(self.take_stats()))
 
     def gather_kv(self, cache: LayerKVCache, block_ids: torch.Tensor, kv_heads: torch.Tensor) -> torch.Tensor:
