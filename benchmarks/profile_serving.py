@@ -2,15 +2,16 @@
 
 Each engine runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: the engine core and its worker share the
 client's thread, so cProfile sees the scheduler, the model runner, the attention backend and the metrics alike)
-with vLLM's default compilation and CUDA graphs, and serves the same ``--batch`` prompts of ``--context`` random
-tokens three times: a warm-up phase (prefill, graph captures, the prefix cache filled), a timed phase (decode only,
-no profiler: the step time to compare the profile against), and a profiled phase. Per dtype it prints the
+with vLLM's default compilation and CUDA graphs. For each ``--batch`` size in turn (one engine serves them all: an
+engine start costs minutes on a fresh machine) it serves that many prompts of ``--context`` random tokens three
+times: a warm-up phase (prefill, graph captures, the prefix cache filled), a timed phase (decode only, no
+profiler: the step time to compare the profile against), and a profiled phase. Per dtype and batch it prints the
 milliseconds per decode step of the timed and the profiled phase, and the functions with the most own time and
 the most time including callees; the JSON holds both tables, the ``vllm:cert_*`` counters the profiled phase
 added, and the engine's log tail.
 
     python3 -P benchmarks/profile_serving.py .device/llama8b-dummy --dtypes certified auto --context 8192 \\
-        --batch 1 --engine-arg load_format=certvllm-peaked-dummy --out runs/h200_profile_serving.json
+        --batch 1 8 --engine-arg load_format=certvllm-peaked-dummy --out runs/h200_profile_serving.json
 
 cProfile adds a fixed cost to every Python call, so the profiled step is slower than the timed one; the ranking,
 and the share of a step each part takes, is what it is for.
@@ -38,32 +39,34 @@ def prompts(model: str, batch: int, context: int, seed: int = 0) -> list[list[in
 
 
 def spec_for(args: argparse.Namespace, dtype: str, engine_args: dict[str, Any], cert: dict[str, Any]) -> dict:
-    """The harness spec of one engine: three phases over the same requests, the last one profiled."""
-    requests = [{"prompt_token_ids": ids, "max_tokens": args.max_tokens, "ignore_eos": True, "detokenize": False}
-                for ids in prompts(args.model, args.batch, args.context)]  # fmt: skip
+    """The harness spec of one engine: per batch size, three phases over the same requests, the last one profiled."""
+    phases = []
+    for batch in args.batch:
+        requests = [{"prompt_token_ids": ids, "max_tokens": args.max_tokens, "ignore_eos": True, "detokenize": False}
+                    for ids in prompts(args.model, batch, args.context, seed=batch)]  # fmt: skip
+        phases += [{"requests": requests}, {"requests": requests}, {"requests": requests, "profile": args.top}]
     length = -(-(args.context + args.max_tokens + 16) // 1024) * 1024
     engine = {"enforce_eager": False, "max_model_len": length, "dtype": args.dtype, **engine_args}
-    phases = [{"requests": requests}, {"requests": requests}, {"requests": requests, "profile": args.top}]
     spec: dict[str, Any] = {"model": args.model, "kv_cache_dtype": dtype, "engine": engine, "phases": phases}
     if dtype == "certified" and cert:
         spec["cert"] = cert
     return spec
 
 
-def summarize(dtype: str, result: dict[str, Any], max_tokens: int) -> dict[str, Any]:
-    """One engine's figures: ms per decode step of each phase, the profile and the certified counters."""
-    phases = result["phases"]
+def summarize(dtype: str, batch: int, result: dict[str, Any], phases: list[dict], max_tokens: int) -> dict[str, Any]:
+    """One engine's figures at one batch size (its three ``phases``): ms per decode step of each phase, the
+    profile and the certified counters of the profiled phase."""
     step_ms = {name: 1e3 * sum(p["seconds"]) / max_tokens for name, p in zip(PHASES, phases, strict=True)}
     delta = metric_delta(phases[-1])
     cert = {k: v for k, v in delta.items() if k.startswith("vllm:cert_") and v and not k.endswith("_created")}
-    return {"dtype": dtype, "init_seconds": result["init_seconds"], "step_ms": step_ms,
+    return {"dtype": dtype, "batch": batch, "init_seconds": result["init_seconds"], "step_ms": step_ms,
             "kv_cache_tokens": result.get("kv_cache_tokens"), "engine_config": result.get("engine_config"),
             "profile": phases[-1]["profile"], "cert_counters": cert, "log_tail": result["log"][-20000:]}  # fmt: skip
 
 
 def print_summary(s: dict[str, Any], rows: int) -> None:
     ms = s["step_ms"]
-    print(f"\n== {s['dtype']}: engine start {s['init_seconds']:.1f} s; ms per decode step: timed "
+    print(f"\n== {s['dtype']}, batch {s['batch']}: engine start {s['init_seconds']:.1f} s; ms per decode step: timed "
           f"{ms['timed']:.2f}, profiled {ms['profiled']:.2f} (warm-up phase {ms['warm-up']:.2f})")  # fmt: skip
     for key in ("tottime", "cumtime"):
         print(f"-- by {key} (s over the profiled phase)")
@@ -76,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("model", help="model folder (config.json + tokenizer; weights or a dummy load format)")
     p.add_argument("--dtypes", nargs="+", default=["certified", "auto"])
     p.add_argument("--context", type=int, default=8192)
-    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--batch", type=int, nargs="+", default=[1], help="batch sizes, served in turn by one engine")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--top", type=int, default=60, help="functions kept per table")
@@ -92,15 +95,16 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         p.error(str(err))
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    report: dict[str, Any] = {"model": args.model, "context": args.context, "batch": args.batch,
+    report: dict[str, Any] = {"model": args.model, "context": args.context, "batches": args.batch,
                               "max_tokens": args.max_tokens, "engines": []}  # fmt: skip
     for dtype in args.dtypes:
         result = run_engine(spec_for(args, dtype, engine_args, cert), timeout=args.timeout,
                             env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})  # fmt: skip
-        summary = summarize(dtype, result, args.max_tokens)
-        report["engines"].append(summary)
+        for i, batch in enumerate(args.batch):
+            summary = summarize(dtype, batch, result, result["phases"][3 * i : 3 * i + 3], args.max_tokens)
+            report["engines"].append(summary)
+            print_summary(summary, args.print_rows)
         args.out.write_text(json.dumps(report, indent=1))  # engine by engine: a cut run keeps what it finished
-        print_summary(summary, args.print_rows)
     return 0
 
 
