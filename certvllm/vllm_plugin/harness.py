@@ -283,8 +283,10 @@ def _short_path(path: str) -> str:
 def profile_summary(profiler: cProfile.Profile, top: int) -> dict[str, list[dict[str, Any]]]:
     """The ``top`` functions of a profiled phase by own time (``tottime``) and by time including callees
     (``cumtime``): ``{"tottime": [...], "cumtime": [...]}``, each entry ``{"function", "calls", "tottime",
-    "cumtime"}`` (seconds over the whole phase). cProfile sees the thread that serves the phase only: the engine
-    core and its worker are in it when the engine runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``)."""
+    "cumtime"}`` (seconds over the whole phase). The engine core and its worker are in it only when the engine runs
+    in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``). From Python 3.12 cProfile records every thread of the process
+    (it is built on ``sys.monitoring``), so the metrics' flusher thread is in it too; before 3.12, the serving
+    thread only."""
     stats = pstats.Stats(profiler).stats  # type: ignore[attr-defined]  # (file, line, name) → (cc, nc, tt, ct, callers)
     rows = [
         {"function": f"{_short_path(file)}:{line}({name})", "calls": nc, "tottime": tt, "cumtime": ct}
