@@ -553,9 +553,12 @@ def test_the_audit_with_the_torch_reference_reaches_the_same_verdicts(preset):
 
 # ---- the CUDA path, in Triton's interpreter ---------------------------------------------------------------------
 @pytest.mark.slow
-def test_cuda_path_audit_and_device_fallback_in_the_interpreter():
+@pytest.mark.parametrize("defer", [None, True], ids=["as_on_the_device", "deferred"])
+def test_cuda_path_audit_and_device_fallback_in_the_interpreter(defer):
     """The op's CUDA path (interpreted on the CPU; compiled on a GPU): the audit's checks on its outputs, the
-    fallback mask computed on the device and applied by the device rerun (``force_exact``, no ``exact_rows``)."""
+    fallback mask computed on the device and applied by the device rerun (``force_exact``, no ``exact_rows``).
+    ``deferred``: the checks are read only when resolved later, as on CUDA pages, with the device check kernels
+    (interpreted on the CPU)."""
     pytest.importorskip("triton")
     from certvllm.kv.cuda_pagein import CudaPageInEngine
 
@@ -572,7 +575,9 @@ def test_cuda_path_audit_and_device_fallback_in_the_interpreter():
 
     def audited(policy: str) -> tuple[Recorder, callable]:
         cfg = _loose(False).model_copy(update={"audit_policy": policy})
-        rec = Recorder(cfg)
+        rec = Recorder(cfg, defer=defer)
+        if defer:
+            rec.auditor.device_reference = True  # the device check kernels, as on CUDA pages
 
         def run(force):
             return certified_attention(q, cache, tables, lens, cfg, scale, backend="cuda", pagein=eng,
