@@ -27,6 +27,9 @@
 # (certvllm.models: the same conversion as `make`'s, transformers from the image, gguf and accelerate from deps/).
 # The evaluation's items are built where the registry is reachable (`certvllm eval ... --items-only
 # --cache-dir DIR`: data packages, RULER samples) and DIR travels the same way (pack-model, model).
+# A fresh machine compiles certvllm's and vLLM's kernels again at its first engine start (minutes): after a run,
+#   bash benchmarks/vllm_gpu.sh save-caches                               # → $OUT/caches: parts of ≤ 15 MiB
+# copy what comes back into .device/h200-caches, and carry the parts to the next machine with `model` runs.
 # Logs and results go to $OUT (default runs/). The model folder for the 8B-shaped runs is .device/llama8b-dummy
 # (python -m certvllm.models dummy .device/llama8b-dummy builds it; carry it with the run).
 set -uo pipefail
@@ -34,7 +37,7 @@ cd "$(dirname "$0")/.."
 OUT="${OUT:-runs}"
 mkdir -p "$OUT"
 export KIT="${KIT:-/tmp/kit}" SITE="${SITE:-/tmp/site}" MODELS="${MODELS:-/tmp/models}"
-PART_BYTES=$((52 * 1024 * 1024))  # as scripts/gpu_bundle.py: one part + the repository fit a 64 MiB carry
+PART_BYTES="${PART_BYTES:-$((52 * 1024 * 1024))}"  # as scripts/gpu_bundle.py: one part + the repository fit a 64 MiB carry
 stage="${1:-}"
 shift || true
 case "$stage" in
@@ -54,6 +57,30 @@ case "$stage" in
     (cd "$dst" && sha256sum part-* >SHA256SUMS)
     ls -l "$dst"
     ;;
+  save-caches)
+    # the compile caches a fresh machine rebuilds at every engine start (certvllm's Triton kernels: ~50 s at a
+    # max_model_len of 9216, ~120 s at 131072; vLLM's torch.compile and Triton caches), packed into $OUT/caches
+    # as parts that come back from the device (at most 8 files of 16 MiB each); carried to the next machine like
+    # a model's parts (`model .device/h200-caches/part-00N`), they are unpacked into $HOME. vLLM's caches are
+    # left out when the whole does not fit 4 parts.
+    stage_dir=/tmp/compile-caches
+    pack() {
+      rm -rf "$stage_dir" && mkdir -p "$stage_dir/.cache/certvllm"
+      [ -d "$HOME/.cache/certvllm/triton" ] && cp -a "$HOME/.cache/certvllm/triton" "$stage_dir/.cache/certvllm/"
+      if [ "$1" = all ]; then
+        [ -d "$HOME/.cache/vllm" ] && cp -a "$HOME/.cache/vllm" "$stage_dir/.cache/"
+        [ -d "$HOME/.triton/cache" ] && mkdir -p "$stage_dir/.triton" && cp -a "$HOME/.triton/cache" "$stage_dir/.triton/"
+      fi
+      PART_BYTES=$((15 * 1024 * 1024)) bash "$0" pack-model "$stage_dir" "$OUT/caches" 6 >/dev/null
+    }
+    pack all
+    if [ "$(find "$OUT/caches" -name 'part-*' | wc -l)" -gt 4 ]; then
+      echo "save-caches: vLLM's caches do not fit; certvllm's Triton cache only" >&2
+      pack certvllm
+    fi
+    rm -rf "$stage_dir"
+    du -sh "$OUT/caches"/* >&2
+    ;;
   model)
     kit="$MODELS/.parts"
     mkdir -p "$kit"
@@ -71,6 +98,10 @@ case "$stage" in
     cat "$kit"/part-* | xz -d | tar -x -C "$MODELS/$name"
     rm -rf "$kit"
     echo "model: $name unpacked to $MODELS/$name" >&2
+    if [ "$name" = compile-caches ]; then  # save-caches' parts: the caches go where the engines look for them
+      cp -a "$MODELS/$name/." "$HOME/" && rm -rf "${MODELS:?}/$name"
+      echo "model: compile caches restored into $HOME" >&2
+    fi
     ;;
   tests)
     # shellcheck source=benchmarks/gpu_env.sh
@@ -119,8 +150,8 @@ case "$stage" in
     exit "$rc"
     ;;
   *)
-    echo "usage: $0 part PART... | pack-model DIR OUT [XZ LEVEL] | model PART... | prepare KEY FOLDER |" \
-      "tests [PYTEST ARGS] | bench [BENCH ARGS] | eval [EVAL ARGS]" >&2
+    echo "usage: $0 part PART... | pack-model DIR OUT [XZ LEVEL] | model PART... | save-caches |" \
+      "prepare KEY FOLDER | tests [PYTEST ARGS] | bench [BENCH ARGS] | eval [EVAL ARGS]" >&2
     exit 2
     ;;
 esac
