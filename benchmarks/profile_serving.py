@@ -21,21 +21,24 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
+import sys
 from pathlib import Path
 from typing import Any
 
 from certvllm.config import parse_key_values
 from certvllm.vllm_plugin.harness import metric_delta, run_engine
 
+# this folder (never the repository root) for bench_serving's prompt draws: run with -P, Python leaves it out
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_serving import prompt_ids, vocabulary  # noqa: E402
+
 PHASES = ("warm-up", "timed", "profiled")
 
 
 def prompts(model: str, batch: int, context: int, seed: int = 0) -> list[list[int]]:
-    """``batch`` distinct prompts of ``context`` token ids drawn from the model's vocabulary (``config.json``)."""
-    vocab = int(json.loads(Path(model, "config.json").read_text()).get("vocab_size", 32000))
-    rng = random.Random(seed)
-    return [[rng.randrange(100, vocab - 100) for _ in range(context)] for _ in range(batch)]
+    """``batch`` distinct prompts of ``context`` token ids, drawn as ``bench_serving`` draws its prompts."""
+    pool = vocabulary(model)
+    return [prompt_ids(pool, context, seed, f"profile-{i}") for i in range(batch)]
 
 
 def spec_for(args: argparse.Namespace, dtype: str, engine_args: dict[str, Any], cert: dict[str, Any]) -> dict:

@@ -178,7 +178,7 @@ class LayerCallGraphs:
         key = (layer, q.dtype, row_bucket(R), width_bucket(B))
         entry = self._graphs.get(key)
         if entry is None:
-            return self._first_call(key, q, cache, tables, lens, config, scale, pagein, residency, generator)
+            return self._first_call(key, q, cache, tables, lens, config, scale, pagein, residency, generator, step)
         self._graphs.move_to_end(key)
         entry.inputs.load(q, tables, lens, step)
         entry.graph.replay()
@@ -189,14 +189,15 @@ class LayerCallGraphs:
     # -- internals ---------------------------------------------------------------------------------------
     def _first_call(self, key: tuple, q: torch.Tensor, cache: LayerKVCache, tables: torch.Tensor,
                     lens: torch.Tensor, config: CertConfig, scale: float, pagein: CudaPageInEngine,
-                    residency: Residency, generator: torch.Generator | None) -> CertifiedOutput:  # fmt: skip
+                    residency: Residency, generator: torch.Generator | None,
+                    step: object | None = None) -> CertifiedOutput:  # fmt: skip
         """Run the padded call eagerly (this call's answer), then capture it under ``key``."""
         _, _, rows, width = key
         shape = (q.dtype, tuple(q.shape[1:]), rows, width)
         inputs = self._inputs.get(shape)
         if inputs is None:
             inputs = self._inputs[shape] = _Inputs(rows, width, tuple(q.shape[1:]), q.dtype, self.device)
-        inputs.load(q, tables, lens)
+        inputs.load(q, tables, lens, step)
 
         def call() -> CertifiedOutput:
             return certified_attention(inputs.q, cache, inputs.tables, inputs.lens, config, scale, pagein=pagein,

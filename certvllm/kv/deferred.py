@@ -153,6 +153,12 @@ class ReadBatch:
         return self.read
 
 
+def take(counts: torch.Tensor, batch: ReadBatch | None = None) -> DeferredRead | BatchedRead:
+    """Read-and-reset ``counts``: as a member of ``batch`` (zeroed when it is issued), or alone
+    (:meth:`DeferredRead.take`)."""
+    return batch.add_take(counts) if batch is not None else DeferredRead.take(counts)
+
+
 class BatchedRead:
     """One member of a :class:`ReadBatch`: ``count`` tensors from ``start``, with :class:`DeferredRead`'s
     ``done`` / ``wait`` / ``values``."""

@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from certvllm.kv.deferred import DeferredRead, DeferredStats, ReadBatch
+from certvllm.kv.deferred import DeferredStats, ReadBatch, take
 from certvllm.triton_kernels.tuning import DEFAULT_TUNING, KernelTuning
 
 if TYPE_CHECKING:
@@ -253,5 +253,4 @@ class StepPrefetcher:
         """:meth:`take_stats` without a synchronisation: the counters are copied to pinned host memory and
         zeroed on the device, in stream order, and read when the result is resolved (the same names); with a
         ``batch``, as a member of its read (queued by ``batch.issue()``)."""
-        read = batch.add_take(self.counts) if batch is not None else DeferredRead.take(self.counts)
-        return DeferredStats(names=("staged", "candidates", "served"), read=read)
+        return DeferredStats(names=("staged", "candidates", "served"), read=take(self.counts, batch))

@@ -52,7 +52,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from certvllm.formats.pool_slots import CLAIM_HIT, HASH_MUL
-from certvllm.kv.deferred import DeferredRead, DeferredStats, ReadBatch
+from certvllm.kv.deferred import DeferredStats, ReadBatch, take
 
 if TYPE_CHECKING:
     from certvllm.kv.cache import LayerKVCache
@@ -208,8 +208,7 @@ class PromotionCache:
         """:meth:`take_stats` without a synchronisation: the counters are copied to pinned host memory and
         zeroed on the device, in stream order, and read when the result is resolved (the same names); with a
         ``batch``, as a member of its read (queued by ``batch.issue()``)."""
-        read = batch.add_take(self.counts) if batch is not None else DeferredRead.take(self.counts)
-        return DeferredStats(names=("lookups", "hits", "fills", "bypass"), read=read)
+        return DeferredStats(names=("lookups", "hits", "fills", "bypass"), read=take(self.counts, batch))
 
 
 class ResidentPool(PromotionCache):
