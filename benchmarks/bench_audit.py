@@ -5,10 +5,11 @@ One "call" is one layer's decode step for ``--rows`` sequences of ``--context`` 
 by default: 9 query heads, 3 KV heads, D = 64, bfloat16). Each of ``--rounds`` rounds times a block of ``--block``
 consecutive calls per variant, the order rotated every round, so that the machine's drift (tens of % over seconds on
 a shared VM) hits every variant alike; the table gives the mean time per call over all rounds, the overhead against
-rate 0, and how many head-steps were audited. A rare event (one audit every ≈ 14 calls at 0.001) needs the mean, not
-a median. It also times one audited head-step on its own right after a decode call (``--single`` times per
-reference) and gives the overhead that cost implies (``expected``: rate × head-steps per call × that median / the
-rate-0 call), a figure that the machine's drift does not blur. A decode step of an L-layer model is L
+rate 0, and how many head-steps were audited. A rare event (one audited call every 1 / (rate × rows) calls: 125 at
+0.001 with 8 rows) needs the mean, not a median. It also times one audited row (the audit's unit: a drawn row is
+checked at every query head) on its own right after a decode call (``--single`` times per reference) and gives the
+overhead that cost implies (``expected``: rate × rows per call × that median / the rate-0 call), a figure that the
+machine's drift does not blur. A decode step of an L-layer model is L
 such calls, so the relative overhead per call is the relative overhead per decode step of the attention part (the
 rest of the model, which audits do not touch, makes the end-to-end share smaller still;
 ``benchmarks/bench_audit_e2e.py`` measures that through vLLM).
@@ -133,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
                                                    force_exact=f, **op_args))  # fmt: skip
             warm.resolve(wait=True)
             full_audit[reference_name(torch_ref)] = time.perf_counter() - start
-    # one audited head-step on its own, right after a decode call (the situation of a sampled audit): its cost
+    # one audited row (every query head) on its own, right after a decode call (the situation of a sampled audit)
     single: dict[str, list[float]] = {}
     for torch_ref in sorted({v[1] for v in variants}):
         auditor = Auditor(configs[0.0])
@@ -141,10 +142,12 @@ def main(argv: list[str] | None = None) -> int:
         times = []
         for i in range(args.single):
             res = certified_attention(q, cache, tables, lens, configs[0.0], scale, **op_args)
-            pair = (i % args.rows) * args.heads + (7 * i) % args.heads
+            row = i % args.rows
             sync()
             start = time.perf_counter()
-            auditor.queue_checks(q, cache, tables, lens, scale, res, [pair], torch.float32)
+            auditor.queue_checks(
+                q, cache, tables, lens, scale, res, [row * args.heads + h for h in range(args.heads)], torch.float32
+            )
             sync()
             times.append(time.perf_counter() - start)
         single[reference_name(torch_ref)] = times
@@ -171,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         mean = sum(blocks[v]) / (args.rounds * args.block)
         ref = reference_name(torch_ref)
         a = auditors[v]
-        expected = rate * args.rows * args.heads * statistics.median(single[ref]) / base
+        expected = rate * args.rows * statistics.median(single[ref]) / base
         rows.append({"audit_rate": rate, "reference": ref, "mean_ms_per_call": mean * 1e3,
                      "overhead": mean / base - 1.0,
                      "median_block_ms_per_call": statistics.median(blocks[v]) / args.block * 1e3,
@@ -188,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{seconds * 1e3:.1f} ms (rate 0: {base * 1e3:.2f} ms)")  # fmt: skip
     for name, times in single.items():
         print(
-            f"one audited head-step right after a decode call, {name} reference: median "
+            f"one audited row ({args.heads} head-steps) right after a decode call, {name} reference: median "
             f"{statistics.median(times) * 1e3:.3f} ms, p90 {sorted(times)[int(0.9 * len(times))] * 1e3:.3f} ms"
         )
     print(f"{'audit_rate':>10} {'reference':>9} {'ms/call':>9} {'overhead':>9} {'expected':>9} {'audited':>8} "

@@ -1,5 +1,5 @@
 """Audit-mode overhead end to end: decode throughput of the bundled model through vLLM at ``audit_rate`` 0, 0.001
-and 0.01, in one engine, the rates interleaved.
+and 0.01 (``--rates``), in one engine, the rates interleaved.
 
 One engine (``--kv-cache-dtype certified``, the ``default`` preset, started with ``audit_rate`` 0.001, the production
 default) serves the same batch of ``--batch`` requests again and again: each ~``--prompt-tokens``-token prompt (distinct
@@ -52,6 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-tokens", type=int, default=1000, help="about this many tokens per prompt")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--rates", type=float, nargs="+", default=list(RATES),
+                   help="audit rates to compare (0 is added: the baseline)")  # fmt: skip
     p.add_argument("--dtype", default="float32", help="activations (certvllm serve picks float32 on AVX2-only CPUs)")
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument(
@@ -80,9 +82,12 @@ def main(argv: list[str] | None = None) -> int:
     sentences = max(1, round(args.prompt_tokens / 19))  # ≈ 19 tokens per sentence
     requests = [{"prompt": f"Document {i}. {SENTENCE * sentences}", "max_tokens": args.max_tokens, "ignore_eos": True}
                 for i in range(args.batch)]  # fmt: skip
-    variants = [(rate, "compiled") for rate in RATES]
+    rates = sorted({0.0, *args.rates})
+    if not all(0.0 <= r <= 1.0 for r in rates):
+        p.error(f"--rates {args.rates}: every rate must lie in [0, 1]")
+    variants = [(rate, "compiled") for rate in rates]
     if args.torch_reference:
-        variants += [(rate, "torch") for rate in RATES if rate > 0]
+        variants += [(rate, "torch") for rate in rates if rate > 0]
     # the prefix cache filled, then a warm-up phase (every kernel and the audit path loaded)
     phases = [{"requests": [{**r, "max_tokens": 1} for r in requests], "audit_rate": 0.0},
               {"requests": requests, "audit_rate": RATES[1]}]  # fmt: skip

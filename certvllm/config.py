@@ -141,7 +141,8 @@ class CertConfig(BaseModel):
         ge=0.0,
         le=1.0,
         description="Audit mode (certvllm.attention.audit, docs/reliability.md): the probability with which each "
-        "certified head-step is re-checked against exact attention over the shadow originals (float64): within "
+        "certified head-step is re-checked against exact attention over the shadow originals (float64), drawn by "
+        "batch row (a drawn row is checked at every query head): within "
         "E_key + E_val for rungs 0-2, equal to exact within float rounding for rungs 3/4. 0 turns audits off; "
         "1 audits every head-step. Draws come from their own stream seeded by seed (exploration draws are "
         "unaffected).",

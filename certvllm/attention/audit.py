@@ -2,9 +2,9 @@
 
 The certificate is computed from the device pages, so it is only as good as those pages and the kernels that
 read them. certvllm also holds the unquantized originals (tier 2), so it can check its own outputs: for a
-head-step drawn with probability ``CertConfig.audit_rate``, the :class:`Auditor` recomputes attention for that
-query head exactly, in float64, from the shadow pages of the row's context and compares the output the op
-returned (``res.out``, float32, before the engine's cast to the model dtype):
+head-step drawn with probability ``CertConfig.audit_rate`` (drawn by batch row, below), the :class:`Auditor`
+recomputes attention for that query head exactly, in float64, from the shadow pages of the row's context and
+compares the output the op returned (``res.out``, float32, before the engine's cast to the model dtype):
 
 * **rungs 0–2**: ``‖O_returned − O_exact‖₂ ≤ (E_key + E_val)·(1 + 2⁻²⁰) + F64_SLACK·V_max``. The certificate
   bounds the distance to exact real-number attention with no slack (``docs/certification.md`` §1); the audit's
@@ -30,8 +30,12 @@ longer. A row matches an entry when ``tables[row, column] == block`` and its len
 one; an entry that no row of a call of its layer matches is dropped (the request ended, or was preempted and
 lost its blocks), so entries live exactly as long as the request keeps being scheduled.
 
-**Off the critical path.** Sampling is a geometric skip counter (:class:`HeadStepSampler`): a call with no
-audited head-step costs one subtraction and draws nothing. The draws come from the audit's own
+**Off the critical path.** The audit draws batch rows, not single head-steps: each row of each layer call is
+drawn with probability ``audit_rate`` and a drawn row is checked at every query head, so every head-step is
+audited with probability ``audit_rate`` (as independent draws would give) while the audited calls, whose cost
+on the host is per call (the check launches, the deferred read, the outcome), are ``H_q`` times rarer. Sampling
+is a geometric skip counter over rows (:class:`AuditSampler`): a call with no audited row costs one subtraction
+and draws nothing. The draws come from the audit's own
 ``random.Random`` seeded from ``CertConfig.seed``; the op's exploration generator is never touched. The
 audit's device work is queued in stream order right after the call (the shadow pages it reads are exactly
 those the call read) and its results are taken as a :class:`~certvllm.kv.deferred.DeferredRead`: on CUDA a
@@ -111,9 +115,10 @@ def exact_tolerance_coefficients(head_dim: int, tokens: int, exact_dtype: torch.
     return GAMMA_SLACK * a, GAMMA_SLACK * b
 
 
-class HeadStepSampler:
-    """Bernoulli(``rate``) per head-step, drawn as geometric gaps: the number of head-steps skipped before the
-    next audited one. A call of ``n`` head-steps that audits none costs one comparison and no draw.
+class AuditSampler:
+    """Bernoulli(``rate``) per item (the auditor's items are the batch rows of its layer calls), drawn as
+    geometric gaps: the number of items skipped before the next audited one. A call of ``n`` items that audits
+    none costs one comparison and no draw.
 
     Args:
         rate: the audit probability in [0, 1] (0: never, 1: every head-step).
@@ -136,7 +141,7 @@ class HeadStepSampler:
         return math.floor(math.log1p(-self._rng.random()) / self._log_miss)
 
     def sample(self, n: int) -> list[int]:
-        """The indices in ``[0, n)`` of the next ``n`` head-steps that are audited (ascending)."""
+        """The indices in ``[0, n)`` of the next ``n`` items that are audited (ascending)."""
         if self._gap >= n:
             self._gap -= n
             return []
@@ -362,7 +367,7 @@ class Auditor:
         if config.audit_policy not in POLICIES:
             raise ValueError(f"audit_policy={config.audit_policy!r}: choose one of {', '.join(POLICIES)}")
         self.policy = config.audit_policy
-        self.sampler = HeadStepSampler(config.audit_rate, config.seed)
+        self.sampler = AuditSampler(config.audit_rate, config.seed)
         self._seed = config.seed
         # the exact reference's implementation on CPU pages (reference_heads' ``compiled``): None the compiled
         # routine where built, False the torch path (benchmarks compare them), True the compiled one or an error
@@ -395,7 +400,7 @@ class Auditor:
     def set_rate(self, rate: float) -> None:
         """Draw from now on with probability ``rate`` (a fresh sampler on the same seed; counts, pending checks and
         fallback entries are kept). For benchmarks that compare rates inside one running engine."""
-        self.sampler = HeadStepSampler(rate, self._seed)
+        self.sampler = AuditSampler(rate, self._seed)
 
     # -- one layer call -----------------------------------------------------------------------------------
     def run(
@@ -440,9 +445,10 @@ class Auditor:
         force = self.forced_rows(layer, tables, lens)
         res = call(force)
         R, Hq = q.shape[0], q.shape[1]
-        picked = self.sampler.sample(R * Hq) if R else []
-        if not picked:
+        rows = self.sampler.sample(R) if R else []
+        if not rows:
             return res
+        picked = [r * Hq + h for r in rows for h in range(Hq)]  # a drawn row is checked at every query head
         exact_dtype = cache.dtype if exact_rows is not None else torch.float32
         read = DeferredRead(self.queue_checks(q, cache, tables, lens, scale, res, picked, exact_dtype, tag))
         with self._lock:

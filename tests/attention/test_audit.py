@@ -30,7 +30,7 @@ from certvllm.attention.audit import (  # noqa: E402
     ALL_LAYERS,
     Auditor,
     AuditOutcome,
-    HeadStepSampler,
+    AuditSampler,
     _Pending,
     exact_tolerance,
     reference_heads,
@@ -101,9 +101,11 @@ class Recorder:
 
 def check_against_exact(outcome: AuditOutcome, res, ref64: torch.Tensor) -> torch.Tensor:
     """The audit's error for each audited head-step equals the independent float64 one (1e-9 relative, 1e-12
-    of the output scale absolute); returns the independent error ``[n]``."""
+    of the output scale absolute); returns the independent error ``[n]`` (on the host, as the outcome's tensors:
+    on a GPU the op's output and the reference are read back first)."""
     rows, heads = outcome.rows, outcome.heads
-    ours = (res.out[rows, heads].double() - ref64[rows, heads]).norm(dim=-1)
+    out, ref64 = res.out.cpu(), ref64.cpu()
+    ours = (out[rows, heads].double() - ref64[rows, heads]).norm(dim=-1)
     scale = ref64.abs().max()
     assert torch.allclose(outcome.error, ours, rtol=1e-9, atol=1e-12 * float(scale)), (outcome.error, ours)
     return ours
@@ -232,7 +234,7 @@ def test_corrupted_pages_are_caught_whenever_the_output_leaves_its_bound(what, c
 # ---- (c) the sampling rate --------------------------------------------------------------------------------------
 @pytest.mark.parametrize("rate", [0.001, 0.01, 0.3])
 def test_fraction_audited_matches_the_rate(rate):
-    sampler = HeadStepSampler(rate, seed=3)
+    sampler = AuditSampler(rate, seed=3)
     gen = torch.Generator().manual_seed(5)
     sizes = torch.randint(1, 600, (4000,), generator=gen).tolist()
     n = sum(sizes)
@@ -243,7 +245,7 @@ def test_fraction_audited_matches_the_rate(rate):
 
 def test_sampling_is_seeded_and_independent_of_call_sizes():
     def picks(seed, sizes):
-        s = HeadStepSampler(0.05, seed)
+        s = AuditSampler(0.05, seed)
         out, base = [], 0
         for n in sizes:
             out += [base + i for i in s.sample(n)]
@@ -253,12 +255,13 @@ def test_sampling_is_seeded_and_independent_of_call_sizes():
     a = picks(1, [1000])
     assert a == picks(1, [300, 1, 699]) == picks(1, [1] * 1000)  # the same head-steps whatever the batching
     assert a != picks(2, [1000])
-    assert HeadStepSampler(0.0, 0).sample(10**9) == [] and HeadStepSampler(1.0, 0).sample(5) == [0, 1, 2, 3, 4]
+    assert AuditSampler(0.0, 0).sample(10**9) == [] and AuditSampler(1.0, 0).sample(5) == [0, 1, 2, 3, 4]
 
 
 def test_fractional_rate_end_to_end_and_the_exploration_stream_is_untouched():
-    """At rate 0.25 the audited share of 40 calls × 3 rows × 4 heads lies within 5 sd of 0.25, the counters equal
-    the audited count, and the op's exploration generator draws exactly as without audits."""
+    """At rate 0.25 the audited share of 40 calls × 3 rows × 4 heads lies within 5 sd of 0.25 (the draws are by
+    row: a drawn row is audited at every query head, so the count is H_q × Binomial(120 rows, 0.25)), the counters
+    equal the audited count, and the op's exploration generator draws exactly as without audits."""
     cfg = load_config("default", audit_rate=0.25, exploration_rate=0.3)
     off = load_config("default", audit_rate=0.0, exploration_rate=0.3)
     cs = cases("random", 21, lens=(100, 64, 130))
@@ -271,9 +274,13 @@ def test_fractional_rate_end_to_end_and_the_exploration_stream_is_untouched():
         b = plain.call(off, cache, q, tables, lens, 0.17, generator=g2)
         assert torch.equal(a.out, b.out) and torch.equal(a.report.k_star, b.report.k_star)
     assert torch.equal(g1.get_state(), g2.get_state())
-    n = 40 * 3 * HQ
-    sd = math.sqrt(n * 0.25 * 0.75)
-    assert abs(rec.auditor.audited - n * 0.25) <= 5 * sd
+    for o in rec.outcomes:  # whole rows: every query head of each drawn row
+        pairs = sorted(zip(o.rows.tolist(), o.heads.tolist(), strict=True))
+        assert pairs == [(r, h) for r in sorted(set(o.rows.tolist())) for h in range(HQ)]
+    rows = 40 * 3
+    assert rec.auditor.audited % HQ == 0
+    sd = math.sqrt(rows * 0.25 * 0.75)
+    assert abs(rec.auditor.audited // HQ - rows * 0.25) <= 5 * sd
     assert rec.audits() == rec.auditor.audited and rec.violations() == 0
     assert plain.auditor.audited == 0 and plain.outcomes == []
 
@@ -377,7 +384,7 @@ def test_audit_policy_is_validated_and_defaults():
     assert cfg.audit_rate == 0.001 and cfg.audit_policy == "fallback"
     assert load_config("default", audit_rate=0).audit_rate == 0.0
     with pytest.raises(ValueError, match=r"audit_rate=2 is outside \[0, 1\]"):
-        HeadStepSampler(2, 0)
+        AuditSampler(2, 0)
 
 
 def test_rate_zero_does_no_work():
@@ -403,7 +410,7 @@ def test_set_rate_changes_the_draws_and_keeps_the_seed():
     rec.call(cfg, cache, q, tables, lens, 0.2)
     assert rec.auditor.audited == 2 * HQ and not rec.auditor.enabled
     rec.auditor.set_rate(0.3)
-    fresh = HeadStepSampler(0.3, 3)
+    fresh = AuditSampler(0.3, 3)
     assert [rec.auditor.sampler.sample(2 * HQ) for _ in range(50)] == [fresh.sample(2 * HQ) for _ in range(50)]
 
 

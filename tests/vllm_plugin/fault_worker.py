@@ -105,14 +105,14 @@ class _Faults:
     def apply(self, runtime: Any, command: dict[str, Any]) -> None:
         import torch
 
-        from certvllm.attention.audit import HeadStepSampler
+        from certvllm.attention.audit import AuditSampler
         from certvllm.kv.pagein import engine_for
         from certvllm.testing import faulty_pagein
 
         self.command = command
         cpu = torch.device("cpu")
         rate = command.get("audit_rate", runtime.config.audit_rate)
-        runtime.audit.sampler = HeadStepSampler(rate, runtime.config.seed)
+        runtime.audit.sampler = AuditSampler(rate, runtime.config.seed)
         kind = command["kind"]
         self.page_in, self.host_memory_faults = None, 0  # the counts of state.json are the current command's
         if kind == "page_in":
