@@ -55,6 +55,7 @@ from certvllm.bounds.report import CertifiedOutput
 from certvllm.config import CertConfig
 from certvllm.kv.cache import LayerKVCache
 from certvllm.kv.cuda_pagein import CudaPageInEngine, RecordedTraffic
+from certvllm.kv.graph_capture import capture_on_side_stream
 from certvllm.kv.residency import Residency
 from certvllm.triton_kernels.common import next_pow2
 
@@ -205,26 +206,13 @@ class LayerCallGraphs:
 
         started = time.perf_counter()
         answer = call()
-        # captured on a side stream without torch.cuda.graph's device synchronisation and garbage collection;
-        # other threads (the metrics' flusher) may go on using CUDA meanwhile
-        graph = torch.cuda.CUDAGraph()
-        main = torch.cuda.current_stream(self.device)
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(main)
-        try:
-            with torch.cuda.stream(side), pagein.recording() as traffic:
-                graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
-                try:
-                    result = call()
-                finally:
-                    graph.capture_end()
+        try:  # other threads (the metrics' flusher) may go on using CUDA meanwhile
+            graph, result, traffic = capture_on_side_stream(self.device, self.pool, call, pagein.recording())
         except RuntimeError as err:  # the eager answer stands; this worker's calls stay eager from now on
             self.disabled = f"{type(err).__name__}: {err}"
             logger.warning("certvllm: capturing a certified layer call in a CUDA graph failed (%s); the layer "
                            "calls run eagerly from now on", self.disabled)  # fmt: skip
             return _rows(answer, q.shape[0])
-        finally:
-            main.wait_stream(side)
         self._graphs[key] = _Graph(graph, inputs, result, traffic)
         self.captures += 1
         self.capture_seconds += time.perf_counter() - started

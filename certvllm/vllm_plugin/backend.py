@@ -375,7 +375,8 @@ class CertifiedAttentionImpl(AttentionImpl[CertifiedMetadata]):
                            kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:  # fmt: skip
         """Store new tokens: originals into the shadow, full blocks quantized into their pages. The first write
         to a KV tensor binds the layer's certified state to it (``WorkerRuntime.bind``)."""
-        cache = self.runtime.bind(layer.layer_name, kv_cache, self.head_size, self.dtype).cache
+        state = self.runtime.bind(layer.layer_name, kv_cache, self.head_size, self.dtype)
+        cache = state.cache
         n = slot_mapping.shape[0]
         if cache.keys_channel_major:
             # the CPU shadow is vLLM's own CPU cache layout: write it with vLLM's kernel, exactly as
@@ -388,9 +389,7 @@ class CertifiedAttentionImpl(AttentionImpl[CertifiedMetadata]):
                                            self._exact_runtime(kv_cache).isa)  # fmt: skip
             cache.encode_completed(slot_mapping)
         elif cache.pages.device.type == "cuda":  # device stores into the shadow, completed blocks encoded there
-            from certvllm.kv.cuda_pagein import write_tokens_on_device
-
-            write_tokens_on_device(cache, key[:n], value[:n], slot_mapping)  # no host synchronisation
+            self.runtime.write_on_device(state, key[:n], value[:n], slot_mapping)  # no host synchronisation
         else:
             cache.write(key[:n], value[:n], slot_mapping)
 

@@ -84,6 +84,7 @@ class WorkerRuntime:
         self._pageins: dict[torch.device, PageInEngine] = {}
         self._warmed: set[tuple[Any, ...]] = set()
         self._graphs: dict[torch.device, Any] = {}  # device → certvllm.attention.graphs.LayerCallGraphs
+        self._write_graphs: dict[torch.device, Any] = {}  # device → certvllm.kv.write_graphs.WriteGraphs
         self.max_decode_rows = DEFAULT_MAX_DECODE_ROWS  # the engine's max_num_seqs once warm_up has run
         # the layer whose calls count the step's exact tokens (once per step): the model's first certified layer
         # (:meth:`note_layers`; layer 0 until then, and in a model without native layers)
@@ -235,6 +236,21 @@ class WorkerRuntime:
             torch.cuda.empty_cache()
 
     # -- per step -----------------------------------------------------------------------------------
+    def write_on_device(self, state: LayerState, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
+        """One layer's new tokens by the device write path (``write_tokens_on_device``: the shadow scatter and the
+        encoding of the blocks they complete), replayed from the layer's write graph where this worker graphs its
+        writes (``CertConfig.cuda_graphs`` and ``graph_writes``, at most ``max_decode_rows`` tokens: decode steps),
+        else launched directly. ``key``/``value`` ``[T, H_kv, D]`` in the shadow's dtype and ``slots`` ``[T]``
+        on the device."""
+        writes = self._device_write_graphs(key.device)
+        if writes is None:
+            from certvllm.kv.cuda_pagein import write_tokens_on_device
+
+            write_tokens_on_device(state.cache, key, value, slots)
+        else:
+            writes.write((state.name, state.cache.pages.data_ptr()), state.cache, key, value,
+                         slots.to(torch.int64))  # fmt: skip
+
     def certified(self, state: LayerState, q: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, scale: float,
                   generator: torch.Generator | None, exact_rows: Any = None, slots: torch.Tensor | None = None,
                   step: object | None = None) -> CertifiedOutput:  # fmt: skip
@@ -310,6 +326,17 @@ class WorkerRuntime:
                         "(row, width) bucket (cuda_graphs: true; the step prefetch is off with them)",
                         self.max_decode_rows)  # fmt: skip
         return self._graphs[device]
+
+    def _device_write_graphs(self, device: torch.device) -> Any:
+        """The device's ``WriteGraphs`` (made on first use), or None off CUDA or unless ``cuda_graphs`` and
+        ``graph_writes`` are both on."""
+        if not (self.config.cuda_graphs and self.config.graph_writes) or device.type != "cuda":
+            return None
+        if device not in self._write_graphs:
+            from certvllm.kv.write_graphs import WriteGraphs
+
+            self._write_graphs[device] = WriteGraphs(device, self.max_decode_rows)
+        return self._write_graphs[device]
 
     def pagein(self, device: torch.device) -> PageInEngine:
         """The page-in engine of ``device`` (zero-copy gathers on a side stream on CUDA)."""

@@ -1,0 +1,145 @@
+"""CUDA graphs of the device write path: a decode step's tokens stored by one graph replay per layer.
+
+The device write path (:func:`certvllm.kv.cuda_pagein.write_tokens_on_device`) is two Triton launches per layer
+and step: the shadow scatter and the encoding of the blocks the write completes. Each launch costs tens of
+microseconds of Python on the host (argument binding, the launcher), and a served certified decode step is
+host-bound (docs/performance.md: 9.4 ms of a 41.9 ms profiled step at 8K × 1 on the H200 went to this path). A
+replay of the two launches captured together costs one graph launch and the copies of the inputs.
+
+**Inputs.** A graph reads static buffers of a padded token count (``token_bucket``: the next power of two), shared
+by the graphs of every layer with one (dtype, KV heads, head size, bucket) and written before each replay:
+``key`` and ``value`` ``[T_b, H_kv, D]`` and ``slots`` ``[T_b]`` int64, the padding slots −1 (the kernels skip
+negative slots, so padding stores nothing and encodes nothing). Each graph is keyed by its layer as well, because
+the captured launches name that layer's pages, shadow and generation counters.
+
+**Same effect as the eager path.** A replay runs the same two kernels on the same arguments as
+``write_tokens_on_device`` on the padded inputs, which equals that function on the unpadded ones: the same shadow
+bytes, pages and generation counts (a GPU test compares them).
+
+The first write of a key runs eagerly (it is that write: capture records without running) and is then
+captured; at most ``max_graphs`` graphs are kept, least recently used first out. A failed capture leaves every
+later write eager, with a warning.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections import OrderedDict
+from collections.abc import Hashable
+from dataclasses import dataclass
+
+import torch
+
+from certvllm.kv.cache import LayerKVCache
+from certvllm.kv.cuda_pagein import write_tokens_on_device
+from certvllm.kv.graph_capture import capture_on_side_stream
+
+logger = logging.getLogger("certvllm")
+MAX_WRITE_GRAPHS = 1024
+"""Write graphs a worker keeps (they allocate nothing: each is two kernel nodes)."""
+
+
+def token_bucket(tokens: int) -> int:
+    """Padded token count of a write of ``tokens`` tokens (≥ 1): the next power of two."""
+    if tokens < 1:
+        raise ValueError(f"a write needs at least one token, got {tokens}")
+    return 1 << (tokens - 1).bit_length()
+
+
+class _WriteInputs:
+    """The static inputs of every write graph of one (dtype, KV heads, head size, token bucket)."""
+
+    def __init__(self, tokens: int, heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.key = torch.zeros(tokens, heads, head_dim, dtype=dtype, device=device)  # [T_b, H_kv, D]
+        self.value = torch.zeros_like(self.key)  # [T_b, H_kv, D]
+        self.slots = torch.full((tokens,), -1, dtype=torch.int64, device=device)  # [T_b], −1: padding
+
+    def load(self, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
+        """Write one write's tokens; the slots past them become −1 (stored nowhere)."""
+        t = slots.shape[0]
+        self.key[:t].copy_(key)
+        self.value[:t].copy_(value)
+        self.slots[:t].copy_(slots)
+        if self.slots.shape[0] > t:
+            self.slots[t:].fill_(-1)
+
+
+@dataclass
+class _WriteGraph:
+    graph: torch.cuda.CUDAGraph
+    inputs: _WriteInputs
+
+
+class WriteGraphs:
+    """The captured device writes of one worker's layers on one CUDA device (see the module docstring).
+
+    Args:
+        device: the layers' device.
+        max_tokens: writes of more tokens than this run eagerly (the engine's largest decode batch).
+        max_graphs: graphs kept, least recently used evicted first.
+    """
+
+    def __init__(self, device: torch.device | str, max_tokens: int, max_graphs: int = MAX_WRITE_GRAPHS) -> None:
+        self.device = torch.device(device)
+        if self.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device, got {self.device}")
+        if max_tokens < 1 or max_graphs < 1:
+            raise ValueError(f"max_tokens={max_tokens}, max_graphs={max_graphs}: both must be ≥ 1")
+        self.max_tokens, self.max_graphs = int(max_tokens), int(max_graphs)
+        self.pool = torch.cuda.graph_pool_handle()
+        self._graphs: OrderedDict[Hashable, _WriteGraph] = OrderedDict()
+        self._inputs: weakref.WeakValueDictionary[Hashable, _WriteInputs] = weakref.WeakValueDictionary()
+        self.captures = 0
+        self.replays = 0
+        self.disabled: str | None = None  # why a capture failed (then every write runs eagerly)
+
+    def __len__(self) -> int:
+        return len(self._graphs)
+
+    def write(self, layer: Hashable, cache: LayerKVCache, key: torch.Tensor, value: torch.Tensor,
+              slots: torch.Tensor) -> None:  # fmt: skip
+        """Store ``key``/``value`` ``[T, H_kv, D]`` at ``slots`` ``[T]`` (as ``write_tokens_on_device``): replayed
+        from this layer's graph of the token bucket, captured at the first write of that key, or run eagerly
+        (more than ``max_tokens`` tokens, a stream being captured by someone else, or captures disabled).
+
+        Args:
+            layer: the layer's identity (its cache is fixed per key).
+            cache: the layer's cache (token-major shadow, pages on this device).
+            key, value: the tokens in the shadow's dtype, on this device; slots: int64 on this device.
+        """
+        t = slots.shape[0]
+        if (t < 1 or t > self.max_tokens or self.disabled is not None
+                or torch.cuda.is_current_stream_capturing()):  # fmt: skip
+            write_tokens_on_device(cache, key, value, slots)
+            return
+        bucket = token_bucket(t)
+        graph_key = (layer, key.dtype, bucket)
+        entry = self._graphs.get(graph_key)
+        if entry is not None:
+            self._graphs.move_to_end(graph_key)
+            entry.inputs.load(key, value, slots)
+            entry.graph.replay()
+            self.replays += 1
+            return
+        shape = (key.dtype, tuple(key.shape[1:]), bucket)
+        inputs = self._inputs.get(shape)
+        if inputs is None:
+            inputs = self._inputs[shape] = _WriteInputs(bucket, key.shape[1], key.shape[2], key.dtype, self.device)
+        inputs.load(key, value, slots)
+
+        def call() -> None:
+            write_tokens_on_device(cache, inputs.key, inputs.value, inputs.slots)
+
+        call()  # this write (the capture below records it without running it)
+        try:
+            graph, _, _ = capture_on_side_stream(self.device, self.pool, call)
+        except RuntimeError as err:  # the eager write stands; this worker's writes stay eager from now on
+            self.disabled = f"{type(err).__name__}: {err}"
+            logger.warning("certvllm: capturing the device write path in a CUDA graph failed (%s); writes run "
+                           "eagerly from now on", self.disabled)  # fmt: skip
+            return
+        self._graphs[graph_key] = _WriteGraph(graph, inputs)
+        self.captures += 1
+        while len(self._graphs) > self.max_graphs:
+            self._graphs.popitem(last=False)
