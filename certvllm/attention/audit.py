@@ -121,7 +121,7 @@ class AuditSampler:
     none costs one comparison and no draw.
 
     Args:
-        rate: the audit probability in [0, 1] (0: never, 1: every head-step).
+        rate: the audit probability in [0, 1] (0: never, 1: every item).
         seed: the stream's seed (``CertConfig.seed``); the stream is the sampler's own ``random.Random``.
     """
 
