@@ -13,6 +13,12 @@ added, and the engine's log tail.
     python3 -P benchmarks/profile_serving.py .device/llama8b-dummy --dtypes certified auto --context 8192 \\
         --batch 1 8 --engine-arg load_format=certvllm-peaked-dummy --out runs/h200_profile_serving.json
 
+A ``--dtypes`` entry may carry certvllm settings of its own after a ``+``, so that two settings of the certified
+path are profiled in one run, each in its own engine, on top of ``--cert``:
+
+    python3 -P benchmarks/profile_serving.py .device/llama8b-dummy --dtypes certified certified+graph_writes=true \
+        --batch 1 8 --engine-arg load_format=certvllm-peaked-dummy --engine-arg max_num_seqs=64
+
 cProfile adds a fixed cost to every Python call, so the profiled step is slower than the timed one; the ranking,
 and the share of a step each part takes, is what it is for.
 """
@@ -39,6 +45,17 @@ def prompts(model: str, batch: int, context: int, seed: int = 0) -> list[list[in
     """``batch`` distinct prompts of ``context`` token ids, drawn as ``bench_serving`` draws its prompts."""
     pool = vocabulary(model)
     return [prompt_ids(pool, context, seed, f"profile-{i}") for i in range(batch)]
+
+
+def variant(entry: str, cert: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """A ``--dtypes`` entry as (KV-cache dtype, certvllm settings): ``certified+KEY=VALUE,KEY=VALUE`` adds its own
+    settings to ``cert`` (``--cert``); any other entry is a dtype with ``cert`` as it is."""
+    dtype, _, extra = entry.partition("+")
+    if not extra:
+        return dtype, cert
+    if dtype != "certified":
+        raise ValueError(f"--dtypes {entry!r}: only certified takes settings after '+' (e.g. certified+KEY=VALUE)")
+    return dtype, {**cert, **parse_key_values(extra.split(","), "--dtypes")}
 
 
 def spec_for(args: argparse.Namespace, dtype: str, engine_args: dict[str, Any], cert: dict[str, Any]) -> dict:
@@ -95,16 +112,17 @@ def main(argv: list[str] | None = None) -> int:
     try:
         engine_args = parse_key_values(args.engine_arg, "--engine-arg")
         cert = parse_key_values(args.cert, "--cert")
+        variants = [(entry, *variant(entry, cert)) for entry in args.dtypes]
     except ValueError as err:
         p.error(str(err))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {"model": args.model, "context": args.context, "batches": args.batch,
                               "max_tokens": args.max_tokens, "engines": []}  # fmt: skip
-    for dtype in args.dtypes:
-        result = run_engine(spec_for(args, dtype, engine_args, cert), timeout=args.timeout,
+    for label, dtype, settings in variants:
+        result = run_engine(spec_for(args, dtype, engine_args, settings), timeout=args.timeout,
                             env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})  # fmt: skip
         for i, batch in enumerate(args.batch):
-            summary = summarize(dtype, batch, result, result["phases"][3 * i : 3 * i + 3], args.max_tokens)
+            summary = summarize(label, batch, result, result["phases"][3 * i : 3 * i + 3], args.max_tokens)
             report["engines"].append(summary)
             print_summary(summary, args.print_rows)
         args.out.write_text(json.dumps(report, indent=1))  # engine by engine: a cut run keeps what it finished
