@@ -243,6 +243,30 @@ def test_fraction_audited_matches_the_rate(rate):
     assert abs(picked - n * rate) <= 5 * sd, (picked, n * rate, sd)
 
 
+def test_the_fraction_of_corrupted_outputs_caught_matches_the_rate():
+    """Row 0's values corrupted (every call leaves the same k of its head-steps outside their certificate, found at
+    rate 1), then 150 calls at rate 0.1 under ``log``: the violations counted are k per draw of row 0 and no
+    other, and row 0 is drawn 150 × 0.1 = 15 times within 5 sd of Binomial(150, 0.1), so the share of corrupted
+    outputs caught matches the rate (the draw is by row: the k of one call are caught together)."""
+    cfg, cs, cache, tables, lens, q = _violating_setup("log")
+    scale = 1 / math.sqrt(D)
+    rec = Recorder(cfg.model_copy(update={"audit_rate": 1.0}))
+    rec.call(cfg, cache, q, tables, lens, scale)
+    o = rec.last()
+    k = int(o.violated.sum())
+    assert k > 0 and set(o.rows[o.violated].tolist()) == {0}
+    rate, calls = 0.1, 150
+    rec = Recorder(cfg.model_copy(update={"audit_rate": rate}))
+    for _ in range(calls):
+        rec.call(cfg, cache, q, tables, lens, scale)
+    caught = [int(x.violated.sum()) for x in rec.outcomes if bool((x.rows == 0).any())]
+    assert all(c == k for c in caught)  # the same corrupted head-steps each time row 0 is drawn
+    assert rec.violations() == k * len(caught)
+    assert all(not bool(x.violated[x.rows != 0].any()) for x in rec.outcomes)  # the healthy row passes
+    sd = math.sqrt(calls * rate * (1 - rate))
+    assert abs(len(caught) - calls * rate) <= 5 * sd, (len(caught), calls * rate, sd)
+
+
 def test_sampling_is_seeded_and_independent_of_call_sizes():
     def picks(seed, sizes):
         s = AuditSampler(0.05, seed)
