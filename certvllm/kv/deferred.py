@@ -40,7 +40,7 @@ def pack(tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
     for i in order:
         offsets[i] = at
         at += tensors[i].numel() * tensors[i].element_size()
-    flat = [tensors[i].reshape(-1).contiguous().view(torch.uint8) for i in order]
+    flat = [tensors[i].reshape(-1).view(torch.uint8) for i in order]  # reshape(-1): contiguous, copied if need be
     if not flat:
         return torch.empty(0, dtype=torch.uint8), offsets
     return (flat[0] if len(flat) == 1 else torch.cat(flat)), offsets
@@ -66,7 +66,9 @@ class DeferredRead:
     """
 
     def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
-        tensors = [t.detach() for t in tensors]
+        tensors = list(tensors)
+        if any(t.requires_grad for t in tensors):  # the hot path's tensors carry no autograd: no detach calls
+            tensors = [t.detach() for t in tensors]
         self._specs = [(t.dtype, tuple(t.shape)) for t in tensors]
         self._event: torch.cuda.Event | None = None
         self._device: torch.device | None = None
