@@ -46,7 +46,7 @@ import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Hashable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -225,5 +225,8 @@ class LayerCallGraphs:
 
 
 def _rows(result: CertifiedOutput, rows: int) -> CertifiedOutput:
-    """The first ``rows`` rows of a padded call's output and report."""
+    """The first ``rows`` rows of a padded call's output and report (new objects over the same tensors when no row
+    was padded: a caller that rebinds a field never touches the graph's own result)."""
+    if rows == result.out.shape[0]:
+        return CertifiedOutput(result.out, replace(result.report))
     return CertifiedOutput(result.out[:rows], result.report.select(slice(0, rows)))
