@@ -40,7 +40,7 @@ def pack(tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
     for i in order:
         offsets[i] = at
         at += tensors[i].numel() * tensors[i].element_size()
-    flat = [tensors[i].reshape(-1).view(torch.uint8) for i in order]  # reshape(-1): contiguous, copied if need be
+    flat = [tensors[i].reshape(-1).contiguous().view(torch.uint8) for i in order]  # a strided 1-D stays strided
     if not flat:
         return torch.empty(0, dtype=torch.uint8), offsets
     return (flat[0] if len(flat) == 1 else torch.cat(flat)), offsets

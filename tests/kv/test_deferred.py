@@ -159,3 +159,12 @@ def test_a_read_batch_gives_each_member_what_its_own_read_would(gen):
             assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
         with pytest.raises(RuntimeError, match="issued already"):
             batch.add(report)
+
+
+def test_pack_takes_strided_tensors() -> None:
+    """A strided 1-D tensor (``reshape(-1)`` keeps it strided) and a transposed one pack to their values."""
+    a = torch.arange(8, dtype=torch.float32)[::2]
+    b = torch.arange(6, dtype=torch.int16).view(2, 3).t()
+    buffer, offsets = pack([a, b])
+    got = unpack(buffer, [(a.dtype, tuple(a.shape)), (b.dtype, tuple(b.shape))], offsets)
+    assert torch.equal(got[0], a) and torch.equal(got[1], b)
