@@ -43,8 +43,6 @@ from __future__ import annotations
 
 import logging
 import time
-import weakref
-from collections import OrderedDict
 from collections.abc import Hashable
 from dataclasses import dataclass, replace
 
@@ -55,7 +53,7 @@ from certvllm.bounds.report import CertifiedOutput
 from certvllm.config import CertConfig
 from certvllm.kv.cache import LayerKVCache
 from certvllm.kv.cuda_pagein import CudaPageInEngine, RecordedTraffic
-from certvllm.kv.graph_capture import capture_on_side_stream
+from certvllm.kv.graph_capture import GraphStore
 from certvllm.kv.residency import Residency
 from certvllm.triton_kernels.common import next_pow2
 
@@ -121,7 +119,7 @@ class _Graph:
     traffic: RecordedTraffic
 
 
-class LayerCallGraphs:
+class LayerCallGraphs(GraphStore[_Graph, _Inputs]):
     """The captured certified calls of one worker's layers on one CUDA device (see the module docstring).
 
     Args:
@@ -131,24 +129,10 @@ class LayerCallGraphs:
     """
 
     def __init__(self, device: torch.device | str, max_rows: int, max_graphs: int = MAX_GRAPHS) -> None:
-        self.device = torch.device(device)
-        if self.device.type != "cuda":
-            raise ValueError(f"CUDA graphs need a CUDA device, got {self.device}")
-        if max_rows < 1 or max_graphs < 1:
-            raise ValueError(f"max_rows={max_rows}, max_graphs={max_graphs}: both must be ≥ 1")
-        self.max_rows, self.max_graphs = int(max_rows), int(max_graphs)
-        self.pool = torch.cuda.graph_pool_handle()
-        self._graphs: OrderedDict[Hashable, _Graph] = OrderedDict()
-        # shared by the graphs of every layer with one (dtype, heads, row bucket, width bucket); dropped with the
-        # last graph that reads them
-        self._inputs: weakref.WeakValueDictionary[Hashable, _Inputs] = weakref.WeakValueDictionary()
-        self.captures = 0
+        # inputs shared by the graphs of every layer with one (dtype, heads, row bucket, width bucket)
+        super().__init__(device, "max_rows", max_rows, max_graphs, "certified layer calls")
+        self.max_rows = int(max_rows)
         self.capture_seconds = 0.0  # wall time of the captures (their eager first runs included)
-        self.replays = 0
-        self.disabled: str | None = None  # why a capture failed (then every call runs eagerly)
-
-    def __len__(self) -> int:
-        return len(self._graphs)
 
     def handles(self, rows: int) -> bool:
         """Whether a call of ``rows`` rows is graphed (else the caller runs it eagerly)."""
@@ -177,10 +161,9 @@ class LayerCallGraphs:
             raise ValueError("a graphed layer call cannot run the step prefetch: pass the residency's pool only")
         R, B = tables.shape
         key = (layer, q.dtype, row_bucket(R), width_bucket(B))
-        entry = self._graphs.get(key)
+        entry = self._lookup(key)
         if entry is None:
             return self._first_call(key, q, cache, tables, lens, config, scale, pagein, residency, generator, step)
-        self._graphs.move_to_end(key)
         entry.inputs.load(q, tables, lens, step)
         entry.graph.replay()
         pagein.add_recorded(entry.traffic)
@@ -194,10 +177,10 @@ class LayerCallGraphs:
                     step: object | None = None) -> CertifiedOutput:  # fmt: skip
         """Run the padded call eagerly (this call's answer), then capture it under ``key``."""
         _, _, rows, width = key
-        shape = (q.dtype, tuple(q.shape[1:]), rows, width)
-        inputs = self._inputs.get(shape)
-        if inputs is None:
-            inputs = self._inputs[shape] = _Inputs(rows, width, tuple(q.shape[1:]), q.dtype, self.device)
+        q_shape = tuple(q.shape[1:])  # (H_q, D)
+        inputs = self._shared_inputs(
+            (q.dtype, q_shape, rows, width), lambda: _Inputs(rows, width, q_shape, q.dtype, self.device)
+        )
         inputs.load(q, tables, lens, step)
 
         def call() -> CertifiedOutput:
@@ -206,21 +189,15 @@ class LayerCallGraphs:
 
         started = time.perf_counter()
         answer = call()
-        try:  # other threads (the metrics' flusher) may go on using CUDA meanwhile
-            graph, result, traffic = capture_on_side_stream(self.device, self.pool, call, pagein.recording())
-        except RuntimeError as err:  # the eager answer stands; this worker's calls stay eager from now on
-            self.disabled = f"{type(err).__name__}: {err}"
-            logger.warning("certvllm: capturing a certified layer call in a CUDA graph failed (%s); the layer "
-                           "calls run eagerly from now on", self.disabled)  # fmt: skip
+        captured = self._capture(call, pagein.recording())
+        if captured is None:  # the eager answer stands; this worker's calls stay eager from now on
             return _rows(answer, q.shape[0])
-        self._graphs[key] = _Graph(graph, inputs, result, traffic)
-        self.captures += 1
+        graph, result, traffic = captured
+        self._keep(key, _Graph(graph, inputs, result, traffic))
         self.capture_seconds += time.perf_counter() - started
         if self.captures & (self.captures - 1) == 0:  # the 1st, 2nd, 4th … capture: where a slow start went
             logger.info("certvllm: %d certified layer calls captured in CUDA graphs (%.2f s, eager first runs "
                         "included)", self.captures, self.capture_seconds)  # fmt: skip
-        while len(self._graphs) > self.max_graphs:
-            self._graphs.popitem(last=False)
         return _rows(answer, q.shape[0])
 
 

@@ -1,5 +1,6 @@
-"""Capturing one call into a CUDA graph on a side stream, as certvllm's graphed calls do (the certified layer
-calls of ``certvllm.attention.graphs``, the device write path of ``certvllm.kv.write_graphs``).
+"""Capturing one call into a CUDA graph on a side stream, and the store of such graphs that certvllm's graphed
+calls share (the certified layer calls of ``certvllm.attention.graphs``, the device write path of
+``certvllm.kv.write_graphs``).
 
 ``torch.cuda.graph`` synchronises the device and collects garbage around every capture; these captures happen
 while a vLLM step is running and while the metrics' flusher thread uses CUDA, so they are taken on a side stream
@@ -9,13 +10,19 @@ do not break the capture), and the current stream waits for the side stream afte
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import logging
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 import torch
 
+logger = logging.getLogger("certvllm")
 T = TypeVar("T")
+E = TypeVar("E")  # a store's entry: a graph with what its replays read and write
+I = TypeVar("I")  # noqa: E741 - a store's static inputs, shared by the graphs of one shape
 
 
 def capture_on_side_stream(
@@ -49,3 +56,66 @@ def capture_on_side_stream(
     finally:
         main.wait_stream(side)
     return graph, result, entered
+
+
+class GraphStore(Generic[E, I]):
+    """The captured calls of one worker on one CUDA device: entries by key, least recently used evicted first past
+    ``max_graphs``, static inputs shared by shape (dropped with the last entry that reads them), and a switch that
+    turns capturing off for good after a failed capture (the caller's calls run eagerly from then on).
+
+    Args:
+        device: the calls' device.
+        limit_name, limit: the largest call the subclass graphs (its name for the error message), ≥ 1.
+        max_graphs: entries kept, ≥ 1.
+        what: the calls, for the log (e.g. "a certified layer call").
+    """
+
+    def __init__(self, device: torch.device | str, limit_name: str, limit: int, max_graphs: int, what: str) -> None:
+        self.device = torch.device(device)
+        if self.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device, got {self.device}")
+        if limit < 1 or max_graphs < 1:
+            raise ValueError(f"{limit_name}={limit}, max_graphs={max_graphs}: both must be ≥ 1")
+        self.max_graphs = int(max_graphs)
+        self.pool = torch.cuda.graph_pool_handle()
+        self._graphs: OrderedDict[Hashable, E] = OrderedDict()
+        self._inputs: weakref.WeakValueDictionary[Hashable, I] = weakref.WeakValueDictionary()
+        self._what = what
+        self.captures = 0
+        self.replays = 0
+        self.disabled: str | None = None  # why a capture failed (then every call runs eagerly)
+
+    def __len__(self) -> int:
+        return len(self._graphs)
+
+    def _lookup(self, key: Hashable) -> E | None:
+        """The entry of ``key`` (marked most recently used), or None."""
+        entry = self._graphs.get(key)
+        if entry is not None:
+            self._graphs.move_to_end(key)
+        return entry
+
+    def _shared_inputs(self, shape: Hashable, make: Callable[[], I]) -> I:
+        """The static inputs of ``shape``, made by ``make`` when no kept entry reads them."""
+        inputs = self._inputs.get(shape)
+        if inputs is None:
+            inputs = self._inputs[shape] = make()
+        return inputs
+
+    def _capture(self, call: Callable[[], T], context: AbstractContextManager | None = None,
+                 ) -> tuple[torch.cuda.CUDAGraph, T, Any] | None:  # fmt: skip
+        """:func:`capture_on_side_stream` in this store's pool; None (capturing turned off, warned) if it failed."""
+        try:  # other threads (the metrics' flusher) may go on using CUDA meanwhile
+            return capture_on_side_stream(self.device, self.pool, call, context)
+        except RuntimeError as err:
+            self.disabled = f"{type(err).__name__}: {err}"
+            logger.warning("certvllm: capturing %s in a CUDA graph failed (%s); they run eagerly from now on",
+                           self._what, self.disabled)  # fmt: skip
+            return None
+
+    def _keep(self, key: Hashable, entry: E) -> None:
+        """Store a new capture, evicting the least recently used past ``max_graphs``."""
+        self._graphs[key] = entry
+        self.captures += 1
+        while len(self._graphs) > self.max_graphs:
+            self._graphs.popitem(last=False)

@@ -23,9 +23,6 @@ later write eager, with a warning.
 
 from __future__ import annotations
 
-import logging
-import weakref
-from collections import OrderedDict
 from collections.abc import Hashable
 from dataclasses import dataclass
 
@@ -33,9 +30,8 @@ import torch
 
 from certvllm.kv.cache import LayerKVCache
 from certvllm.kv.cuda_pagein import write_tokens_on_device
-from certvllm.kv.graph_capture import capture_on_side_stream
+from certvllm.kv.graph_capture import GraphStore
 
-logger = logging.getLogger("certvllm")
 MAX_WRITE_GRAPHS = 1024
 """Write graphs a worker keeps (they allocate nothing: each is two kernel nodes)."""
 
@@ -71,7 +67,7 @@ class _WriteGraph:
     inputs: _WriteInputs
 
 
-class WriteGraphs:
+class WriteGraphs(GraphStore[_WriteGraph, _WriteInputs]):
     """The captured device writes of one worker's layers on one CUDA device (see the module docstring).
 
     Args:
@@ -81,21 +77,8 @@ class WriteGraphs:
     """
 
     def __init__(self, device: torch.device | str, max_tokens: int, max_graphs: int = MAX_WRITE_GRAPHS) -> None:
-        self.device = torch.device(device)
-        if self.device.type != "cuda":
-            raise ValueError(f"CUDA graphs need a CUDA device, got {self.device}")
-        if max_tokens < 1 or max_graphs < 1:
-            raise ValueError(f"max_tokens={max_tokens}, max_graphs={max_graphs}: both must be ≥ 1")
-        self.max_tokens, self.max_graphs = int(max_tokens), int(max_graphs)
-        self.pool = torch.cuda.graph_pool_handle()
-        self._graphs: OrderedDict[Hashable, _WriteGraph] = OrderedDict()
-        self._inputs: weakref.WeakValueDictionary[Hashable, _WriteInputs] = weakref.WeakValueDictionary()
-        self.captures = 0
-        self.replays = 0
-        self.disabled: str | None = None  # why a capture failed (then every write runs eagerly)
-
-    def __len__(self) -> int:
-        return len(self._graphs)
+        super().__init__(device, "max_tokens", max_tokens, max_graphs, "device writes")
+        self.max_tokens = int(max_tokens)
 
     def write(self, layer: Hashable, cache: LayerKVCache, key: torch.Tensor, value: torch.Tensor,
               slots: torch.Tensor) -> None:  # fmt: skip
@@ -115,31 +98,22 @@ class WriteGraphs:
             return
         bucket = token_bucket(t)
         graph_key = (layer, key.dtype, bucket)
-        entry = self._graphs.get(graph_key)
+        entry = self._lookup(graph_key)
         if entry is not None:
-            self._graphs.move_to_end(graph_key)
             entry.inputs.load(key, value, slots)
             entry.graph.replay()
             self.replays += 1
             return
-        shape = (key.dtype, tuple(key.shape[1:]), bucket)
-        inputs = self._inputs.get(shape)
-        if inputs is None:
-            inputs = self._inputs[shape] = _WriteInputs(bucket, key.shape[1], key.shape[2], key.dtype, self.device)
+        h, d = key.shape[1], key.shape[2]
+        inputs = self._shared_inputs(
+            (key.dtype, (h, d), bucket), lambda: _WriteInputs(bucket, h, d, key.dtype, self.device)
+        )
         inputs.load(key, value, slots)
 
         def call() -> None:
             write_tokens_on_device(cache, inputs.key, inputs.value, inputs.slots)
 
         call()  # this write (the capture below records it without running it)
-        try:
-            graph, _, _ = capture_on_side_stream(self.device, self.pool, call)
-        except RuntimeError as err:  # the eager write stands; this worker's writes stay eager from now on
-            self.disabled = f"{type(err).__name__}: {err}"
-            logger.warning("certvllm: capturing the device write path in a CUDA graph failed (%s); writes run "
-                           "eagerly from now on", self.disabled)  # fmt: skip
-            return
-        self._graphs[graph_key] = _WriteGraph(graph, inputs)
-        self.captures += 1
-        while len(self._graphs) > self.max_graphs:
-            self._graphs.popitem(last=False)
+        captured = self._capture(call)
+        if captured is not None:  # else the eager write stands; this worker's writes stay eager from now on
+            self._keep(graph_key, _WriteGraph(captured[0], inputs))
