@@ -40,6 +40,7 @@ LAUNCHED: dict[str, tuple[str, ...]] = {
     "gather": ("_gather_pages_kernel", "_fill_pool_kernel"),
     "shadow_write": ("_scatter_kernel",),
     "audit_check": ("_audit_partial_kernel", "_audit_verdict_kernel"),
+    "report_tally": ("_tally_kernel",),
     "limb_scores": ("_block_scores_kernel",),  # the tensor-core score prototype (benchmarks/probe_int8_mma.py)
 }
 """Every kernel the launchers launch, by module of this package."""

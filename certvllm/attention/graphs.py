@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, replace
 
 import torch
@@ -58,6 +58,8 @@ from certvllm.kv.residency import Residency
 from certvllm.triton_kernels.common import next_pow2
 
 logger = logging.getLogger("certvllm")
+Epilogue = Callable[[CertifiedOutput, torch.Tensor], None]
+"""Device work a graphed call runs on its padded result (:meth:`LayerCallGraphs.run`)."""
 MAX_GRAPHS = 1024
 """Graphs a worker keeps (each holds its outputs, ~1 MiB at 64 rows and 32 heads of 128; the graphs of one shape
 share their inputs)."""
@@ -90,6 +92,7 @@ class _Inputs:
         self.q = torch.zeros(rows, *q_shape, dtype=dtype, device=device)  # [R_b, H_q, D] the model dtype
         self.tables = torch.zeros(rows, width, dtype=torch.int64, device=device)  # [R_b, W_b]
         self.lens = torch.ones(rows, dtype=torch.int64, device=device)  # [R_b]
+        self.rows = torch.full((1,), rows, dtype=torch.int64, device=device)  # [1] the call's real rows
         self._step: object | None = None  # the step token whose tables and lengths are written
 
     def load(self, q: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, step: object | None = None) -> None:
@@ -105,6 +108,7 @@ class _Inputs:
                 self.q[R:].zero_()
                 self.tables[R:].zero_()
                 self.lens[R:].fill_(1)
+            self.rows.fill_(R)
             self._step = step
         self.q[:R].copy_(q)
 
@@ -140,7 +144,8 @@ class LayerCallGraphs(GraphStore[_Graph, _Inputs]):
 
     def run(self, layer: Hashable, q: torch.Tensor, cache: LayerKVCache, tables: torch.Tensor, lens: torch.Tensor,
             config: CertConfig, scale: float, *, pagein: CudaPageInEngine, residency: Residency,
-            generator: torch.Generator | None = None, step: object | None = None) -> CertifiedOutput:  # fmt: skip
+            generator: torch.Generator | None = None, step: object | None = None,
+            epilogue: Epilogue | None = None) -> CertifiedOutput:  # fmt: skip
         """``certified_attention`` of one layer's decode rows, replayed from (or captured into) a graph.
 
         Args:
@@ -152,6 +157,10 @@ class LayerCallGraphs(GraphStore[_Graph, _Inputs]):
             step: a token that stands for ``tables`` and ``lens`` (the caller's per-step metadata): every call
                 with the same token (compared by identity) must pass the same values, and then the graphs of
                 the layers share one write of them per step. None: written at every call.
+            epilogue: device work on the padded call's result, ``epilogue(result, rows)`` with ``rows`` ``[1]``
+                int64 on the device, the call's real row count (e.g. adding the report of those rows to a tally).
+                It is part of the graph: it runs at every replay, and once with the eager first call. Fixed per
+                ``layer`` (the first call's is captured).
 
         Returns:
             views of the replay's ``[R, ...]`` outputs, valid until the next replay of any graph of this
@@ -163,7 +172,8 @@ class LayerCallGraphs(GraphStore[_Graph, _Inputs]):
         key = (layer, q.dtype, row_bucket(R), width_bucket(B))
         entry = self._lookup(key)
         if entry is None:
-            return self._first_call(key, q, cache, tables, lens, config, scale, pagein, residency, generator, step)
+            return self._first_call(key, q, cache, tables, lens, config, scale, pagein, residency, generator, step,
+                                    epilogue)  # fmt: skip
         entry.inputs.load(q, tables, lens, step)
         entry.graph.replay()
         pagein.add_recorded(entry.traffic)
@@ -173,8 +183,8 @@ class LayerCallGraphs(GraphStore[_Graph, _Inputs]):
     # -- internals ---------------------------------------------------------------------------------------
     def _first_call(self, key: tuple, q: torch.Tensor, cache: LayerKVCache, tables: torch.Tensor,
                     lens: torch.Tensor, config: CertConfig, scale: float, pagein: CudaPageInEngine,
-                    residency: Residency, generator: torch.Generator | None,
-                    step: object | None = None) -> CertifiedOutput:  # fmt: skip
+                    residency: Residency, generator: torch.Generator | None, step: object | None = None,
+                    epilogue: Epilogue | None = None) -> CertifiedOutput:  # fmt: skip
         """Run the padded call eagerly (this call's answer), then capture it under ``key``."""
         _, _, rows, width = key
         q_shape = tuple(q.shape[1:])  # (H_q, D)
@@ -184,8 +194,11 @@ class LayerCallGraphs(GraphStore[_Graph, _Inputs]):
         inputs.load(q, tables, lens, step)
 
         def call() -> CertifiedOutput:
-            return certified_attention(inputs.q, cache, inputs.tables, inputs.lens, config, scale, pagein=pagein,
-                                       generator=generator, residency=residency, backend="cuda")  # fmt: skip
+            res = certified_attention(inputs.q, cache, inputs.tables, inputs.lens, config, scale, pagein=pagein,
+                                      generator=generator, residency=residency, backend="cuda")  # fmt: skip
+            if epilogue is not None:
+                epilogue(res, inputs.rows)
+            return res
 
         started = time.perf_counter()
         answer = call()

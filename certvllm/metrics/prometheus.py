@@ -9,13 +9,15 @@ traffic and time, where its promoted key pages came from, which of its layers ar
 also carry ``rank``, the
 worker's rank in its engine (``"0"`` with one worker): with tensor parallelism every rank is a process with
 its own shadow, host link and promotion pool, and its series stay apart in ``/metrics``; the other series
-count head-steps and decisions, summed over the ranks. Recording is per attention call: counts are reduced with
-torch first, then added to the counters and histogram buckets in bulk.
+count head-steps and decisions, summed over the ranks. Counts are reduced first (with torch on the host, or by the
+device tally), then added to the counters and histogram buckets in bulk.
 
-Nothing here synchronises a layer call with the GPU: :meth:`CertMetrics.record` queues the call's report
-as a non-blocking copy into pinned host memory (``certvllm.kv.deferred``) together with the page-in, pool
-and prefetch counters snapshotted the same way, and the flusher thread folds them once their CUDA events
-have completed (it waits on events and reads host memory; it never launches work on the device).
+Nothing here synchronises a layer call with the GPU. A CUDA worker sums its calls' reports on the device
+(``certvllm.metrics.tally``) and :meth:`CertMetrics.record_step` queues, once per decode step, the sums with the
+page-in, pool and prefetch counters as one non-blocking copy into pinned host memory (``certvllm.kv.deferred``);
+:meth:`CertMetrics.record` queues one call's report (the CPU path, and any caller with a report in hand). The
+flusher thread folds what is queued once its CUDA events have completed (it waits on events and reads host memory;
+it never launches work on the device).
 """
 
 from __future__ import annotations
@@ -30,7 +32,9 @@ from typing import Any
 import torch
 
 from certvllm.bounds.report import CertReport
+from certvllm.bounds.tally_layout import HEAD_COLUMNS
 from certvllm.kv.deferred import BatchedRead, DeferredRead, DeferredStats, ReadBatch
+from certvllm.metrics.tally import TallyRead
 
 logger = logging.getLogger("certvllm")
 
@@ -84,7 +88,8 @@ SPECS = (
                "CUDA path: unquantized key pages the promotion pass read, by where they came from (pool = the "
                "device-resident promotion cache, prefetch = the step prefetch's ring, host = over PCIe), by worker "
                "rank.", ("source", "rank")),
-    MetricSpec("vllm:cert_page_in_seconds", "histogram", "Page-in time per attention call, by worker rank.",
+    MetricSpec("vllm:cert_page_in_seconds", "histogram",
+               "Page-in time per attention call (CPU) or decode step (CUDA), by worker rank.",
                ("rank",), buckets=SECONDS_BUCKETS),
     MetricSpec("vllm:cert_exact_tokens_total", "counter",
                "Query tokens served by exact attention by policy, not by a fallback "
@@ -146,17 +151,19 @@ class _Queued:
     """One attention call waiting for the flusher: its report (a host report, or the pending host copy of
     a device one, in ``fields(CertReport)`` order) and its counters."""
 
-    report: CertReport | DeferredRead | BatchedRead
+    report: CertReport | DeferredRead | BatchedRead | TallyRead
     layer: int
     page_in_bytes: int = 0
     page_in_seconds: float = 0.0
     page_in: DeferredStats | None = None
-    key_pages: KeyPageCounts | None = None
+    key_pages: tuple[KeyPageCounts, ...] = ()
 
     def host_report(self) -> CertReport:
-        """The report on the host (waits for its copy if needed)."""
+        """The report on the host (waits for its copy if needed); not for a step's tally."""
         if isinstance(self.report, CertReport):
             return self.report
+        if isinstance(self.report, TallyRead):
+            raise TypeError("a queued step carries a tally, not a report")
         return CertReport(**{f.name: t for f, t in zip(fields(CertReport), self.report.values(), strict=True)})
 
     def page_in_totals(self) -> tuple[int, float]:
@@ -317,7 +324,25 @@ class CertMetrics:
             queued = report if device.type == "cpu" else report.to("cpu")
         if batch is not None:
             batch.issue()
-        item = _Queued(queued, layer, page_in_bytes, page_in_seconds, page_in, key_pages)
+        self._queue(
+            _Queued(
+                queued, layer, page_in_bytes, page_in_seconds, page_in, (key_pages,) if key_pages is not None else ()
+            )
+        )
+
+    def record_step(self, tally: TallyRead | None, page_in: DeferredStats | None = None,
+                    key_pages: tuple[KeyPageCounts, ...] = (), batch: ReadBatch | None = None) -> None:  # fmt: skip
+        """Queue one decode step's worth of CUDA calls for the next flush, without a host synchronisation: the
+        step's tally (``DeviceTally.take``: every call's report, summed per layer on the device), the page-in
+        engine's counters and each layer's key-page sources, all members of ``batch``, which is issued here (one
+        copy and one event per step)."""
+        if batch is not None:
+            batch.issue()
+        if tally is None and page_in is None and not key_pages:
+            return
+        self._queue(_Queued(tally, -1, page_in=page_in, key_pages=key_pages))
+
+    def _queue(self, item: _Queued) -> None:
         with self._pending_lock:
             self._pending.append(item)
         if self._flusher is None:
@@ -341,19 +366,28 @@ class CertMetrics:
         with self._fold_lock:
             with self._pending_lock:
                 pending, self._pending = self._pending, []
-            by_layer: dict[int, list[tuple[CertReport, int, float]]] = {}
-            sources = [0, 0, 0]
+            by_layer: dict[int, list[CertReport]] = {}
+            sources, nbytes, seconds = [0, 0, 0], 0, []
+            tallies: list[TallyRead] = []
             for item in pending:  # in recording order: each read waits for its own event
-                nbytes, seconds = item.page_in_totals()
-                by_layer.setdefault(item.layer, []).append((item.host_report(), nbytes, seconds))
-                if item.key_pages is not None:
-                    sources = [a + b for a, b in zip(sources, item.key_pages.sources(), strict=True)]
-            for layer, items in by_layer.items():
-                report = CertReport.cat([r for r, _, _ in items])
-                self._record_now(report, layer, sum(b for _, b, _ in items), [s for _, b, s in items if b])
+                b, sec = item.page_in_totals()
+                nbytes += b
+                if b:
+                    seconds.append(sec)
+                if isinstance(item.report, TallyRead):
+                    tallies.append(item.report)
+                elif item.report is not None:
+                    by_layer.setdefault(item.layer, []).append(item.host_report())
+                for pages in item.key_pages:
+                    sources = [a + b for a, b in zip(sources, pages.sources(), strict=True)]
+            for layer, reports in by_layer.items():
+                self._record_now(CertReport.cat(reports), layer)
+            for tally in tallies:
+                self._record_tally(tally.values(), tally.layers)
+            self._count_page_in(nbytes, seconds)
             self.count_key_pages(*sources)
 
-    def _record_now(self, report: CertReport, layer: int, page_in_bytes: int, page_in_seconds: list[float]) -> None:
+    def _record_now(self, report: CertReport, layer: int) -> None:
         rungs = torch.bincount(report.rung.flatten().long(), minlength=5).tolist()
         for i, n in enumerate(rungs):
             if n:
@@ -382,28 +416,73 @@ class CertMetrics:
             self._child("vllm:cert_promoted_key_blocks_total").inc(keys)
         if values:
             self._child("vllm:cert_promoted_value_blocks_total").inc(values)
-        if page_in_bytes:
-            self._child("vllm:cert_page_in_bytes_total").inc(page_in_bytes)
-        if page_in_seconds:
-            self._observe_many("vllm:cert_page_in_seconds", torch.tensor(page_in_seconds), SECONDS_BUCKETS)
+
+    def _record_tally(self, totals: torch.Tensor, layers: tuple[int, ...]) -> None:
+        """Fold a step's per-layer totals (``[len(layers), columns]`` float64 on the host, the layout of
+        ``certvllm.triton_kernels.report_tally``) into the series: the same counts and buckets as
+        :meth:`_record_now` of the step's reports."""
+        summed = totals.sum(dim=0).tolist()
+        for i, n in enumerate(summed[:5]):
+            if n:
+                self._child("vllm:cert_head_steps_total", rung=RUNG_NAMES[i]).inc(n)
+        for reason, n in zip(HEAD_REASONS, summed[5:8], strict=True):
+            if n:
+                self._child("vllm:cert_head_fallbacks_total", reason=reason).inc(n)
+        for layer, row in zip(layers, totals[:, 8:10].tolist(), strict=True):
+            for reason, n in zip(LAYER_REASONS, row, strict=True):
+                if n:
+                    self._child("vllm:cert_layer_fallbacks_total", reason=reason, layer=str(layer)).inc(n)
+        for name, n in zip(("vllm:cert_canary_violations_total", "vllm:cert_promoted_key_blocks_total",
+                            "vllm:cert_promoted_value_blocks_total"), summed[10:13], strict=True):  # fmt: skip
+            if n:
+                self._child(name).inc(n)
+        buckets = (len(summed) - HEAD_COLUMNS - 3) // 3
+        sums = summed[-3:]
+        for k, (name, edges) in enumerate(
+            zip(
+                ("vllm:cert_e_key", "vllm:cert_e_val", "vllm:cert_bound_relative"),
+                (BOUND_BUCKETS, RELATIVE_BUCKETS, RELATIVE_BUCKETS),
+                strict=True,
+            )
+        ):
+            if buckets != len(edges) + 1:
+                raise ValueError(f"a tally of {buckets} buckets for {name}, which has {len(edges) + 1}")
+            at = HEAD_COLUMNS + k * buckets
+            self._add_buckets(name, [int(n) for n in summed[at : at + buckets]], sums[k])
+
+    def _count_page_in(self, nbytes: int, seconds: list[float]) -> None:
+        """Page-in traffic: bytes, and one observation per recorded item that moved any."""
+        if nbytes:
+            self._child("vllm:cert_page_in_bytes_total").inc(nbytes)
+        if seconds:
+            self._observe_many("vllm:cert_page_in_seconds", torch.tensor(seconds), SECONDS_BUCKETS)
 
     def _observe_many(self, name: str, values: torch.Tensor, buckets: tuple[float, ...]) -> None:
         """Add many observations at once (bucket counts are computed with torch)."""
         if values.numel() == 0:
             return
-        child = self._child(name)
         v = values.double().flatten()
         finite = torch.isfinite(v)
         edges = torch.tensor(buckets, dtype=torch.float64)
         idx = torch.bucketize(v[finite], edges, right=False)  # bucket i: v ≤ buckets[i]
         counts = torch.bincount(idx, minlength=len(buckets) + 1).tolist()
         counts[-1] += int((~finite).sum())
+        self._add_buckets(name, counts, float(v[finite].sum()), values=v)
+
+    def _add_buckets(self, name: str, counts: list[int], total: float, values: torch.Tensor | None = None) -> None:
+        """Add ``counts[i]`` observations to bucket ``i`` of histogram ``name`` (the last: above every bound) and
+        ``total`` to its sum. Where the client library's buckets are not reachable, ``values`` are observed one
+        by one (without them, each bucket's count is observed at its bound)."""
+        child = self._child(name)
         inner = getattr(child, "_buckets", None)
         if inner is None or len(inner) != len(counts):  # defensive: public API only
-            for x in v.tolist():
-                child.observe(x)
-            return
+            if values is not None:
+                for x in values.tolist():
+                    child.observe(x)
+                return
+            raise RuntimeError(f"prometheus_client's histogram {name} exposes no buckets to add counts to")
         for bucket, n in zip(inner, counts, strict=True):
             if n:
                 bucket.inc(n)
-        child._sum.inc(float(v[finite].sum()))
+        if total:
+            child._sum.inc(total)

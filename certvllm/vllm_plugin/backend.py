@@ -38,12 +38,10 @@ from vllm.v1.kv_cache_interface import AttentionSpec
 
 from certvllm.config import CertConfig
 from certvllm.formats.layout import BLOCK_SIZE
-from certvllm.kv.deferred import ReadBatch
-from certvllm.metrics import KeyPageCounts
 from certvllm.vllm_plugin import settings
 from certvllm.vllm_plugin._compat import KV_CACHE_DTYPE, lbhnc_layouts
 from certvllm.vllm_plugin.exact import ExactAttention, ExactPlan
-from certvllm.vllm_plugin.runtime import LayerState, WorkerRuntime
+from certvllm.vllm_plugin.runtime import WorkerRuntime
 
 logger = logging.getLogger("vllm.certvllm")  # under "vllm": shares vLLM's log handlers
 SUPPORTED_HEAD_SIZES = [32, 64, 80, 96, 112, 128, 160, 192, 224, 256]
@@ -415,8 +413,8 @@ class CertifiedAttentionImpl(AttentionImpl[CertifiedMetadata]):
 
         if meta.row_tokens.numel():
             # no host synchronisation from here to the end of the certified rows on CUDA: the step's index
-            # tensors went up once, from pinned memory, when the builder made them; the report and counters
-            # go down the same way, read by the metrics' flusher thread
+            # tensors went up once, from pinned memory, when the builder made them; the reports are summed on the
+            # device and go down once per step, from pinned memory, read by the metrics' flusher thread
             R = meta.row_tokens.numel()
             rows_q = q[:R] if meta.rows_leading else q[meta.row_tokens_dev]
             # CPU: rungs 3/4 run vLLM's own CPU kernel on the shadow (token-identical to `auto`); CUDA: the op
@@ -428,10 +426,7 @@ class CertifiedAttentionImpl(AttentionImpl[CertifiedMetadata]):
                 out[:R].copy_(res.out)
             else:
                 out[meta.row_tokens_dev] = res.out.to(out.dtype)
-            batch = ReadBatch()  # the report and every counter of the call: one copy, one event
-            key_pages = self._count_key_pages(state, batch) if state.residency.pool is not None else None
-            metrics.record(res.report, state.index, page_in=pagein.take_stats_deferred(batch), key_pages=key_pages,
-                           batch=batch)  # fmt: skip
+            self.runtime.record_call(state, res.report, pagein)  # CUDA: tallied on the device, read per step
 
         if meta.exact_plan is not None:
             # this step's keys and values (already in the shadow): a prefill on CUDA reads only its cached
@@ -468,15 +463,6 @@ class CertifiedAttentionImpl(AttentionImpl[CertifiedMetadata]):
             return dense.float()
 
         return dense_rows
-
-    def _count_key_pages(self, state: LayerState, batch: ReadBatch) -> KeyPageCounts:
-        """Where this call's promoted key pages came from: the pool (hits), the step prefetch (served) or PCIe
-        (lookups − hits − served). The two components' device counters join ``batch`` (snapshotted and reset
-        in stream order when it is issued, without a synchronisation); the metrics read them when they fold the
-        call (:meth:`KeyPageCounts.sources`)."""
-        slot = state.residency.prefetch_slot()
-        prefetch = slot[0].take_stats_deferred(batch) if slot is not None else None
-        return KeyPageCounts(state.residency.pool.take_stats_deferred(batch), prefetch)
 
     def _exact_runtime(self, kv_cache: torch.Tensor) -> ExactAttention:
         if self._exact is None:

@@ -21,10 +21,13 @@ from certvllm.attention.audit import Auditor
 from certvllm.bounds.report import RUNG_LAYER_DENSE, CertifiedOutput, CertReport
 from certvllm.config import CertConfig
 from certvllm.kv.cache import LayerKVCache
+from certvllm.kv.deferred import ReadBatch
 from certvllm.kv.pagein import PageInEngine, PageInError, engine_for
 from certvllm.kv.residency import Residency, pool_values
-from certvllm.metrics import CertMetrics
+from certvllm.metrics import CertMetrics, KeyPageCounts
+from certvllm.metrics.prometheus import BOUND_BUCKETS, RELATIVE_BUCKETS
 from certvllm.metrics.requests import RequestLedger
+from certvllm.metrics.tally import DeviceTally
 from certvllm.vllm_plugin import settings
 from certvllm.vllm_plugin.host_tier import layer_cache
 from certvllm.vllm_plugin.layer_kinds import layer_index
@@ -89,6 +92,11 @@ class WorkerRuntime:
         # the layer whose calls count the step's exact tokens (once per step): the model's first certified layer
         # (:meth:`note_layers`; layer 0 until then, and in a model without native layers)
         self.counting_layer = 0
+        # CUDA: every certified call adds its report to the device's tally (in its graph where it has one); the
+        # step's tallies and counters are read once, after the step's last certified layer (:meth:`end_step`)
+        self._tallies: dict[torch.device, DeviceTally] = {}
+        self.closing_layer: int | None = None  # the worker's last certified layer (:meth:`note_layers`)
+        self._open_layer = -1  # the last layer recorded in the step not yet read (-1: none)
 
     # -- one per worker and run ---------------------------------------------------------------------
     _current: WorkerRuntime | None = None
@@ -213,6 +221,7 @@ class WorkerRuntime:
         certified_indices = [indices[n] for n, c in kinds.items() if c and indices[n] >= 0]
         first_stage = min(indices.values()) <= 0
         self.counting_layer = min(certified_indices) if first_stage and certified_indices else -1
+        self.closing_layer = max(certified_indices) if certified_indices else None
 
     # -- startup ------------------------------------------------------------------------------------
     def warm_up(self, num_q_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, max_model_len: int,
@@ -228,6 +237,8 @@ class WorkerRuntime:
 
         report = warm_up(num_q_heads, num_kv_heads, head_dim, dtype, max_model_len, max_num_seqs, self.config,
                          device, block_size_tokens=block_size)  # fmt: skip
+        if torch.device(device).type == "cuda":
+            self._tally(torch.device(device)).warm(num_q_heads)
         self._warmed.add(key)
         logger.info("%s", report.summary())
         for line in report.lines():
@@ -264,16 +275,21 @@ class WorkerRuntime:
         the next call."""
         pagein = self.pagein(q.device)
         graphs = self._layer_graphs(q.device) if exact_rows is None else None
+        tally = self._tally(q.device) if q.device.type == "cuda" else None
 
         def call(force_exact: torch.Tensor | None) -> CertifiedOutput:
             if (force_exact is None and graphs is not None and graphs.handles(q.shape[0])
                     and state.residency.prefetch_slot() is None):  # fmt: skip
                 return graphs.run((state.name, state.cache.pages.data_ptr()), q, state.cache, tables, lens,
                                   self.config, scale, pagein=pagein, residency=state.residency,
-                                  generator=generator, step=step)  # fmt: skip
-            return certified_attention(q, state.cache, tables, lens, self.config, scale, pagein=pagein,
-                                       generator=generator, residency=state.residency, exact_rows=exact_rows,
-                                       force_exact=force_exact)  # fmt: skip
+                                  generator=generator, step=step,
+                                  epilogue=lambda out, rows: tally.add(out.report, state.index, rows))  # fmt: skip
+            res = certified_attention(q, state.cache, tables, lens, self.config, scale, pagein=pagein,
+                                      generator=generator, residency=state.residency, exact_rows=exact_rows,
+                                      force_exact=force_exact)  # fmt: skip
+            if tally is not None:
+                tally.add(res.report, state.index)
+            return res
 
         tag = slots if self.ledger is not None else None
         try:
@@ -287,6 +303,55 @@ class WorkerRuntime:
         if tag is not None:
             self.ledger.record(res.report, tag)
         return res
+
+    def record_call(self, state: LayerState, report: CertReport, pagein: PageInEngine) -> None:
+        """Account for one certified layer call of :meth:`certified` in the metrics, without a host synchronisation.
+
+        CUDA: its report is in the device tally already; after the step's last certified layer
+        (:attr:`closing_layer`) the step's tally and counters are taken as one read (:meth:`end_step`). CPU: the
+        report and the page-in counters are queued as they are (``CertMetrics.record``)."""
+        if report.rung.device.type != "cuda":
+            self.metrics.record(report, state.index, page_in=pagein.take_stats_deferred())
+            return
+        if state.index <= self._open_layer:  # a new step began before the last one was read (no closing layer)
+            self.end_step()
+        self._open_layer = state.index
+        if state.index == self.closing_layer:
+            self.end_step()
+
+    def end_step(self) -> None:
+        """Queue the read of the step's CUDA tallies and counters (one copy and one event per device), if any call
+        recorded since the last read. Called after the closing layer and at each step's start."""
+        if self._open_layer < 0:
+            return
+        self._open_layer = -1
+        for device, tally in self._tallies.items():
+            batch = ReadBatch()
+            taken = tally.take(batch)
+            page_in = self._pageins[device].take_stats_deferred(batch) if device in self._pageins else None
+            self.metrics.record_step(taken, page_in, self._key_pages(device, batch), batch)
+
+    def _key_pages(self, device: torch.device, batch: ReadBatch) -> tuple[KeyPageCounts, ...]:
+        """Where the step's promoted key pages came from, per layer with a promotion pool on ``device``: pool hits,
+        pages the step prefetch served (its counters are the worker's, taken once) and the rest, over PCIe. The
+        counters join ``batch`` (snapshotted and zeroed in stream order when it is issued)."""
+        counts, prefetch_taken = [], False
+        for state in self.layers.values():
+            pool = state.residency.pool
+            if pool is None or state.cache.pages.device != device:
+                continue
+            slot = state.residency.prefetch_slot()
+            prefetch = None
+            if slot is not None and not prefetch_taken:
+                prefetch, prefetch_taken = slot[0].take_stats_deferred(batch), True
+            counts.append(KeyPageCounts(pool.take_stats_deferred(batch), prefetch))
+        return tuple(counts)
+
+    def _tally(self, device: torch.device) -> DeviceTally:
+        """The device's report tally (made on first use)."""
+        if device not in self._tallies:
+            self._tallies[device] = DeviceTally(device, (BOUND_BUCKETS, BOUND_BUCKETS, RELATIVE_BUCKETS))
+        return self._tallies[device]
 
     def _exact_after_failure(self, state: LayerState, q: torch.Tensor, exact_rows: Any, reason: str,
                              err: BaseException) -> CertifiedOutput:  # fmt: skip
@@ -345,6 +410,8 @@ class WorkerRuntime:
         return self._pageins[device]
 
     def begin_step(self) -> None:
-        """The batch of a step is built: start staging the first layers' pages (CUDA step prefetch)."""
+        """The batch of a step is built: read what the last step left unread (:meth:`end_step`), and start
+        staging the first layers' pages (CUDA step prefetch)."""
+        self.end_step()
         if self.prefetcher is not None:
             self.prefetcher.begin_step()

@@ -1,9 +1,10 @@
 """The certified part of ``CertifiedAttentionImpl.forward`` records its report and counters without reading
 the device: on the CPU the metrics still count every head-step of every call; on a CUDA GPU (``pytest -m
 gpu``) steps of four layers with the promotion pool and the step prefetch run under
-``torch.cuda.set_sync_debug_mode("error")`` (any synchronising call raises) and ``flush()`` then accounts
-for every call. The layer is driven directly (no engine): a bound layer state in a worker runtime, one
-step's metadata with the certified rows at scattered token positions."""
+``torch.cuda.set_sync_debug_mode("error")`` (any synchronising call raises; the reports are summed on the device,
+in the layer's graph where it has one, and read once per step) and ``flush()`` then accounts for every call.
+The layer is driven directly (no engine): a bound layer state in a worker runtime, one step's metadata with the
+certified rows at scattered token positions."""
 
 from __future__ import annotations
 
@@ -76,15 +77,16 @@ def _layers(device: str, n_layers: int, cfg):
                              exact_all=False)  # fmt: skip
     q = torch.zeros(TOKENS, H_Q, D, dtype=torch.bfloat16)
     q[ROWS] = torch.stack([c.q for c in cases]).to(torch.bfloat16)
+    runtime.note_layers(dict.fromkeys(names, True))  # as the metadata builder does: the step closes at the last
     reports = []
-    record = runtime.metrics.record
+    record = runtime.record_call
 
-    def spy(report, layer, *args, **kwargs):
+    def spy(state, report, *args, **kwargs):
         # a copy on the device (no synchronisation): a CUDA graph's outputs are rewritten by later replays
         reports.append(report.select(torch.arange(report.rung.shape[0], device=report.rung.device)))
-        record(report, layer, *args, **kwargs)
+        record(state, report, *args, **kwargs)
 
-    runtime.metrics.record = spy
+    runtime.record_call = spy
     return impl, runtime, names, kvs, meta, q.to(device).view(TOKENS, -1), reports
 
 

@@ -351,19 +351,20 @@ def test_vllm_page_is_two_bytes_per_head_dim_whatever_the_value_group():
 
 
 def test_key_page_sources_come_from_the_pool_and_the_prefetch_counters():
-    """Per layer call the backend exports where promoted keys came from: pool hits, pages served by the step
-    prefetch, and the rest (over PCIe), read from the two components' counters (deferred: read when the
-    metrics fold the call, not in the layer call)."""
+    """Once per step the runtime exports where promoted keys came from: pool hits, pages served by the step
+    prefetch, and the rest (over PCIe), read from each layer's pool counters and the worker's prefetch counters
+    (taken once: they count every layer), all joining the step's one read."""
     from types import SimpleNamespace
+
+    import torch
 
     from certvllm.kv.deferred import DeferredStats, ReadBatch
     from certvllm.kv.residency import Residency
-    from certvllm.vllm_plugin.backend import CertifiedAttentionImpl
 
     batches = []
 
     def taker(values):
-        def take(batch):  # the call's counters join its one read
+        def take(batch):  # the step's counters join its one read
             batches.append(batch)
             return DeferredStats.of(values)
 
@@ -371,12 +372,16 @@ def test_key_page_sources_come_from_the_pool_and_the_prefetch_counters():
 
     pool = SimpleNamespace(take_stats_deferred=taker({"lookups": 100, "hits": 60, "fills": 10, "bypass": 30}))
     prefetch = SimpleNamespace(take_stats_deferred=taker({"staged": 40, "candidates": 40, "served": 25}))
-    impl = SimpleNamespace()
-    calls = [ReadBatch(), ReadBatch()]
-    seen = [CertifiedAttentionImpl._count_key_pages(impl, SimpleNamespace(residency=r), b).sources()
-            for r, b in zip((Residency(pool, prefetch, 3), Residency(pool)), calls, strict=True)]  # fmt: skip
-    assert seen == [(60, 25, 15), (60, 0, 40)]
-    assert batches == [calls[0], calls[0], calls[1]]
+    cache = SimpleNamespace(pages=torch.zeros(1))
+    rt = _runtime()
+    rt.layers = {
+        f"l{i}": SimpleNamespace(residency=r, cache=cache)
+        for i, r in enumerate((Residency(pool, prefetch, 3), Residency(pool, prefetch, 4), Residency()))
+    }
+    step = ReadBatch()
+    seen = [c.sources() for c in rt._key_pages(torch.device("cpu"), step)]
+    assert seen == [(60, 25, 15), (60, 0, 40)]  # the prefetch's 25 served pages counted once
+    assert batches == [step, step, step]
 
 
 def test_runtime_warms_up_each_head_layout_once_and_logs_it(caplog):
