@@ -19,6 +19,9 @@ from types import ModuleType
 from certvllm.env import environment
 
 logger = logging.getLogger("certvllm")
+STALE_LOCK_SECONDS = 600.0
+"""Age past which a build folder's ``lock`` is taken to be left by a killed build (one takes well under a minute):
+torch's loader would otherwise wait on it forever."""
 
 
 def extensions_root() -> Path:
@@ -72,6 +75,7 @@ class JitExtension:
                 raise RuntimeError(self._failed)
             from torch.utils.cpp_extension import load as load_extension
 
+            clear_stale_lock(self.build_dir)
             try:
                 self._module = load_extension(name=self.name.split("-")[0], sources=[str(s) for s in self.sources],
                                               build_directory=str(self.build_dir), verbose=False,
@@ -81,3 +85,21 @@ class JitExtension:
                 logger.warning("%s", self._failed)
                 raise RuntimeError(self._failed) from err
         return self._module
+
+
+def clear_stale_lock(build_dir: Path, max_age: float = STALE_LOCK_SECONDS) -> bool:
+    """Remove ``build_dir/lock`` if it is older than ``max_age`` seconds (a build killed while it held the lock, e.g.
+    a stopped server or test run); returns whether one was removed. A live build touches no lock for that long."""
+    import time
+
+    lock = build_dir / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return False
+    if age < max_age:
+        return False
+    lock.unlink(missing_ok=True)
+    logger.warning("certvllm: removed %s, %.0f s old: a build of this extension was killed while it held the lock",
+                   lock, age)  # fmt: skip
+    return True
