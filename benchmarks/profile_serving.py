@@ -16,7 +16,7 @@ added, and the engine's log tail.
 A ``--dtypes`` entry may carry certvllm settings of its own after a ``+``, so that two settings of the certified
 path are profiled in one run, each in its own engine, on top of ``--cert``:
 
-    python3 -P benchmarks/profile_serving.py .device/llama8b-dummy --dtypes certified certified+graph_writes=true \
+    python3 -P benchmarks/profile_serving.py .device/llama8b-dummy --dtypes certified certified+cuda_graphs=false \
         --batch 1 8 --engine-arg load_format=certvllm-peaked-dummy --engine-arg max_num_seqs=64
 
 cProfile adds a fixed cost to every Python call, so the profiled step is slower than the timed one; the ranking,

@@ -126,15 +126,10 @@ class CertConfig(BaseModel):
         True,
         description="CUDA path only: each layer's decode call replays a CUDA graph captured per (row bucket, "
         "width bucket) (certvllm.attention.graphs): one launch per layer call instead of about 70 and the Python "
-        "between them. The step prefetch (prefetch_fraction) issues other layers' work from inside a call, which "
-        "a per-layer graph cannot hold, so it is off while this is on. The CPU path ignores it.",
-    )
-    graph_writes: bool = Field(
-        False,
-        description="CUDA path with cuda_graphs on: each layer's write of a decode step (the shadow scatter and "
-        "the encoding of the blocks it completes) replays a CUDA graph captured per token bucket "
-        "(certvllm.kv.write_graphs) instead of two Triton launches from Python. Off until its GPU test and a "
-        "served-step profile have run on the H200 (docs/performance.md); the CPU path ignores it.",
+        "between them; each layer's write of a decode step replays one per token bucket (certvllm.kv.write_graphs) "
+        "instead of two launches from Python. The step prefetch (prefetch_fraction) issues other layers' work "
+        "from inside a call, which a per-layer graph cannot hold, so it is off while this is on. The CPU path "
+        "ignores it.",
     )
     dense_backend: Literal["auto", "sdpa", "xformers"] = Field(
         "auto",

@@ -23,9 +23,9 @@ def test_a_dtype_entry_adds_its_own_certvllm_settings() -> None:
     base = {"host_memory_gb": 16}
     assert variant("auto", base) == ("auto", base)
     assert variant("certified", base) == ("certified", base)
-    assert variant("certified+graph_writes=true", base) == ("certified", {"host_memory_gb": 16, "graph_writes": True})
+    assert variant("certified+cuda_graphs=false", base) == ("certified", {"host_memory_gb": 16, "cuda_graphs": False})
     assert variant("certified+audit_rate=0,host_memory_gb=8", base) == (
         "certified", {"host_memory_gb": 8, "audit_rate": 0})  # fmt: skip
     assert base == {"host_memory_gb": 16}  # the shared settings are not changed
     with pytest.raises(ValueError, match="only certified"):
-        variant("fp8+graph_writes=true", base)
+        variant("fp8+cuda_graphs=false", base)

@@ -250,7 +250,7 @@ class WorkerRuntime:
     def write_on_device(self, state: LayerState, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
         """One layer's new tokens by the device write path (``write_tokens_on_device``: the shadow scatter and the
         encoding of the blocks they complete), replayed from the layer's write graph where this worker graphs its
-        writes (``CertConfig.cuda_graphs`` and ``graph_writes``, at most ``max_decode_rows`` tokens: decode steps),
+        writes (``CertConfig.cuda_graphs``, at most ``max_decode_rows`` tokens: decode steps),
         else launched directly. ``key``/``value`` ``[T, H_kv, D]`` in the shadow's dtype and ``slots`` ``[T]``
         on the device."""
         writes = self._device_write_graphs(key.device)
@@ -393,9 +393,8 @@ class WorkerRuntime:
         return self._graphs[device]
 
     def _device_write_graphs(self, device: torch.device) -> Any:
-        """The device's ``WriteGraphs`` (made on first use), or None off CUDA or unless ``cuda_graphs`` and
-        ``graph_writes`` are both on."""
-        if not (self.config.cuda_graphs and self.config.graph_writes) or device.type != "cuda":
+        """The device's ``WriteGraphs`` (made on first use), or None off CUDA or with ``cuda_graphs`` off."""
+        if not self.config.cuda_graphs or device.type != "cuda":
             return None
         if device not in self._write_graphs:
             from certvllm.kv.write_graphs import WriteGraphs
