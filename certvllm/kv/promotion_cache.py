@@ -58,11 +58,15 @@ if TYPE_CHECKING:
     from certvllm.kv.cache import LayerKVCache
 
 
-def pool_slots(cache: LayerKVCache, fraction: float) -> int:
-    """Slots for ``fraction`` of the cache's (block, KV head) pages (0 when ``fraction`` is 0)."""
+def pool_slots(cache: LayerKVCache, fraction: float, planned_blocks: int | None = None) -> int:
+    """Slots for ``fraction`` of the cache's (block, KV head) pages (0 when ``fraction`` is 0), or of
+    ``planned_blocks`` 16-token blocks' pages where the device memory was planned for more blocks than the cache
+    holds (a cache capped by its host tier), at most one slot per page of the cache."""
     if fraction <= 0:
         return 0
-    return max(1, math.ceil(fraction * cache.num_blocks * cache.num_kv_heads))
+    blocks = max(cache.num_blocks, planned_blocks or 0)
+    pages = cache.num_blocks * cache.num_kv_heads
+    return min(max(1, math.ceil(fraction * blocks * cache.num_kv_heads)), max(1, pages))
 
 
 def bytes_per_slot(cache: LayerKVCache, values: bool = False) -> int:

@@ -36,16 +36,18 @@ class Residency:
     prefetch_index: int = -1
 
     @classmethod
-    def for_layer(cls, cache: LayerKVCache, pool_fraction: float, resident: bool = False) -> Residency:
+    def for_layer(cls, cache: LayerKVCache, pool_fraction: float, resident: bool = False,
+                  planned_blocks: int | None = None) -> Residency:  # fmt: skip
         """A residency with a new promotion pool of ``pool_fraction`` of the cache's (block, KV head) pages
         (none when the fraction is 0): the hashed ``PromotionCache`` of the two-pass path, or with ``resident``
         (:func:`pool_values`) the explicitly allocated ``ResidentPool`` with value pages. The pool lives on the
-        pages' device; only the CUDA path reads it."""
+        pages' device; only the CUDA path reads it. ``planned_blocks``: the 16-token blocks the device memory was
+        planned for, where that is more than the cache holds (``promotion_cache.pool_slots``)."""
         from certvllm.kv.promotion_cache import PromotionCache, ResidentPool, pool_slots
 
         if pool_fraction <= 0:
             return cls()
-        slots = pool_slots(cache, pool_fraction)
+        slots = pool_slots(cache, pool_fraction, planned_blocks)
         return cls(pool=ResidentPool(cache, slots) if resident else PromotionCache(cache, slots))
 
     def prefetch_slot(self) -> tuple[Any, int] | None:

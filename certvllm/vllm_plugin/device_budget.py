@@ -16,6 +16,10 @@ plus 4 bytes of ``slot_of`` per (16-token block, KV head) and 16 fixed bytes per
 generation per 16-token block; ``p`` = ``prefetch_fraction``: the step
 prefetch's ring of two slots shared by all layers, and per layer its page list and grid map,
 ``certvllm.kv.prefetch``), and ``fixed = (L + 2) · slot + 8 L`` for what rounding up may add.
+
+When the host tier caps the cache below ``blocks'`` (``host_tier.cap_blocks``), the pages of the blocks it cut are
+never allocated while their pools' room was counted here: the workers size their pools for ``blocks'``
+(``host_tier.device_blocks_before_cap``), within the same memory.
 """
 
 from __future__ import annotations

@@ -138,9 +138,26 @@ def check_minimum(vllm_config: Any, cfg: CertConfig) -> None:
         raise _refuse(vllm_config, cfg, capacity, per_block)
 
 
+_DEVICE_BLOCKS: dict[int, int] = {}
+"""Capped block count → the block count the device budget planned before the host tier capped it (this process's
+plans; :func:`device_blocks_before_cap`)."""
+
+
+def device_blocks_before_cap(capped_blocks: int) -> int | None:
+    """The vLLM block count the device budget planned (pages and promotion pools: ``device_budget``) where the host
+    tier then capped the cache at ``capped_blocks``, or None where no plan of this process capped at that count.
+
+    The pools' room was reserved for every planned block, and the cap leaves those blocks' pages unallocated, so a
+    worker may size its pools for the planned count: that memory sits unused otherwise. Only a worker in the
+    process that planned (vLLM's engine core with one worker: tensor parallelism 1) sees the plan; others size
+    their pools for the capped cache."""
+    return _DEVICE_BLOCKS.get(capped_blocks)
+
+
 def cap_blocks(vllm_config: Any, num_blocks: int) -> int:
     """The KV planner's block count, capped by the host budget (engine-core process; with the planned KV cache
-    groups' layout where vLLM is planning them, ``hybrid.planning``)."""
+    groups' layout where vLLM is planning them, ``hybrid.planning``). A cap is noted for
+    :func:`device_blocks_before_cap`."""
     cfg = settings.cert_config(vllm_config)
     layout = hybrid.planned_layout()
     per_block = node_bytes_per_block(vllm_config, layout)
@@ -154,6 +171,7 @@ def cap_blocks(vllm_config: Any, num_blocks: int) -> int:
             "%d MiB per block; the device could hold %d blocks. Raise --cert-host-memory-gb to use them.",
             capacity, capacity * block_tokens, budget_bytes(cfg) / GIB, per_block >> 20, num_blocks,
         )  # fmt: skip
+        _DEVICE_BLOCKS[capacity] = num_blocks
         num_blocks = capacity
     ranks = node_ranks(vllm_config)
     n = len(layout.certified) if layout is not None else 0

@@ -29,7 +29,7 @@ from certvllm.metrics.prometheus import BOUND_BUCKETS, RELATIVE_BUCKETS
 from certvllm.metrics.requests import RequestLedger
 from certvllm.metrics.tally import DeviceTally
 from certvllm.vllm_plugin import settings
-from certvllm.vllm_plugin.host_tier import layer_cache
+from certvllm.vllm_plugin.host_tier import device_blocks_before_cap, layer_cache
 from certvllm.vllm_plugin.layer_kinds import layer_index
 
 logger = logging.getLogger("vllm.certvllm")  # under "vllm": shares vLLM's log handlers
@@ -97,6 +97,7 @@ class WorkerRuntime:
         self._tallies: dict[torch.device, DeviceTally] = {}
         self.closing_layer: int | None = None  # the worker's last certified layer (:meth:`note_layers`)
         self._open_layer = -1  # the last layer recorded in the step not yet read (-1: none)
+        self._pool_growth_logged = False
 
     # -- one per worker and run ---------------------------------------------------------------------
     _current: WorkerRuntime | None = None
@@ -185,9 +186,17 @@ class WorkerRuntime:
         fraction = self.config.promotion_cache_fraction
         if cache.pages.device.type != "cuda" or fraction <= 0 or torch.cuda.is_current_stream_capturing():
             return Residency()
-        residency = Residency.for_layer(cache, fraction, pool_values(self.config.decode_pass))
-        logger.debug("certvllm: %s promotion cache %d slots, %.1f MiB", name, residency.pool.slots,
-                     residency.pool.nbytes / 2**20)  # fmt: skip
+        planned = device_blocks_before_cap(cache.pages.shape[0])  # vLLM blocks before the host tier's cap
+        sub_blocks = cache.num_blocks // cache.pages.shape[0]
+        residency = Residency.for_layer(cache, fraction, pool_values(self.config.decode_pass),
+                                        planned_blocks=planned * sub_blocks if planned else None)  # fmt: skip
+        log = logger.info if planned and not self._pool_growth_logged else logger.debug
+        if planned:
+            self._pool_growth_logged = True
+        log("certvllm: %s promotion cache %d slots, %.1f MiB%s", name, residency.pool.slots,
+            residency.pool.nbytes / 2**20, f" (sized for the {planned} blocks the device budget planned: the host "
+            f"tier capped the cache at {cache.pages.shape[0]}, and the pools' room was reserved for all of them)"
+            if planned else "")  # fmt: skip
         if self.config.step_prefetch_fraction > 0:
             from certvllm.kv.prefetch import StepPrefetcher
 

@@ -123,6 +123,11 @@ def test_promotion_cache_slots_and_bytes():
     assert pc.generation is cache.generation  # the pool switched the cache's write generations on
     with pytest.raises(ValueError, match="at least one slot"):
         PromotionCache(cache, 0)
+    # a cache capped by its host tier below the blocks the device memory was planned for: the pool takes the
+    # planned blocks' share (its room was reserved for them), never more than one slot per page of the cache
+    assert pool_slots(cache, 1 / 16, planned_blocks=400) == 200 and pool_slots(cache, 1 / 16, 50) == 50
+    assert pool_slots(cache, 1 / 4, planned_blocks=10_000) == 800
+    assert Residency.for_layer(cache, 1 / 16, planned_blocks=400).pool.slots == 200
 
 
 def _check_resolve(pc, cache, tables, need) -> tuple[torch.Tensor, torch.Tensor]:

@@ -234,6 +234,8 @@ def test_host_tier_counts_the_certified_layers_of_the_planned_groups(caplog):
         with caplog.at_level("INFO", logger="vllm.certvllm"):
             assert host_tier.cap_blocks(cfg, 5000) == 100  # capped at the budget's blocks
             assert host_tier.cap_blocks(cfg, 60) == 60
+    assert host_tier.device_blocks_before_cap(100) == 5000  # the workers' pools may use the planned blocks' room
+    assert host_tier.device_blocks_before_cap(60) is None  # not capped
     assert "2 certified layers only" in caplog.text and "hybrid KV cache: certified layers 3, 7;" in caplog.text
     # before the groups exist (the startup check): every certified layer at --block-size, no more than the layout
     assert host_tier.certified_layers(cfg) == 2
