@@ -58,15 +58,24 @@ if TYPE_CHECKING:
     from certvllm.kv.cache import LayerKVCache
 
 
-def pool_slots(cache: LayerKVCache, fraction: float, planned_blocks: int | None = None) -> int:
-    """Slots for ``fraction`` of the cache's (block, KV head) pages (0 when ``fraction`` is 0), or of
-    ``planned_blocks`` 16-token blocks' pages where the device memory was planned for more blocks than the cache
-    holds (a cache capped by its host tier), at most one slot per page of the cache."""
+def pool_slots(cache: LayerKVCache, fraction: float, planned_blocks: int | None = None, values: bool = False) -> int:
+    """Slots of one layer's pool: ``fraction`` of the cache's (block, KV head) pages (0 when ``fraction`` is 0).
+
+    ``planned_blocks``: the 16-token blocks the device memory was planned for, where the cache holds fewer (a cache
+    capped by its host tier, ``vllm_plugin.host_tier``). The pool then takes ``fraction`` of the planned blocks'
+    pages (the room the device budget reserved for pools) plus as many slots as the pages of the cut blocks would
+    have taken (memory planned for pages that the cap leaves unallocated), at most one slot per page of the cache.
+    ``values``: the slots hold value pages too (:func:`bytes_per_slot`)."""
     if fraction <= 0:
         return 0
-    blocks = max(cache.num_blocks, planned_blocks or 0)
-    pages = cache.num_blocks * cache.num_kv_heads
-    return min(max(1, math.ceil(fraction * blocks * cache.num_kv_heads)), max(1, pages))
+    heads, pages = cache.num_kv_heads, cache.num_blocks * cache.num_kv_heads
+    slots = max(1, math.ceil(fraction * cache.num_blocks * heads))
+    cut = (planned_blocks or 0) - cache.num_blocks
+    if cut > 0:
+        reserved = math.ceil(fraction * cut * heads)
+        unallocated = cut * heads * cache.layout.page_bytes // bytes_per_slot(cache, values)
+        slots += reserved + unallocated
+    return min(slots, max(1, pages))
 
 
 def bytes_per_slot(cache: LayerKVCache, values: bool = False) -> int:

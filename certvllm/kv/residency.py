@@ -47,7 +47,7 @@ class Residency:
 
         if pool_fraction <= 0:
             return cls()
-        slots = pool_slots(cache, pool_fraction, planned_blocks)
+        slots = pool_slots(cache, pool_fraction, planned_blocks, values=resident)
         return cls(pool=ResidentPool(cache, slots) if resident else PromotionCache(cache, slots))
 
     def prefetch_slot(self) -> tuple[Any, int] | None:

@@ -18,8 +18,8 @@ prefetch's ring of two slots shared by all layers, and per layer its page list a
 ``certvllm.kv.prefetch``), and ``fixed = (L + 2) · slot + 8 L`` for what rounding up may add.
 
 When the host tier caps the cache below ``blocks'`` (``host_tier.cap_blocks``), the pages of the blocks it cut are
-never allocated while their pools' room was counted here: the workers size their pools for ``blocks'``
-(``host_tier.device_blocks_before_cap``), within the same memory.
+never allocated while their pools' room was counted here: the workers' pools take that room and the cut pages'
+memory (``host_tier.device_blocks_before_cap``, ``promotion_cache.pool_slots``), within the same total.
 """
 
 from __future__ import annotations

@@ -147,10 +147,10 @@ def device_blocks_before_cap(capped_blocks: int) -> int | None:
     """The vLLM block count the device budget planned (pages and promotion pools: ``device_budget``) where the host
     tier then capped the cache at ``capped_blocks``, or None where no plan of this process capped at that count.
 
-    The pools' room was reserved for every planned block, and the cap leaves those blocks' pages unallocated, so a
-    worker may size its pools for the planned count: that memory sits unused otherwise. Only a worker in the
-    process that planned (vLLM's engine core with one worker: tensor parallelism 1) sees the plan; others size
-    their pools for the capped cache."""
+    The pools' room was reserved for every planned block, and the cap leaves the cut blocks' pages unallocated, so
+    a worker's pools may take both (``promotion_cache.pool_slots``): that memory sits unused otherwise. Only a
+    worker in the process that planned (vLLM's engine core with one worker: tensor parallelism 1) sees the plan;
+    others size their pools for the capped cache."""
     return _DEVICE_BLOCKS.get(capped_blocks)
 
 

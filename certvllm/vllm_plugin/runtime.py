@@ -195,7 +195,7 @@ class WorkerRuntime:
             self._pool_growth_logged = True
         log("certvllm: %s promotion cache %d slots, %.1f MiB%s", name, residency.pool.slots,
             residency.pool.nbytes / 2**20, f" (sized for the {planned} blocks the device budget planned: the host "
-            f"tier capped the cache at {cache.pages.shape[0]}, and the pools' room was reserved for all of them)"
+            f"tier capped the cache at {cache.pages.shape[0]}, leaving the others' pool room and page memory unused)"
             if planned else "")  # fmt: skip
         if self.config.step_prefetch_fraction > 0:
             from certvllm.kv.prefetch import StepPrefetcher

@@ -123,11 +123,15 @@ def test_promotion_cache_slots_and_bytes():
     assert pc.generation is cache.generation  # the pool switched the cache's write generations on
     with pytest.raises(ValueError, match="at least one slot"):
         PromotionCache(cache, 0)
-    # a cache capped by its host tier below the blocks the device memory was planned for: the pool takes the
-    # planned blocks' share (its room was reserved for them), never more than one slot per page of the cache
-    assert pool_slots(cache, 1 / 16, planned_blocks=400) == 200 and pool_slots(cache, 1 / 16, 50) == 50
-    assert pool_slots(cache, 1 / 4, planned_blocks=10_000) == 800
-    assert Residency.for_layer(cache, 1 / 16, planned_blocks=400).pool.slots == 200
+    # a cache capped by its host tier below the blocks the device memory was planned for: the pool also takes the
+    # cut blocks' share of pool room and their pages' memory (4,096 B each here, a 4,112 B slot: 7 slots for 8
+    # pages), never more than one slot per page of the cache
+    page = cache.layout.page_bytes
+    assert page == 4096 and pool_slots(cache, 1 / 16, planned_blocks=50) == 50  # not capped: as before
+    assert pool_slots(cache, 1 / 16, planned_blocks=101) == 50 + 1 + 8 * page // bytes_per_slot(cache) == 58
+    assert pool_slots(cache, 1 / 16, planned_blocks=110, values=True) == 50 + 5 + 80 * page // (2 * 4096 + 16) == 94
+    assert pool_slots(cache, 1 / 16, planned_blocks=10_000) == 800
+    assert Residency.for_layer(cache, 1 / 16, planned_blocks=101).pool.slots == 58
 
 
 def _check_resolve(pc, cache, tables, need) -> tuple[torch.Tensor, torch.Tensor]:
