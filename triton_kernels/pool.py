@@ -10,10 +10,15 @@ on the order), in 4 launches instead of ~35 elementwise torch kernels over ``[R,
 2. ``_claim2``: a miss whose first slot's claim is its own page won it; otherwise it claims its second
    slot in a second claim array if round 1 left that slot unclaimed (state −3);
 3. ``_claim3``: a state −3 item won its second slot iff the second claim array holds its page;
-4. ``_fill``: per slot, the final claim (round 1, else round 2); a claim by a miss retags the slot with
-   (page, generation) and copies the page's unquantized keys from the shadow (zero-copy).
+4. ``_settle``: per item holding a slot, its claim is taken back (compare-and-swap to −1): a hit's, or a
+   winning miss's, which then retags the slot with (page, generation) and lists (slot, page) for the fill; of
+   several items of one page (rows sharing a block) exactly one swap succeeds;
+5. ``_fill_list``: the listed slots get their page's unquantized keys from the shadow (zero-copy).
 
-Step counters (pages needed, hits, slots filled, pages left to the shadow) are added into ``step`` with
+The two claim arrays are the pool's own (``PromotionCache.claims``): all −1 between calls, and every entry a
+call sets is swapped back by the item that owns it (the final maximum of an entry always belongs to an item that
+ends up holding that slot), so no call clears or scans them: a call's work follows its items, not the pool's
+size. Step counters (pages needed, hits, slots filled, pages left to the shadow) are added into ``step`` with
 one atomic per program. No host synchronisation; CUDA-graph capturable.
 """
 
@@ -94,29 +99,44 @@ def _claim3(tables, TB_STRIDE, nfull, bits, B, need_mask, num_blocks, P, claim2,
     tl.atomic_add(step + 3, tl.sum((t & ~won2).to(tl.int64), axis=0))
 
 
+_NO_CLAIM = tl.constexpr(-2)  # a compare value no claim entry ever holds (entries are −1 or ≥ 0): a masked-off swap
+
+
 @triton.jit(**JIT_OPTIONS)
-def _fill(src, pool, vpool, claim, claim2, gen, tag, tag_gen, step, P,
-          H: tl.constexpr, M: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, CHANNEL_MAJOR: tl.constexpr,
-          SPP: tl.constexpr, VALUES: tl.constexpr):  # fmt: skip
-    ps = tl.program_id(0).to(tl.int64) * SPP + tl.arange(0, SPP)
-    pm = ps < P
-    c1 = tl.load(claim + ps, mask=pm, other=-1)
-    c2 = tl.load(claim2 + ps, mask=pm, other=-1)
-    c = tl.where(c1 >= 0, c1, c2)
-    fill = pm & (c >= 0) & (c < _CLAIM_HIT)
-    fbid = tl.where(fill, c, 0) // H
-    tl.store(tag + ps, c, mask=fill)
-    tl.store(tag_gen + ps, tl.load(gen + fbid, mask=fill, other=0), mask=fill)
-    tl.atomic_add(step + 2, tl.sum(fill.to(tl.int64), axis=0))
+def _settle(tables, TB_STRIDE, nfull, bits, B, need_mask, num_blocks, P, claim, claim2, gen, tag, tag_gen, state,
+            fills, nfill, step, H: tl.constexpr, BLK: tl.constexpr):  # fmt: skip
+    idx, inb, need, bid, page, s1, s2 = _items(tables, TB_STRIDE, nfull, bits, B, need_mask, num_blocks, P, H, BLK)
+    st = tl.load(state + idx, mask=inb, other=-1)
+    own = inb & (st >= 0)
+    slot = tl.where(own, st, 0).to(tl.int64)
+    old = tl.atomic_cas(claim + slot, tl.where(own, page + _CLAIM_HIT, _NO_CLAIM), tl.full(page.shape, -1, tl.int64))
+    rest = own & (old != page + _CLAIM_HIT)  # not the hit that claimed this slot
+    old = tl.atomic_cas(claim + slot, tl.where(rest, page, _NO_CLAIM), tl.full(page.shape, -1, tl.int64))
+    won1 = rest & (old == page)
+    rest = rest & ~won1
+    old = tl.atomic_cas(claim2 + slot, tl.where(rest, page, _NO_CLAIM), tl.full(page.shape, -1, tl.int64))
+    fill = won1 | (rest & (old == page))
+    tl.store(tag + slot, page, mask=fill)
+    tl.store(tag_gen + slot, tl.load(gen + bid, mask=fill, other=0), mask=fill)
+    n = tl.sum(fill.to(tl.int64), axis=0)
+    at = tl.atomic_add(nfill, n) + tl.cumsum(fill.to(tl.int64), axis=0) - 1
+    tl.store(fills + 2 * at, slot, mask=fill)
+    tl.store(fills + 2 * at + 1, page, mask=fill)
+    tl.atomic_add(step + 2, n)
+
+
+@triton.jit(**JIT_OPTIONS)
+def _fill_list(src, pool, vpool, fills, nfill, H: tl.constexpr, M: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+               CHANNEL_MAJOR: tl.constexpr, SPP: tl.constexpr, VALUES: tl.constexpr):  # fmt: skip
+    n = tl.load(nfill)
     for j in range(0, SPP):
-        p = tl.program_id(0).to(tl.int64) * SPP + j
-        if p < P:
-            e1 = tl.load(claim + p)
-            e = tl.where(e1 >= 0, e1, tl.load(claim2 + p))
-            if (e >= 0) & (e < _CLAIM_HIT):
-                copy_page(src, e, 0, pool, p, H, M, D, DP, CHANNEL_MAJOR)
-                if VALUES:
-                    copy_page(src, e, 1, vpool, p, H, M, D, DP, CHANNEL_MAJOR)
+        i = tl.program_id(0).to(tl.int64) * SPP + j
+        if i < n:
+            slot = tl.load(fills + 2 * i)
+            e = tl.load(fills + 2 * i + 1)
+            copy_page(src, e, 0, pool, slot, H, M, D, DP, CHANNEL_MAJOR)
+            if VALUES:
+                copy_page(src, e, 1, vpool, slot, H, M, D, DP, CHANNEL_MAJOR)
 
 
 def pool_lookup(
@@ -132,12 +152,14 @@ def pool_lookup(
     num_blocks: int,
     sub_blocks: int,
     channel_major: bool,
+    claims: torch.Tensor,
     values: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The whole lookup (see the module docstring).
 
     Args:
         pool, tag, tag_gen: the cache's ``[P, N, D]`` pages and ``[P]`` int64 tags (updated in place).
+        claims: ``[2, P + P % 2]`` int64, the pool's claim arrays: all −1 before the call, and after it.
         values: the ``[P, N, D]`` value pages of a pool that holds values too (filled with the keys), or None.
         generation: ``[num_blocks]`` int64 write generations.
         shadow: ``[E, H_kv, 2, m·N, D]`` originals (pinned host or device).
@@ -153,9 +175,8 @@ def pool_lookup(
     R, H, B = bits.shape
     P = pool.shape[0]
     dev = bits.device
-    # rows padded to an even length: claims[1] starts 16-byte aligned whatever P (pointer alignment is part of
-    # the compile key, and P follows the cache's size); the kernels index below P only
-    claims = torch.full((2, P + P % 2), -1, dtype=torch.int64, device=dev)
+    if claims.shape != (2, P + P % 2):
+        raise ValueError(f"claims {tuple(claims.shape)}: a pool of {P} slots has claim arrays [2, {P + P % 2}]")
     step = torch.zeros(4, dtype=torch.int64, device=dev)
     state = torch.empty(R, H, B, dtype=torch.int32, device=dev)
     if R * B == 0:
@@ -166,11 +187,15 @@ def pool_lookup(
     _claim1[grid](*common, generation, tag, tag_gen, claims[0], state, step, H=H, BLK=blk, num_warps=4)
     _claim2[grid](*common, claims[0], claims[1], state, step, H=H, BLK=blk, num_warps=4)
     _claim3[grid](*common, claims[1], state, step, H=H, BLK=blk, num_warps=4)
+    items = R * H * B  # at most one fill each
+    fills = torch.empty(2 * items, dtype=torch.int64, device=dev)  # (slot, page) pairs
+    nfill = torch.zeros(1, dtype=torch.int64, device=dev)
+    _settle[grid](*common, claims[0], claims[1], generation, tag, tag_gen, state, fills, nfill, step, H=H, BLK=blk,
+                  num_warps=4)  # fmt: skip
     spp = 16
     d = pool.shape[2]
-    _fill[(triton.cdiv(P, spp),)](
-        device_arg(shadow), pool, pool if values is None else values, claims[0], claims[1], generation, tag,
-        tag_gen, step, P,
+    _fill_list[(triton.cdiv(items, spp),)](
+        device_arg(shadow), pool, pool if values is None else values, fills, nfill,
         H=H, M=sub_blocks, D=d, DP=next_pow2(d), CHANNEL_MAJOR=channel_major, SPP=spp,
         VALUES=values is not None, num_warps=4,
     )  # fmt: skip

@@ -79,8 +79,10 @@ def pool_slots(cache: LayerKVCache, fraction: float, planned_blocks: int | None 
 
 
 def bytes_per_slot(cache: LayerKVCache, values: bool = False) -> int:
-    """Device bytes of one slot: the key page (and the value page), and its two int64 tags."""
-    return (2 if values else 1) * cache.layout.block_size * cache.layout.head_dim * cache.shadow.element_size() + 16
+    """Device bytes of one slot: the key page and its two int64 tags, plus the lookup's two int64 claim entries
+    (the hashed pool), or plus the value page (``values``: the resident pass's pool, which claims no slots)."""
+    page = cache.layout.block_size * cache.layout.head_dim * cache.shadow.element_size()
+    return page + 16 + (page if values else 16)
 
 
 class PromotionCache:
@@ -104,6 +106,11 @@ class PromotionCache:
         self.values = torch.zeros(self.slots, n, d, dtype=cache.shadow.dtype, device=dev) if values else None
         self.tag = torch.full((self.slots,), -1, dtype=torch.int64, device=dev)  # page id e, −1 empty
         self.tag_gen = torch.full((self.slots,), -1, dtype=torch.int64, device=dev)  # its generation
+        # the hashed lookup's claim arrays (triton_kernels.pool), all −1 between calls; rows padded to an even
+        # length so that the second starts 16-byte aligned whatever the slot count (alignment is in compile keys).
+        # The resident pool (values) allocates its slots explicitly and claims none.
+        slots_even = self.slots + self.slots % 2
+        self.claims = None if values else torch.full((2, slots_even), -1, dtype=torch.int64, device=dev)
         # cumulative, on the device: pages looked up, hits, slots filled, pages read from the shadow (bypass)
         self.counts = torch.zeros(4, dtype=torch.int64, device=dev)
         self.nbytes = self.slots * bytes_per_slot(cache, values)
@@ -177,7 +184,7 @@ class PromotionCache:
         shadow = ensure_device_readable(cache)
         slot_map, step = pool_lookup(self.pool, self.tag, self.tag_gen, self.generation, shadow, tables, nfull,
                                      bits, need_mask, cache.num_blocks, cache.sub_blocks,
-                                     cache.keys_channel_major, self.values)  # fmt: skip
+                                     cache.keys_channel_major, self.claims, self.values)  # fmt: skip
         return self._count(slot_map, step)
 
     def lookup_reference(

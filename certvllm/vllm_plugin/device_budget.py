@@ -11,11 +11,11 @@ count so that pages and pools together fit the memory vLLM planned for pages alo
 with, per vLLM block and across this rank's layers, ``page = L · H_kv · B · C`` and
 ``pool = L · (f · H_kv · B/16 · slot + 8 · B/16) + 2 · p · H_kv · B/16 · slot + L · (8 p + 4) · H_kv · B/16``
 (``f`` = ``promotion_cache_fraction``, a slot is one ``[16, D]`` key page in the model's dtype plus its
-two int64 tags — with ``decode_pass: resident`` (``ResidentPool``) also its value page and a 4-byte fill flag,
-plus 4 bytes of ``slot_of`` per (16-token block, KV head) and 16 fixed bytes per layer —, 8 bytes of write
-generation per 16-token block; ``p`` = ``prefetch_fraction``: the step
-prefetch's ring of two slots shared by all layers, and per layer its page list and grid map,
-``certvllm.kv.prefetch``), and ``fixed = (L + 2) · slot + 8 L`` for what rounding up may add.
+two int64 tags and two int64 claim entries — with ``decode_pass: resident`` (``ResidentPool``) its value page
+and a 4-byte fill flag instead of the claims, plus 4 bytes of ``slot_of`` per (16-token block, KV head) and 16
+fixed bytes per layer —, 8 bytes of write generation per 16-token block; ``p`` = ``prefetch_fraction``: the step
+prefetch's ring of two slots (a key page and its tags each) shared by all layers, and per layer its page list and
+grid map, ``certvllm.kv.prefetch``), and ``fixed = (L + 2) · slot + 8 L`` for what rounding up may add.
 
 When the host tier caps the cache below ``blocks'`` (``host_tier.cap_blocks``), the pages of the blocks it cut are
 never allocated while their pools' room was counted here: the workers' pools take that room and the cut pages'
@@ -39,6 +39,7 @@ from certvllm.vllm_plugin.host_tier import vllm_page_layout
 logger = logging.getLogger("vllm.certvllm")
 
 TAG_BYTES = 16  # two int64 per slot: page id and write generation
+CLAIM_BYTES = 16  # two int64 per pool slot: the lookup's claim arrays (triton_kernels.pool)
 GENERATION_BYTES = 8  # int64 write counter per 16-token block
 
 
@@ -72,8 +73,8 @@ def blocks_with_pool(
         return num_blocks
     subs = block_size // BLOCK_SIZE
     resident = pool_values(cfg.decode_pass)
-    key_slot = BLOCK_SIZE * head_size * itemsize + TAG_BYTES
-    slot = key_slot + (BLOCK_SIZE * head_size * itemsize + 4 if resident else 0)
+    key_slot = BLOCK_SIZE * head_size * itemsize + TAG_BYTES  # also a step-prefetch ring slot's
+    slot = key_slot + (BLOCK_SIZE * head_size * itemsize + 4 if resident else CLAIM_BYTES)
     if page_bytes is None:
         page_bytes = layers * kv_heads * block_size * vllm_page_layout(head_size, cfg.value_group_size).bytes_per_token
     pool = layers * (fraction * kv_heads * subs * slot + GENERATION_BYTES * subs)

@@ -117,14 +117,14 @@ def test_promotion_cache_slots_and_bytes():
     cache = _engine_cache(100, 1, 8, 128, torch.float16, False)
     assert pool_slots(cache, 0.0) == 0 and Residency.for_layer(cache, 0.0).pool is None
     assert pool_slots(cache, 1 / 16) == 50 and pool_slots(cache, 1e-9) == 1 and pool_slots(cache, 1.0) == 800
-    assert bytes_per_slot(cache) == 16 * 128 * 2 + 16
+    assert bytes_per_slot(cache) == 16 * 128 * 2 + 32
     pc = Residency.for_layer(cache, 1 / 16).pool
-    assert pc.nbytes == 50 * (4096 + 16) and pc.pool.shape == (50, 16, 128)
+    assert pc.nbytes == 50 * (4096 + 32) and pc.pool.shape == (50, 16, 128)
     assert pc.generation is cache.generation  # the pool switched the cache's write generations on
     with pytest.raises(ValueError, match="at least one slot"):
         PromotionCache(cache, 0)
     # a cache capped by its host tier below the blocks the device memory was planned for: the pool also takes the
-    # cut blocks' share of pool room and their pages' memory (4,096 B each here, a 4,112 B slot: 7 slots for 8
+    # cut blocks' share of pool room and their pages' memory (4,096 B each here, a 4,128 B slot: 7 slots for 8
     # pages), never more than one slot per page of the cache
     page = cache.layout.page_bytes
     assert page == 4096 and pool_slots(cache, 1 / 16, planned_blocks=50) == 50  # not capped: as before

@@ -605,8 +605,11 @@ def test_pool_lookup_kernels_equal_the_torch_reference(sub, channel_major, gen):
     cache = LayerKVCache(torch.zeros(E, H, sub * lay.page_bytes, dtype=torch.uint8, device=DEV), shadow, lay,
                          keys_channel_major=channel_major)  # fmt: skip
     pools = [PromotionCache(cache, 5) for _ in range(2)]
-    for step in range(6):
-        tables = torch.randperm(12, generator=gen)[:10].view(2, 5).to(DEV)
+    for step in range(8):
+        tables = torch.randperm(12, generator=gen)[:10].view(2, 5)
+        if step % 4 == 3:  # two rows sharing their first blocks (a prefix-cache hit): items of the same page
+            tables[1, :3] = tables[0, :3]
+        tables = tables.to(DEV)
         nfull = torch.tensor([5, 3]).to(DEV)
         bits = torch.randint(0, 1 << (2 * G), (2, H, 5), generator=gen).to(torch.int32)
         bits = torch.where(torch.rand(2, H, 5, generator=gen) < 0.5, bits, 0).to(DEV)
@@ -614,6 +617,7 @@ def test_pool_lookup_kernels_equal_the_torch_reference(sub, channel_major, gen):
         out = [pools[0].lookup(cache, tables, nfull, bits, need_mask),
                pools[1].lookup_reference(cache, tables, nfull, bits, need_mask)]  # fmt: skip
         assert torch.equal(out[0][0], out[1][0]) and int(out[0][1]) == int(out[1][1])
+        assert bool((pools[0].claims == -1).all()), "a lookup leaves its claim arrays as it found them"
         for name in ("tag", "tag_gen", "counts"):
             assert torch.equal(getattr(pools[0], name), getattr(pools[1], name)), name
         filled = pools[0].tag >= 0

@@ -238,12 +238,12 @@ def _check_block_budget(cfg, fraction, layers, kv_heads, block_size, head_size, 
         if fraction == 0:
             return blocks * page
         slots = max(1, math.ceil(fraction * blocks * subs * kv_heads))  # promotion_cache.pool_slots
-        key_slot = 16 * head_size * itemsize + 16  # promotion_cache.bytes_per_slot
+        key_slot = 16 * head_size * itemsize + 16  # a key page and two tags (also a prefetch ring slot)
         pages = blocks * subs * kv_heads
         if resident:  # ResidentPool: value pages and fill flags, slot_of per page, hand and count
             pool = slots * (key_slot + 16 * head_size * itemsize + 4) + 4 * pages + 16
-        else:
-            pool = slots * key_slot
+        else:  # the hashed pool: and two claim entries (promotion_cache.bytes_per_slot)
+            pool = slots * (key_slot + 16)
         used = blocks * page + layers * (pool + 8 * blocks * subs)
         if graphs:  # no step prefetch
             return used
