@@ -61,20 +61,29 @@ case "$stage" in
     # the compile caches a fresh machine rebuilds at every engine start (certvllm's Triton kernels: ~50 s at a
     # max_model_len of 9216, ~120 s at 131072; vLLM's torch.compile and Triton caches), packed into $OUT/caches
     # as parts that come back from the device (at most 8 files of 16 MiB each); carried to the next machine like
-    # a model's parts (`model .device/h200-caches/part-00N`), they are unpacked into $HOME. vLLM's caches are
-    # left out when the whole does not fit 4 parts.
+    # a model's parts (`model .device/h200-caches/part-00N`), they are unpacked into $HOME. FlashInfer's JIT cache
+    # (its sampling kernels, built at a fresh machine's first engine) is left out when the whole does not fit 4
+    # parts, then vLLM's caches too.
     stage_dir=/tmp/compile-caches
     pack() {
       rm -rf "$stage_dir" && mkdir -p "$stage_dir/.cache/certvllm"
       [ -d "$HOME/.cache/certvllm/triton" ] && cp -a "$HOME/.cache/certvllm/triton" "$stage_dir/.cache/certvllm/"
-      if [ "$1" = all ]; then
+      if [ "$1" != certvllm ]; then
         [ -d "$HOME/.cache/vllm" ] && cp -a "$HOME/.cache/vllm" "$stage_dir/.cache/"
         [ -d "$HOME/.triton/cache" ] && mkdir -p "$stage_dir/.triton" && cp -a "$HOME/.triton/cache" "$stage_dir/.triton/"
       fi
+      if [ "$1" = all ] && [ -d "$HOME/.cache/flashinfer" ]; then
+        cp -a "$HOME/.cache/flashinfer" "$stage_dir/.cache/"
+      fi
       PART_BYTES=$((15 * 1024 * 1024)) bash "$0" pack-model "$stage_dir" "$OUT/caches" 6 >/dev/null
     }
+    too_big() { [ "$(find "$OUT/caches" -name 'part-*' | wc -l)" -gt 4 ]; }
     pack all
-    if [ "$(find "$OUT/caches" -name 'part-*' | wc -l)" -gt 4 ]; then
+    if too_big; then
+      echo "save-caches: FlashInfer's JIT cache does not fit; certvllm's and vLLM's caches" >&2
+      pack vllm
+    fi
+    if too_big; then
       echo "save-caches: vLLM's caches do not fit; certvllm's Triton cache only" >&2
       pack certvllm
     fi
