@@ -182,6 +182,12 @@ class CudaPageInEngine(PageInEngine):
             record.host_bytes, record.device_counts = self.stats.bytes, self._device_counts
             self.stats, self._device_counts = saved
 
+    @contextmanager
+    def uncounted(self) -> Iterator[None]:
+        """Traffic inside the block, host and device counts, is not counted; the counts from before are kept."""
+        with self.recording():
+            yield
+
     def add_recorded(self, record: RecordedTraffic) -> None:
         """Count one replay of a captured call (its device counts are copied: the next replay rewrites them)."""
         self.stats.bytes += record.host_bytes

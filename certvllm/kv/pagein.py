@@ -10,6 +10,8 @@ same two methods.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
@@ -49,6 +51,16 @@ class PageInEngine:
     def take_stats(self) -> PageInStats:
         stats, self.stats = self.stats, PageInStats()
         return stats
+
+    @contextmanager
+    def uncounted(self) -> Iterator[None]:
+        """Traffic inside the block is not counted (policy-exact tokens: their traffic is not exported); the counts
+        from before it are kept for the next take."""
+        saved, self.stats = self.stats, PageInStats()
+        try:
+            yield
+        finally:
+            self.stats = saved
 
     def take_stats_deferred(self, batch: ReadBatch | None = None) -> DeferredStats:
         """:meth:`take_stats` without reading the device: the counters (``bytes``, ``seconds``,

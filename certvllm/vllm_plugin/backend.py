@@ -433,21 +433,23 @@ class CertifiedAttentionImpl(AttentionImpl[CertifiedMetadata]):
             # context over PCIe
             k_new = key.view(-1, self.num_kv_heads, self.head_size)
             v_new = value.view(-1, self.num_kv_heads, self.head_size)
-            if meta.exact_all:
-                n = meta.num_actual_tokens
-                exact.run(meta.exact_plan, q[:n], cache, out[:n], pagein, fresh=(k_new[:n], v_new[:n]))
-            else:
-                idx = meta.exact_tokens.to(q.device)
-                part = torch.empty(idx.numel(), self.num_heads, self.head_size, dtype=out.dtype, device=out.device)
-                exact.run(meta.exact_plan, q[idx].contiguous(), cache, part, pagein, fresh=(k_new[idx], v_new[idx]))
-                out[idx] = part
+            with pagein.uncounted():  # exact traffic is not exported; the step's certified counts are kept
+                if meta.exact_all:
+                    n = meta.num_actual_tokens
+                    exact.run(meta.exact_plan, q[:n], cache, out[:n], pagein, fresh=(k_new[:n], v_new[:n]))
+                else:
+                    idx = meta.exact_tokens.to(q.device)
+                    part = torch.empty(idx.numel(), self.num_heads, self.head_size, dtype=out.dtype,
+                                       device=out.device)  # fmt: skip
+                    exact.run(meta.exact_plan, q[idx].contiguous(), cache, part, pagein,
+                              fresh=(k_new[idx], v_new[idx]))  # fmt: skip
+                    out[idx] = part
             if state.index == self.runtime.counting_layer:  # once per step: the model's first certified layer
                 for reason, count in meta.exact_counts.items():
                     metrics.count_exact_tokens(reason, count)
                 if self.runtime.ledger is not None:
                     for request, reason, count in meta.exact_requests:
                         self.runtime.ledger.record_exact(request, reason, count)
-            pagein.take_stats_deferred()  # exact traffic is not exported: reset the counters without a sync
         return output
 
     def _exact_rows(self, exact: ExactAttention, meta: CertifiedMetadata, rows_q: torch.Tensor, cache: Any,

@@ -101,6 +101,16 @@ def test_page_in_engines_defer_what_take_stats_reads():
                                                            "value_blocks": 0}  # fmt: skip
     assert got == {"bytes": 4096 + 768, "seconds": 0.25, "key_blocks": 9, "value_blocks": 2}
 
+    # traffic inside ``uncounted`` (policy-exact tokens in the same step) is dropped; what came before is kept
+    for make, device_counts in ((PageInEngine, False), (lambda: CudaPageInEngine("cpu"), True)):
+        engine, once = make(), make()
+        traffic(engine, device_counts)
+        traffic(once, device_counts)
+        with engine.uncounted():
+            traffic(engine, device_counts)
+            traffic(engine, device_counts)
+        assert engine.take_stats_deferred().values() == once.take_stats_deferred().values()
+
 
 def test_pool_and_prefetch_counters_defer_what_take_stats_reads(gen):
     from certvllm.kv.prefetch import StepPrefetcher
