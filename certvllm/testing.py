@@ -571,3 +571,16 @@ def faulty_pagein(device: torch.device | str = "cpu", mode: str = "raise", after
             return flipped.view(out.dtype)
 
     return FaultyPageIn()
+
+
+def metric_samples(registry, drop: tuple[str, ...] = ("model_name", "engine")) -> dict[str, float]:
+    """Every sample of a ``prometheus_client`` registry but creation times, keyed ``name{label=value,...}`` with the
+    labels sorted and those in ``drop`` left out (so that two metrics instances compare)."""
+    out = {}
+    for family in registry.collect():
+        for s in family.samples:
+            if s.name.endswith("_created"):
+                continue
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k not in drop)
+            out[f"{s.name}{{{labels}}}"] = s.value
+    return out

@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry
 from certvllm.bounds.report import CertReport
 from certvllm.metrics import CertMetrics
 from certvllm.metrics.prometheus import BOUND_BUCKETS, RELATIVE_BUCKETS
+from certvllm.testing import metric_samples
 
 FLAGS = ("rank_fail", "boundary_fail", "bound_fail", "canary_fail", "precondition")
 
@@ -37,16 +38,6 @@ def _report(rows: int, heads: int, gen: torch.Generator) -> CertReport:
     rep.e_key[0, 3], rep.e_val[0, 3] = BOUND_BUCKETS[4], BOUND_BUCKETS[6]  # on a bound, in float32
     rep.e_key[-1, -1] = -float("inf")
     return rep
-
-
-def _samples(metrics: CertMetrics) -> dict[str, float]:
-    out = {}
-    for family in metrics._registry.collect():
-        for s in family.samples:
-            if not s.name.endswith("_created"):
-                labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k not in ("model_name", "engine"))
-                out[f"{s.name}{{{labels}}}"] = s.value
-    return out
 
 
 def _compare(device: str) -> None:
@@ -73,7 +64,7 @@ def _compare(device: str) -> None:
         tallied.record_step(tally.take(batch), batch=batch)
     host.flush()
     tallied.flush()
-    want, got = _samples(host), _samples(tallied)
+    want, got = metric_samples(host._registry), metric_samples(tallied._registry)
     assert want.keys() == got.keys()
     assert want["vllm:cert_head_steps_total{rung=3}"] > 0
     assert want["vllm:cert_e_key_bucket{le=+Inf}"] > want["vllm:cert_e_key_bucket{le=10.0}"]  # the non-finite ones

@@ -8,6 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from certvllm.testing import metric_samples
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
@@ -114,12 +116,12 @@ def test_layer_calls_with_deferred_records_never_synchronise():
     for s in range(2):  # warm-up: kernels compiled, LUTs cached, the shadows registered, grids allocated
         step(s, count=False)
     metrics.flush()
-    warm = _samples(metrics)
+    warm = metric_samples(metrics._registry)
     with no_sync():
         for s in range(2, 8):
             step(s, count=True)
     metrics.flush()
-    got = {k: v - warm.get(k, 0.0) for k, v in _samples(metrics).items()}
+    got = {k: v - warm.get(k, 0.0) for k, v in metric_samples(metrics._registry).items()}
 
     rungs = torch.cat([r.rung.flatten() for r in reports]).long()
     for rung, n in enumerate(torch.bincount(rungs, minlength=5).tolist()):
@@ -134,13 +136,3 @@ def test_layer_calls_with_deferred_records_never_synchronise():
     assert got["vllm:cert_page_in_bytes_total{rank=0}"] == host_bytes + int(totals["device"][2])
     assert lookups > 0 and host_bytes > 0 and rungs.numel() == 6 * 4 * 3 * 32
     print(f"24 layer calls without a synchronisation: {lookups} key pages, {hits} pool hits, {served} staged")
-
-
-def _samples(metrics) -> dict[str, float]:
-    out = {}
-    for family in metrics._registry.collect():
-        for s in family.samples:
-            if not s.name.endswith("_created"):
-                labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k not in ("model_name", "engine"))
-                out[f"{s.name}{{{labels}}}"] = s.value
-    return out

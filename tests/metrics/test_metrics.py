@@ -15,19 +15,13 @@ from prometheus_client import CollectorRegistry
 from certvllm.bounds.report import CertReport
 from certvllm.kv.deferred import DeferredStats
 from certvllm.metrics import CertMetrics, KeyPageCounts
+from certvllm.testing import metric_samples
 
 
 def samples(registry: CollectorRegistry) -> dict[str, float]:
-    """Every sample of the registry but creation times, keyed by name and labels (``model_name`` left out,
-    so that two instances compare)."""
-    out = {}
-    for family in registry.collect():
-        for s in family.samples:
-            if s.name.endswith("_created"):
-                continue
-            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "model_name")
-            out[f"{s.name}{{{labels}}}"] = s.value
-    return out
+    """Every sample but creation times, keyed by name and labels (``model_name`` left out, so that two instances
+    compare)."""
+    return metric_samples(registry, drop=("model_name",))
 
 
 def metrics(name: str, **kw) -> tuple[CertMetrics, CollectorRegistry]:

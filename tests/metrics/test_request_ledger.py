@@ -27,6 +27,7 @@ from certvllm.metrics.requests import (
     certificate,
     merge_certificates,
 )
+from certvllm.testing import metric_samples
 
 HEADS = 6
 
@@ -45,16 +46,6 @@ def _report(rows: int, gen: torch.Generator) -> CertReport:
     r.k_star.copy_(torch.randint(0, 30, (rows, HEADS), generator=gen, dtype=torch.int32))
     r.v_promoted.copy_(torch.randint(0, 3, (rows, HEADS), generator=gen, dtype=torch.int32))
     return r
-
-
-def _samples(registry: CollectorRegistry) -> dict[str, float]:
-    out = {}
-    for family in registry.collect():
-        for s in family.samples:
-            if not s.name.endswith("_created"):
-                labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k not in ("model_name", "engine"))
-                out[f"{s.name}{{{labels}}}"] = s.value
-    return out
 
 
 def _steps(gen: torch.Generator) -> list[list[str | None]]:
@@ -81,7 +72,7 @@ def _run(gen: torch.Generator, only: str | None = None, layers: int = 3) -> tupl
             metrics.record(report, layer)
             rows_seen += [(rid, report.select(i)) for i, rid in enumerate(requests)]
     metrics.flush()
-    return ledger, _samples(registry), rows_seen
+    return ledger, metric_samples(registry), rows_seen
 
 
 def _expected(rows: list, rid: str) -> dict[str, float]:

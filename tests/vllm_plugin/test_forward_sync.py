@@ -15,19 +15,11 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
+from certvllm.testing import metric_samples
+
 H_Q, H_KV, D = 8, 2, 64
 TOKENS = 5
 ROWS = [1, 3, 4]  # the certified rows' token positions; tokens 0 and 2 are not this layer call's
-
-
-def _samples(registry: CollectorRegistry) -> dict[str, float]:
-    out = {}
-    for family in registry.collect():
-        for s in family.samples:
-            if not s.name.endswith("_created"):
-                labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k not in ("model_name", "engine"))
-                out[f"{s.name}{{{labels}}}"] = s.value
-    return out
 
 
 def _layers(device: str, n_layers: int, cfg):
@@ -121,7 +113,7 @@ def test_forward_records_every_call_on_the_cpu():
     for _ in range(2):
         outs += _step(impl, runtime, names, kvs, meta, query)
     runtime.metrics.flush()
-    _check(outs, reports, _samples(runtime.metrics._registry))
+    _check(outs, reports, metric_samples(runtime.metrics._registry))
     assert len(reports) == 4
 
 
@@ -139,7 +131,7 @@ def test_forward_never_synchronises_on_cuda(graphs):
     for _ in range(2):  # warm-up: kernels compiled, LUTs cached, grids allocated
         _step(impl, runtime, names, kvs, meta, query)
     runtime.metrics.flush()
-    warm, reports[:] = _samples(runtime.metrics._registry), []
+    warm, reports[:] = metric_samples(runtime.metrics._registry), []
     outs = []
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
@@ -149,7 +141,7 @@ def test_forward_never_synchronises_on_cuda(graphs):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     runtime.metrics.flush()
-    got = {k: v - warm.get(k, 0.0) for k, v in _samples(runtime.metrics._registry).items()}
+    got = {k: v - warm.get(k, 0.0) for k, v in metric_samples(runtime.metrics._registry).items()}
     _check(outs, reports, got)
     assert len(reports) == 12
     assert sum(got[f"vllm:cert_key_pages_total{{rank=0,source={s}}}"] for s in ("pool", "prefetch", "host")) > 0
