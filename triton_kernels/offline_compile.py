@@ -40,6 +40,7 @@ PHASE1_POINTERS = {
     "qs": "*fp32", "pages_u8": "*u8", "pages_i8": "*i8", "pages_f16": "*fp16", "pages_f32": "*fp32",
     "tables": "*i64", "nfull": "*i64", "lut": "*fp32", "bad": "*i32",
 }  # fmt: skip
+"""(Both phase-1 kernels, the float32 one and the MMA one.)"""
 RESIDENT_POINTERS = {
     "qs": "*fp32", "pages_u8": "*u8", "pages_i8": "*i8", "pages_f16": "*fp16", "pages_f32": "*fp32",
     "shadow": "*bf16", "pool": "*bf16", "vpool": "*bf16", "tag": "*i64", "tag_gen": "*i64", "gen": "*i64",
@@ -49,7 +50,7 @@ RESIDENT_POINTERS = {
 }  # fmt: skip
 """Pointer element types of the Gluon kernels (unnamed pointers are float32)."""
 SCALARS = {"num_blocks": "i32", "B": "i32", "TB_STRIDE": "i32", "S": "i32", "BPS": "i32", "DELTA_F": "fp32",
-           "ROUND_F": "fp32", "nslots": "i32"}  # fmt: skip
+           "ROUND_F": "fp32", "ROUND_A": "fp32", "ROUND_P": "fp32", "ROUND_S": "fp32", "nslots": "i32"}  # fmt: skip
 """Scalar arguments of the kernels."""
 OPTIONS = ("num_warps", "maxnreg", "enable_fp_fusion")
 """Keys of ``launch_constants`` that are compile options, not constexprs."""
@@ -225,7 +226,7 @@ def run_jobs(jobs: list[dict], timeout: float = 1200.0) -> list[dict]:
 def _run_job(spec: dict) -> dict:
     from certvllm.formats.layout import PageLayout
 
-    from . import attend_gluon, fused_gluon, phase1_gluon
+    from . import attend_gluon, fused_gluon, phase1_gluon, phase1_mma_gluon
     from .fused import CANARY_SLACK, FusedGeometry
     from .phase2 import Phase2Geometry
     from .tuning import KernelTuning
@@ -245,6 +246,9 @@ def _run_job(spec: dict) -> dict:
             geo = Phase2Geometry(PageLayout(d), hkv, hq // hkv, 1, 1024, 4, 64, tuning=tuning)
             kernel, pointers = attend_gluon._attend_gluon_kernel, ATTEND_POINTERS
             consts = attend_gluon.launch_constants(geo, tuning.attend_warps)
+        elif spec["kernel"] == "phase1_mma":
+            kernel, pointers = phase1_mma_gluon._phase1_mma_gluon_kernel, PHASE1_POINTERS
+            consts = phase1_mma_gluon.launch_constants(PageLayout(d), hkv, hq // hkv, 1, tuning.phase1_warps)
         else:
             kernel, pointers = phase1_gluon._phase1_gluon_kernel, PHASE1_POINTERS
             consts = phase1_gluon.launch_constants(PageLayout(d), hkv, hq // hkv, 1, tuning.phase1_warps,

@@ -161,6 +161,21 @@ def use_gluon(head_dim: int, group: int, tuning: KernelTuning = DEFAULT_TUNING) 
     return phase1_gluon.supported(head_dim, group, tuning.phase1_warps, tuning.phase1_warps)
 
 
+PHASE1_MMA_GLUON_GATE = GluonGate("phase-1 MMA")
+
+
+def use_gluon_mma(head_dim: int, group: int, tuning: KernelTuning = DEFAULT_TUNING) -> bool:
+    """Whether the ``mma`` phase 1 runs its Gluon kernel (``phase1_mma_gluon``), under the same conditions as
+    :func:`use_gluon`."""
+    if interpreting() or tuning.dialect == "triton" or PHASE1_MMA_GLUON_GATE.failure is not None:
+        return False
+    try:
+        from . import phase1_mma_gluon
+    except ImportError:  # a Triton without Gluon or its mma_v2
+        return False
+    return phase1_mma_gluon.supported(head_dim, group, tuning.phase1_warps, tuning.phase1_warps)
+
+
 @dataclass
 class Phase1Out:
     """Phase-1 results (shapes as in :func:`phase1`)."""
@@ -200,8 +215,9 @@ def phase1(
         tables: ``[R, B]`` int64 block ids; nfull: ``[R]`` int64 full blocks per row.
         lut: ``[256]`` float32 :func:`~certvllm.formats.layout.key_scale_lut` on the device.
         splits, blocks_per_split: the split-K plan (``splits·blocks_per_split ≥ B``).
-        tuning: blocks per loop iteration (``phase1_blk``; the Gluon kernel: one block per warp), warps per
-            program (``phase1_warps``) and the kernel dialect.
+        tuning: blocks per loop iteration (``phase1_blk``; the Gluon kernels: one block per warp), warps per
+            program (``phase1_warps``), the score arithmetic (``phase1_scores``: the ``mma`` kernels write their own
+            R_b, ``rounding_factor`` is then unused) and the kernel dialect.
 
     Returns:
         :class:`Phase1Out` with scores ``[R, H_kv, B, G, 16]``, l8/m8/delta ``[R, H_kv, G, B]``,
@@ -240,7 +256,24 @@ def phase1(
             num_warps=num_warps,
         )  # fmt: skip
 
-    if use_gluon(D, G, tuning):
+    if tuning.phase1_scores == "mma":
+        from . import phase1_mma
+
+        def launch_mma_triton():
+            phase1_mma.launch(out, qs, pages, tables, nfull, lut, layout, K, sub_blocks, delta_factor, splits,
+                              blocks_per_split, tuning)  # fmt: skip
+
+        if use_gluon_mma(D, G, tuning):
+            from . import phase1_mma_gluon
+
+            PHASE1_MMA_GLUON_GATE.run(
+                lambda: phase1_mma_gluon.launch(out, qs, pages, tables, nfull, lut, layout, K, sub_blocks,
+                                                delta_factor, splits, blocks_per_split, num_warps),
+                launch_mma_triton,
+            )  # fmt: skip
+        else:
+            launch_mma_triton()
+    elif use_gluon(D, G, tuning):
         from . import phase1_gluon
 
         PHASE1_GLUON_GATE.run(

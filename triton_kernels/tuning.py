@@ -21,6 +21,10 @@ configuration computes the same certified quantities (``tests/triton_kernels/tes
   iteration, its best layout at D = 128 (``docs/performance.md``).
 * ``prefetch_programs``, ``prefetch_unroll``: the step prefetch's staging gather: its programs and the
   pages each has in flight (``prefetch.stage_pages``).
+* ``phase1_scores``: how phase 1 forms the INT8 scores: ``"fma"``, float32 dot products of the dequantized keys
+  (``phase1``, ``phase1_gluon``), or ``"mma"``, int8 tensor-core products of the codes with a fixed-point split of
+  the scaled query (``phase1_mma``, ``phase1_mma_gluon``; docs/certification.md §5.3). Both write a sound R_b for
+  their own arithmetic; the ``mma`` one also bounds the float32 path's scores of the block.
 * ``dialect``: ``"auto"`` runs the Gluon kernels where they compile (CUDA, a supported shape) and the
   Triton kernels otherwise (the interpreter included); ``"triton"`` always runs the Triton kernels (what
   tests and benchmarks that compare the two pass).
@@ -32,6 +36,7 @@ from dataclasses import dataclass, fields
 from typing import Literal
 
 DIALECTS = ("auto", "triton")
+PHASE1_SCORES = ("fma", "mma")
 
 
 def _pow2(x: int) -> bool:
@@ -71,6 +76,7 @@ class KernelTuning:
     resident_maxnreg: int = 0
     prefetch_programs: int = 8
     prefetch_unroll: int = 4
+    phase1_scores: Literal["fma", "mma"] = "fma"
     dialect: Literal["auto", "triton"] = "auto"
 
     def __post_init__(self) -> None:
@@ -82,6 +88,11 @@ class KernelTuning:
                     f"KernelTuning.{name}={value!r} is out of range: it must be {allowed}; pass e.g. "
                     f"KernelTuning({name}={defaults[name]!r}) (the default)"
                 )
+        if self.phase1_scores not in PHASE1_SCORES:
+            raise ValueError(
+                f"KernelTuning.phase1_scores={self.phase1_scores!r} is not a phase-1 arithmetic: it must be one of "
+                f"{', '.join(map(repr, PHASE1_SCORES))}; pass KernelTuning(phase1_scores='fma') (the default)"
+            )
         if self.dialect not in DIALECTS:
             raise ValueError(
                 f"KernelTuning.dialect={self.dialect!r} is not a kernel dialect: it must be one of "

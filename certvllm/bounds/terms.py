@@ -21,7 +21,7 @@ EXP_ROUNDINGS = 8
 """exp in float32 is trusted to 4 ulp = 8u (2 ulp is what the libraries document)."""
 
 
-def _sum_inflation(n_terms: int) -> float:
+def sum_inflation(n_terms: int) -> float:
     """Factor that turns a float32 sum of n non-negative products into an upper bound."""
     return (1.0 + gamma(n_terms + 2)) * GAMMA_SLACK
 
@@ -29,12 +29,12 @@ def _sum_inflation(n_terms: int) -> float:
 # -- the constant factors, shared with the compiled kernels (one source of truth) ---------------
 def delta_factor(d: int) -> float:
     """Δ_b = delta_factor(D) · Σ_c |q_c·λ|·σ_c."""
-    return (0.5 + P2_RELATIVE_SLACK) * _sum_inflation(d)
+    return (0.5 + P2_RELATIVE_SLACK) * sum_inflation(d)
 
 
 def rounding_factor(d: int) -> float:
     """R_b = rounding_factor(D) · Σ_c |q_c·λ|·(M_c + σ_c)."""
-    return (gamma(d) + SCORE_EXTRA_ROUNDINGS * UNIT_ROUNDOFF) * _sum_inflation(d)
+    return (gamma(d) + SCORE_EXTRA_ROUNDINGS * UNIT_ROUNDOFF) * sum_inflation(d)
 
 
 def exp_factors() -> tuple[float, float]:

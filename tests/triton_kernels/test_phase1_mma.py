@@ -1,0 +1,189 @@
+"""Phase 1 with the INT8 scores on the tensor cores (``triton_kernels/phase1_mma.py``, docs/certification.md §5.3).
+
+In Triton's interpreter here (compiled on a GPU, where the Gluon kernel is compared with it too):
+
+* every score of every full block and query head is within the block's R_b of the real-number INT8 score
+  ŝ_t = Σ_c q'_c·(ℓ̃_c + code·σ_c), evaluated in float64 from the decoded pages (no slack: the float64 evaluation's own
+  error, ≤ 2^-40 of the magnitude, is far inside R_b's margins);
+* R_b is at least the float32 path's (``rounding_factor``·Σ|q'|·M_c), so it bounds the promotion pass's exact scores
+  of the block too (1 − 2^-20: the two kernels sum in other orders);
+* the page fields, flags and Δ_b are the float32 path's (Δ_b to 1e-6 relative: the same products, summed in
+  another order); block maxima and log-masses within both kernels' R_b;
+* a zero query head scores exactly; a head out of the kernel's range (a tiny query on tiny keys) gets R_b = +inf,
+  and the certified call sends it, and only it, to rung 3 with the dense output;
+* the whole certified path with this phase 1 is sound over the random and adversarial families (‖out − exact‖ ≤
+  e_key + e_val with no slack, rungs 3/4 equal to dense).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
+pytest.importorskip("triton", reason="triton is not installed: the Triton kernels cannot be tested")
+
+from certvllm.triton_kernels import phase1 as p1mod  # noqa: E402
+from certvllm.triton_kernels.common import split_plan  # noqa: E402
+from certvllm.triton_kernels.tuning import KernelTuning  # noqa: E402
+
+from certvllm.attention import certified_attention, dense_decode  # noqa: E402
+from certvllm.attention.gpu import CudaOptions, _lut  # noqa: E402
+from certvllm.attention.op import dense_rows  # noqa: E402
+from certvllm.bounds import delta_factor, rounding_factor  # noqa: E402
+from certvllm.config import load_config  # noqa: E402
+from certvllm.formats.pages import PageReader  # noqa: E402
+from certvllm.kv.cache import LayerKVCache  # noqa: E402
+from certvllm.kv.cuda_pagein import CudaPageInEngine  # noqa: E402
+from certvllm.testing import exact_attention, make_case, paged_batch  # noqa: E402
+
+pytestmark = pytest.mark.slow  # the interpreter: make test runs it, make test-quick does not
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+MMA = KernelTuning(phase1_scores="mma")
+FMA = KernelTuning(phase1_scores="fma", dialect="triton")
+GPU_LANE = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="runs compiled: pytest -m gpu")]
+
+
+def _gpu_lane(*values):
+    return pytest.param(*values, marks=GPU_LANE)
+
+
+def _phase1(cases, tuning, blocks_per_split=3):
+    """Phase 1 over ``cases`` (paged by the reference writer) → (Phase1Out, q' [R, H_q, D], cache, tables, nfull)."""
+    cache, tables, lens = paged_batch(cases)
+    d = cases[0].q.shape[-1]
+    hkv = cases[0].k.shape[1]
+    dcache = LayerKVCache(cache.pages.to(DEV), cache.shadow, cache.layout)
+    tables, nfull = tables.long().to(DEV).contiguous(), (lens // 16).long().to(DEV)
+    q = (torch.stack([c.q for c in cases]).to(DEV).float() * (1 / math.sqrt(d))).contiguous()
+    splits, bps = split_plan(tables.shape[1], len(cases) * hkv, blocks_per_split)
+    out = p1mod.phase1(q, dcache.pages, tables, nfull, _lut(DEV), cache.layout, hkv, cache.sub_blocks,
+                       delta_factor(d), rounding_factor(d), splits, bps, tuning=tuning)  # fmt: skip
+    return out, q, cache, tables, nfull
+
+
+def _exact_int8_scores(q, cache, tables, nfull):
+    """ŝ in float64 ``[R, H_kv, B, G, 16]`` and the validity mask of the full blocks ``[R, 1, B, 1, 1]``."""
+    dec = PageReader(cache.layout).decode(cache.pages, with_values=False)
+    tab = tables.cpu()
+    R, B = tab.shape
+    hkv = cache.num_kv_heads
+    G = q.shape[1] // hkv
+    lay = cache.layout
+    raw = cache.pages[:, :, lay.k_codes : lay.k_codes + 16 * lay.head_dim].reshape(-1, hkv, 16, lay.head_dim)
+    sig = dec.sigma.double()[tab]  # [R, B, H, D]
+    off = cache.pages[:, :, lay.k_offset : lay.k_offset + 2 * lay.head_dim].contiguous().view(torch.float16)
+    off = off.double()[tab]
+    k_hat = off[..., None, :] + raw[tab].double() * sig[..., None, :]  # [R, B, H, 16, D]
+    qh = q.cpu().double().view(R, hkv, G, -1)
+    s = torch.einsum("rkgd,rbknd->rkbgn", qh, k_hat)
+    valid = (torch.arange(B) < nfull.cpu().unsqueeze(1)).view(R, 1, B, 1, 1)
+    return s, valid
+
+
+@pytest.mark.parametrize(
+    "family,hq,hkv,d",
+    [("random", 8, 2, 64), ("outlier_channels", 12, 4, 64), _gpu_lane("huge_norms", 32, 8, 128),
+     _gpu_lane("constant_channels", 8, 1, 128), _gpu_lane("tiny_norms", 16, 2, 64), _gpu_lane("one_hot", 24, 3, 64)],
+)  # fmt: skip
+def test_mma_scores_stay_within_their_bound_and_match_the_float32_path(family, hq, hkv, d, gen):
+    cases = [make_case(family, t, hq, hkv, d, torch.float16, gen) for t in (40, 133)]
+    got, q, cache, tables, nfull = _phase1(cases, MMA)
+    ref, *_ = _phase1(cases, FMA)
+    exact, valid = _exact_int8_scores(q, cache, tables, nfull)
+    r_mma = got.rmax.cpu().double().permute(0, 1, 3, 2)[..., None]  # [R, K, B, G, 1]
+    err = torch.where(valid, (got.scores.cpu().double() - exact).abs(), 0.0)
+    assert bool((err <= r_mma).all()), float((err / r_mma.clamp_min(1e-300)).max())
+    v4 = valid.view(valid.shape[0], 1, 1, -1).expand_as(got.rmax).to(got.rmax.device)
+    assert bool((got.rmax[v4] >= ref.rmax[v4] * (1 - 2.0**-20)).all())  # covers the float32 path's scores
+    for name in ("eta", "nu", "bad"):
+        assert torch.equal(getattr(got, name), getattr(ref, name)), name
+    torch.testing.assert_close(got.delta, ref.delta, rtol=1e-6, atol=0.0)
+    fin = torch.isfinite(ref.m8)
+    r_sum = got.rmax + ref.rmax
+    assert torch.equal(fin, torch.isfinite(got.m8)) and torch.equal(fin, torch.isfinite(got.l8))
+    assert bool(((got.m8 - ref.m8).abs()[fin] <= r_sum[fin]).all())
+    assert bool(((got.l8 - ref.l8).abs()[fin] <= r_sum[fin] + 1e-5 * (1 + ref.l8.abs()[fin])).all())
+
+
+def test_mma_zero_query_head_scores_exactly_and_a_tiny_one_escalates(gen):
+    """Head 0 of the group all zero: every score is exactly 0 (Σ 0·ℓ̃, no limb term) and R_b finite. Then, in bfloat16,
+    head 1 scaled by 2^-100 on keys scaled by 2^-20: its grid exponent falls below the kernel's range, so its R_b is
+    +inf (scores 0, the other heads in range), and the certified call gives that head, and only it, rung 3 with the
+    dense output (no canary alarm: the row is not sent to rung 4)."""
+    cases = [make_case("random", t, 4, 1, 64, torch.float16, gen) for t in (70, 90)]
+    for c in cases:
+        c.q[0].zero_()
+    got, *_ = _phase1(cases, MMA)
+    for r, t in enumerate((70, 90)):
+        s0 = got.scores[r, 0, : t // 16, 0].cpu()
+        assert torch.equal(s0, torch.zeros_like(s0)) and bool(torch.isfinite(got.rmax[r, 0, 0, : t // 16]).all())
+    tiny = [make_case("random", 70, 4, 1, 64, torch.bfloat16, gen)]
+    tiny[0].q[1] *= 2.0**-100
+    tiny[0].k.mul_(2.0**-20)
+    out, *_ = _phase1(tiny, MMA)
+    nb = 70 // 16
+    assert bool(torch.isinf(out.rmax[0, 0, 1, :nb]).all()) and bool((out.scores[0, 0, :nb, 1] == 0).all())
+    assert bool(torch.isfinite(out.rmax[0, 0, [0, 2, 3], :nb]).all())
+    res = _certified(tiny, load_config("default"), "sdpa")
+    assert int(res.report.rung[0, 1]) == 3 and bool((res.report.rung[0, [0, 2, 3]] <= 2).all())
+
+
+def _certified(cases, cfg, fallback):
+    cache, tables, lens = paged_batch(cases, cfg.value_group_size)
+    q = torch.stack([c.q for c in cases])
+    scale = 1 / math.sqrt(q.shape[-1])
+    dcache = LayerKVCache(cache.pages.to(DEV), cache.shadow, cache.layout)
+    dq, dtables, dlens = q.to(DEV), tables.to(DEV), lens.to(DEV)
+    eng = CudaPageInEngine(DEV)
+    rows = dense_rows(dq, dcache, dtables, dlens, scale, eng, cfg.dense_backend) if fallback == "sdpa" else None
+    res = certified_attention(dq, dcache, dtables, dlens, cfg, backend="cuda", pagein=eng, exact_rows=rows,
+                              cuda_options=CudaOptions(blocks_per_split=3, tuning=MMA))  # fmt: skip
+    out, rung, bound = res.out.cpu(), res.report.rung.cpu(), res.report.bound.cpu().double()
+    for i, c in enumerate(cases):
+        err = torch.linalg.vector_norm(out[i].double() - exact_attention(c.q, c.k, c.v, scale), dim=-1)
+        certified = rung[i] <= 2
+        assert (err[certified] <= bound[i][certified]).all(), f"error > bound: {(err - bound[i]).max()}"
+        exact = rung[i] >= 3
+        if exact.any() and fallback == "sdpa":
+            dense = dense_decode(c.q.to(DEV), c.k.to(DEV), c.v.to(DEV), scale).cpu()
+            assert torch.equal(dense[exact], out[i][exact])
+    return res
+
+
+@pytest.mark.parametrize(
+    "family,preset,fallback",
+    [("retrieval_peaks", "default", "sdpa"), ("near_tied_blocks", "paper", "device"),
+     _gpu_lane("outlier_channels", "default", "sdpa"), _gpu_lane("sink_and_recency", "strict", "device"),
+     _gpu_lane("huge_norms", "coverage", "sdpa"), _gpu_lane("flat", "naive", "sdpa")],
+)  # fmt: skip
+def test_certified_path_with_the_mma_phase1_is_sound(family, preset, fallback, gen):
+    cases = [make_case(family, t, 8, 2, 64, torch.float16, gen) for t in (5, 37, 130, 200)]
+    _certified(cases, load_config(preset), fallback)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Gluon kernel runs compiled only")
+@pytest.mark.parametrize("hq,hkv,d", [(32, 8, 128), (24, 3, 64), (64, 8, 128), (8, 8, 256)])
+def test_gluon_mma_phase1_matches_the_triton_kernel(hq, hkv, d, gen):
+    """The Gluon kernel against the Triton one (the interpreter-tested arithmetic): page fields and flags equal, Δ_b
+    and R_b to float32 rounding (sums in another order), scores within the sum of both R_b and within the Gluon
+    kernel's own R_b of the float64 INT8 scores."""
+    if not p1mod.use_gluon_mma(d, hq // hkv, MMA):
+        pytest.skip("the Gluon MMA phase 1 does not take this shape")
+    cases = [make_case(f, t, hq, hkv, d, torch.float16, gen) for f, t in (("random", 700), ("outlier_channels", 333))]
+    got, q, cache, tables, nfull = _phase1(cases, MMA, 5)
+    ref, *_ = _phase1(cases, KernelTuning(phase1_scores="mma", dialect="triton"), 5)
+    for name in ("eta", "nu", "bad"):
+        assert torch.equal(getattr(got, name), getattr(ref, name)), name
+    for name in ("delta", "rmax"):
+        torch.testing.assert_close(getattr(got, name), getattr(ref, name), rtol=1e-6, atol=0.0, msg=name)
+    exact, valid = _exact_int8_scores(q, cache, tables, nfull)
+    err = torch.where(valid, (got.scores.cpu().double() - exact).abs(), 0.0)
+    assert bool((err <= got.rmax.cpu().double().permute(0, 1, 3, 2)[..., None]).all())
+    diff = torch.where(valid.to(DEV), (got.scores - ref.scores).abs(), 0.0)
+    assert bool((diff <= (got.rmax + ref.rmax).permute(0, 1, 3, 2).unsqueeze(-1)).all())
