@@ -1,0 +1,198 @@
+"""Phase 1's score arithmetic on a CUDA GPU: the float32 kernels against the INT8 tensor-core ones, at LLaMA-3.1-8B
+shapes, with dense SDPA in the same run.
+
+Usage: python benchmarks/bench_phase1.py [--points 1x8192 1x32768 8x8192 8x32768 8x131072] [--iters 30]
+                                         [--out runs/phase1.json]
+
+Per point (batch × context; synthetic K/V of ``bench_decode.py``, pages written by the Triton write kernel):
+
+* phase 1 alone, CUDA-graph replays, median ms and the rate on the key bytes it must read (codes, offsets, scale
+  codes and header: 2,448 B per page at D = 128): ``fma`` (the Gluon float32 kernel, the default), ``mma`` (the
+  Gluon INT8-MMA kernel) and ``mma-triton`` (its Triton twin, the interpreter's);
+* the whole certified call (``naive`` and ``default`` with a warm promotion pool), graph replays, with each
+  arithmetic;
+* checks, on every point: the Gluon MMA scores of the first row within R_b of the float64 INT8 scores, its Δ_b equal
+  to the float32 kernel's to 1e-6 and R_b to the Triton twin's; the default call's rungs and the median bound over
+  V_max with each arithmetic, and its certified heads against float64 attention over the originals (violations
+  must be 0).
+
+Prints a table and writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import platform
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+_HERE = Path(__file__).resolve().parent
+_spec = importlib.util.spec_from_file_location("bench_decode", _HERE / "bench_decode.py")
+bd = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bd)
+
+KEY_BYTES_PER_PAGE = 2048 + 256 + 128 + 16
+"""What phase 1 must read of a D = 128 page: codes, fp16 offsets, scale codes, header."""
+
+
+def parse_point(text: str) -> tuple[int, int]:
+    b, _, c = text.partition("x")
+    return int(b), int(c)
+
+
+def phase1_call(q, cache, tables, nfull, tuning):
+    from certvllm.triton_kernels.common import split_plan
+    from certvllm.triton_kernels.phase1 import phase1
+
+    from certvllm.attention.gpu import _lut
+    from certvllm.bounds import delta_factor, rounding_factor
+
+    R, Hq, D = q.shape
+    K = cache.num_kv_heads
+    splits, bps = split_plan(tables.shape[1], R * K, tuning=tuning)
+    lut = _lut(q.device)
+    return lambda: phase1(q, cache.pages, tables, nfull, lut, cache.layout, K, cache.sub_blocks, delta_factor(D),
+                          rounding_factor(D), splits, bps, tuning=tuning)  # fmt: skip
+
+
+def exact_int8_scores_row(q, cache, tables, nfull, row: int) -> torch.Tensor:
+    """ŝ in float64 for one row: ``[H_kv, nfull, G, 16]``."""
+    from certvllm.formats.pages import PageReader
+
+    lay = cache.layout
+    ids = tables[row, : int(nfull[row])]
+    pages = cache.pages[ids]  # [n, H, bytes]
+    dec = PageReader(lay).decode(pages, with_values=False)
+    d = lay.head_dim
+    codes = pages[:, :, lay.k_codes : lay.k_codes + 16 * d].reshape(pages.shape[0], pages.shape[1], 16, d)
+    off = pages[:, :, lay.k_offset : lay.k_offset + 2 * d].contiguous().view(torch.float16).double()
+    k_hat = off[:, :, None, :] + codes.double() * dec.sigma.double()[:, :, None, :]  # [n, H, 16, D]
+    hkv = pages.shape[1]
+    qh = q[row].double().view(hkv, -1, d)
+    return torch.einsum("kgd,bknd->kbgn", qh, k_hat)
+
+
+def run_point(batch: int, ctx: int, iters: int) -> dict:
+    from certvllm.triton_kernels.tuning import KernelTuning
+
+    from certvllm.attention import certified_attention
+    from certvllm.attention.gpu import CudaOptions
+    from certvllm.kv.cuda_pagein import CudaPageInEngine
+
+    dev = torch.device("cuda")
+    t0 = time.time()
+    q, k, v = bd.synthetic_kv(batch, ctx, seed=ctx + batch)
+    lens = [ctx - 7] * batch
+    cache, tables = bd.build_cache(k, v, lens)
+    seq_lens = torch.tensor(lens, device=dev)
+    nfull = (seq_lens // 16).long()
+    D = q.shape[-1]
+    scale = 1.0 / math.sqrt(D)
+    qs = (q.float() * scale).contiguous()
+    rec: dict = {"batch": batch, "context": ctx, "setup_s": round(time.time() - t0, 1)}
+    kd = k[:, : lens[0]].permute(0, 2, 1, 3).contiguous()
+    vd = v[:, : lens[0]].permute(0, 2, 1, 3).contiguous()
+    qd = q.unsqueeze(2)
+    rec["dense_ms"] = bd.time_graph(lambda: F.scaled_dot_product_attention(qd, kd, vd, scale=scale, enable_gqa=True),
+                                    iters)  # fmt: skip
+    pages = batch * (lens[0] // 16) * cache.num_kv_heads
+    variants = {"fma": KernelTuning(), "mma": KernelTuning(phase1_scores="mma"),
+                "mma-triton": KernelTuning(phase1_scores="mma", dialect="triton")}  # fmt: skip
+    outs = {}
+    for name, tun in variants.items():
+        fn = phase1_call(qs, cache, tables, nfull, tun)
+        outs[name] = fn()
+        torch.cuda.synchronize()
+        ms = bd.time_graph(fn, iters)
+        rec[f"phase1_{name}_ms"] = ms
+        rec[f"phase1_{name}_GBps"] = pages * KEY_BYTES_PER_PAGE / (ms * 1e-3) / 1e9 if ms else None
+    # ---- checks of the MMA kernel on row 0
+    got, fma, twin = outs["mma"], outs["fma"], outs["mma-triton"]
+    n0 = int(nfull[0])
+    exact = exact_int8_scores_row(qs, cache, tables, nfull, 0)  # [K, n, G, 16]
+    err = (got.scores[0, :, :n0].double() - exact).abs()
+    bound = got.rmax[0, :, :, :n0].double().permute(0, 2, 1).unsqueeze(-1)
+    rec["mma_score_violations"] = int((err > bound).sum())
+    rec["mma_err_over_bound_max"] = float((err / bound).max())
+    rec["mma_bound_over_fma_bound_median"] = float((got.rmax[0, :, :, :n0] / fma.rmax[0, :, :, :n0]).median())
+    rec["mma_delta_max_rel_diff"] = float(((got.delta - fma.delta).abs() / fma.delta.abs().clamp_min(1e-30)).max())
+    rec["mma_gluon_vs_triton_rmax_max_rel_diff"] = float(
+        ((got.rmax - twin.rmax).abs() / twin.rmax.abs().clamp_min(1e-30)).nan_to_num(0.0).max()
+    )
+    # ---- the whole certified call with each arithmetic
+    for preset in ("naive", "default"):
+        cfg = bd.method_config(preset)
+        for name in ("fma", "mma"):
+            residency = bd.method_residency(cache, cfg)
+            eng = CudaPageInEngine(dev)
+            opts = CudaOptions(tuning=variants[name])
+
+            def call(cfg=cfg, eng=eng, residency=residency, opts=opts):
+                return certified_attention(q, cache, tables, seq_lens, cfg, scale, pagein=eng, residency=residency,
+                                           cuda_options=opts)  # fmt: skip
+
+            res = call()
+            torch.cuda.synchronize()
+            rec[f"{preset}_{name}_ms"] = bd.time_graph(call, iters)
+            rungs = torch.bincount(res.report.rung.flatten().long().cpu(), minlength=5)
+            rec[f"{preset}_{name}_rungs"] = [int(x) for x in rungs]
+            if preset == "default":
+                cert = res.report.rung <= 2
+                rel = (res.report.bound / res.report.v_max)[cert]
+                rec[f"default_{name}_bound_over_vmax_median"] = float(rel.median()) if rel.numel() else None
+                errs = torch.linalg.vector_norm(res.out[0].double() - _exact_row(q, k, v, lens[0], scale, 0), dim=-1)
+                rec[f"default_{name}_row0_violations"] = int(((errs > res.report.bound[0].double()) & cert[0]).sum())
+            del res
+    bd.release_cache(cache)
+    return rec
+
+
+def _exact_row(q, k, v, n, scale, row):
+    from certvllm.testing import exact_attention
+
+    return exact_attention(q[row], k[row, :n], v[row, :n], scale)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--points", nargs="+", default=["1x8192", "1x32768", "8x8192", "8x32768", "8x131072"])
+    ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--out", type=Path, default=Path("runs/phase1.json"))
+    a = ap.parse_args()
+    import triton
+
+    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+            "python": platform.python_version()}  # fmt: skip
+    results = []
+    t0 = time.time()
+    for text in a.points:
+        b, c = parse_point(text)
+        rec = run_point(b, c, a.iters)
+        results.append(rec)
+        print(json.dumps(rec), flush=True)
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        a.out.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    meta["wall_s"] = round(time.time() - t0, 1)
+    a.out.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    print(f"\n{'point':>10} {'dense':>7} {'p1 fma':>7} {'p1 mma':>7} {'mma GB/s':>8} {'naive f/m':>13} "
+          f"{'default f/m':>13} {'viol':>4} {'R ratio':>7}")  # fmt: skip
+    for r in results:
+
+        def f(x):
+            return f"{x:.3f}" if isinstance(x, float) else "n/a"
+
+        print(f"{r['batch']}x{r['context']:>7} {f(r['dense_ms']):>7} {f(r['phase1_fma_ms']):>7} "
+              f"{f(r['phase1_mma_ms']):>7} {r['phase1_mma_GBps'] or 0:8.0f} "
+              f"{f(r['naive_fma_ms'])}/{f(r['naive_mma_ms'])} {f(r['default_fma_ms'])}/{f(r['default_mma_ms'])} "
+              f"{r['mma_score_violations'] + r['default_mma_row0_violations']:>4} "
+              f"{r['mma_bound_over_fma_bound_median']:7.2f}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
