@@ -50,7 +50,7 @@ RESIDENT_POINTERS = {
 }  # fmt: skip
 """Pointer element types of the Gluon kernels (unnamed pointers are float32)."""
 SCALARS = {"num_blocks": "i32", "B": "i32", "TB_STRIDE": "i32", "S": "i32", "BPS": "i32", "DELTA_F": "fp32",
-           "ROUND_F": "fp32", "ROUND_A": "fp32", "ROUND_P": "fp32", "ROUND_S": "fp32", "nslots": "i32"}  # fmt: skip
+           "ROUND_F": "fp32", "ROUND_W": "fp32", "ROUND_P": "fp32", "ROUND_S": "fp32", "nslots": "i32"}  # fmt: skip
 """Scalar arguments of the kernels."""
 OPTIONS = ("num_warps", "maxnreg", "enable_fp_fusion")
 """Keys of ``launch_constants`` that are compile options, not constexprs."""

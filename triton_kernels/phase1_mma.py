@@ -7,18 +7,19 @@ S = 2^e (``e = E_b + e_q``: the block's scale exponent plus a per-head exponent 
 |p̃/S| ≤ 126 without a reduction), X_c = rint(p̃_c·2^(24−e)), an integer below 2^31 whose four bytes, biased by
 0x808080, are four int8 limbs a_0…a_3 with X = Σ_k a_k·256^(3−k). One batched int8 ``tl.dot`` per iteration
 multiplies the codes shifted to int8 (code − 128, a byte XOR) by the limbs, exactly in int32:
-J_{k,t} = Σ_c a_{k,c}·(code_{t,c} − 128), |J| ≤ 2^14·D < 2^24. The shift is folded into the offset term:
+J_{k,t} = Σ_c a_{k,c}·(code_{t,c} − 128), |J| ≤ 2^14·D < 2^24. The shift is folded into the block's mid-offsets:
 
-    L″   = fl(Σ_c (q'_c·ℓ̃_c + 128·p̃_c))               (a D-term float32 sum)
-    s_t  = fl(L″ + Σ_k J_{k,t}·2^(e−8k))                  (five float32 terms, products exact)
+    ℓ'_c = fl(ℓ̃_c + 128·σ_c),   L″ = fl(Σ_c q'_c·ℓ'_c)      (a D-term float32 sum)
+    s_t  = fl(L″ + Σ_k J_{k,t}·2^(e−8k))                       (five float32 terms, products exact)
 
-and |s_t − ŝ_t| ≤ c1·Σ_c|q'_c|·M_c + c2·D·S (``bounds.int8_scores.mma_score_rounding_factors``), which is
-written as R_b. c1 ≥ the float32 path's ``rounding_factor`` coefficient, so R_b also bounds the rounding of the
-exact scores the promotion pass computes for the same block (every consumer reads R_b as "the rounding of
-either score of this block").
+and |s_t − ŝ_t| ≤ c_W·Σ_c|q'_c·ℓ'_c| + c_P·Σ_c|p̃_c| + c_S·2^e (``bounds.int8_scores.mma_score_rounding_factors``),
+which is written as R_b. The coefficients are at least the float32 path's on the same sums, so R_b also bounds the
+rounding of the exact scores the promotion pass computes for the block (every consumer reads R_b as "the rounding
+of either score of this block"); for keys centred in their block it is within a few per cent of that path's R_b.
 
-Everything else phase 1 writes is computed as the Triton kernel does: Δ_b from the same products |fl(q'·σ)|,
-ℓ⁸_b and the block maximum from the scores, η_b, ν_b and the page flags.
+Everything else phase 1 writes: Δ_b = delta_factor·Σ_c|p̃_c| (the products |fl(q'·σ)|, scaled by a power of two),
+ℓ⁸_b and the block maximum from the scores, η_b, ν_b and the page flags. The key scale σ = LUT[j]·2^E is never
+formed per (head, channel): x = q''·LUT[j] with q'' = q'·2^(24 − e_q) is p̃·2^(24 − e) exactly.
 
 Layout: ``BLK`` blocks per iteration as ``[BLK, 16, D]`` key tiles and ``[BLK, GP, D]`` query-side tiles, one block
 per warp; the dot is batched over the blocks (each block has its own limbs). Runs under Triton's interpreter
@@ -122,7 +123,7 @@ def _phase1_mma_kernel(
     bad,  # out [R, H_kv, B] int32 per block: a valid page is flagged or invalid
     num_blocks, B, TB_STRIDE, BPS,  # the split-K arguments (``common``)
     DELTA_F,  # float32 factor of Δ_b (on Σ|p̃|)
-    ROUND_A,  # float32 factor of A = Σ|q'ℓ̃| in R_b
+    ROUND_W,  # float32 factor of W = Σ|q'ℓ'| in R_b
     ROUND_P,  # float32 factor of P = Σ|p̃| in R_b
     ROUND_S,  # float32 factor of 2^e in R_b
     H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, M: tl.constexpr,
@@ -173,11 +174,15 @@ def _phase1_mma_kernel(
         e = tl.minimum(tl.maximum(e, GRID_MIN), GRID_MAX)
         x = qx * mant
         p_sum = tl.sum(tl.abs(x), axis=2, keep_dims=True) * pow2_f32(e - 24)  # P = Σ|p̃|
-        a_sum = tl.sum(tl.abs(qx * off), axis=2, keep_dims=True) * pow2_f32(e_q - 24)  # A = Σ|q'ℓ̃|
-        # L″ = Σ_c (q'ℓ̃ + 128·p̃), summed in units of 2^(e_q − 24), where 128·p̃ is x·2^(E_b + 7)
-        lo = tl.sum(qx * off + x * pow2_f32(tl.minimum(ex, EXP_MAX) + 7), axis=2, keep_dims=True) * pow2_f32(e_q - 24)
+        # L″ = Σ_c q'_c·ℓ'_c with the block's mid-offsets ℓ' = fl(ℓ̃ + 128σ) (the codes' shift folded in), summed in
+        # units of 2^(e_q − 24); W = Σ|q'ℓ'| bounds its rounding and, with P, the key magnitudes
+        mid = off + 128.0 * (mant * pow2_f32(ex))  # [BLK, 1, D]
+        w = qx * mid
+        unit = pow2_f32(e_q - 24)
+        lo = tl.sum(w, axis=2, keep_dims=True) * unit
+        w_sum = tl.sum(tl.abs(w), axis=2, keep_dims=True) * unit
         tl.store(delta + (rk * G + gv) * B + bv, tl.where(valid, p_sum * DELTA_F, 0.0), mask=inb & (gv < G))
-        rb = tl.where(in_range, a_sum * ROUND_A + p_sum * ROUND_P + ROUND_S * pow2_f32(e), float("inf"))
+        rb = tl.where(in_range, w_sum * ROUND_W + p_sum * ROUND_P + ROUND_S * pow2_f32(e), float("inf"))
         tl.store(rmax + (rk * G + gv) * B + bv, tl.where(valid, rb, 0.0), mask=inb & (gv < G))
         # ---- the codes against the limbs: exact int32, then five float32 terms per score
         jk = tl.dot(_xor_sign_bits(codes, PRECISE), _query_limbs(x, GP, PRECISE), out_dtype=tl.int32)  # [BLK, N, C]
@@ -209,11 +214,11 @@ def launch(out, qs: torch.Tensor, pages: torch.Tensor, tables: torch.Tensor, nfu
     R, Hq, D = qs.shape
     K = num_kv_heads
     G = Hq // K
-    c_a, c_p, c_s = mma_score_rounding_factors(D)
+    c_w, c_p, c_s = mma_score_rounding_factors(D)
     _phase1_mma_kernel[(R * K, splits)](
         qs, pages, pages.view(torch.int8), pages.view(torch.float16), pages.view(torch.float32), tables, nfull, lut,
         out.scores, out.l8, out.m8, out.delta, out.eta, out.nu, out.rmax, out.amax, out.bad,
-        pages.shape[0] * sub_blocks, tables.shape[1], tables.stride(0), blocks_per_split, delta_factor, c_a, c_p, c_s,
+        pages.shape[0] * sub_blocks, tables.shape[1], tables.stride(0), blocks_per_split, delta_factor, c_w, c_p, c_s,
         H=K, G=G, GP=dot_columns(G) // LIMBS, D=D, M=sub_blocks, BLK=tuning.phase1_blk, PAGE_BYTES=layout.page_bytes,
         K_OFFSET=layout.k_offset, K_SCODE=layout.k_scale_code, HEADER=layout.header, HEADROOM=float(MMA_HEADROOM),
         E_MIN=MMA_E_MIN, E_MAX=MMA_E_MAX, GRID_MIN=MMA_GRID_MIN, GRID_MAX=MMA_GRID_MAX, EXP_MAX=MMA_EXPONENT_MAX,

@@ -6,11 +6,13 @@ One program per (row, KV head, split); its ``BLK`` warps take one 16-token block
 
 1. **Query side** in ``LQ`` over ``[BLK, GP, D]`` (one block per warp, the GP heads over GP lanes, ``VQ``
    contiguous channels per lane): x = q''·LUT[j] (the fixed-point scaled query, no σ formed), the block's sums
-   P = Σ|p̃|, A = Σ|q'ℓ̃| and L″ (``VQ`` terms in a thread, then a shuffle tree over the 32/GP channel lanes),
+   P = Σ|p̃|, L″ = Σ q'ℓ' over the mid-offsets ℓ' = fl(ℓ̃ + 128σ) and W = Σ|q'ℓ'| (``VQ`` terms in a thread, then a
+   shuffle tree over the 32/GP channel lanes),
    Δ_b and R_b; X = rint(x) as four int8 limbs: the biased word (X + 0x808080) ^ 0x808080 holds them as bytes, and
    a 4×4 byte transpose (eight ``prmt``) over four consecutive channels gives one word of four channels per limb,
    stored to shared memory as the ``[C, D]`` int8 limb matrix of the block (row k·GP + g, channels contiguous).
-2. **Codes** in ``LK`` over ``[BLK, 16, D]`` (16-byte loads), XOR 0x80 four bytes at a time, to shared memory.
+2. **Codes** in ``LK`` as int32 words ``[BLK, 16, D/4]`` (16-byte loads), XOR 0x80808080, to shared memory (read
+   back as int8 bytes: the two views of each buffer have the same rows and 16-byte chunks, so the same swizzle).
 3. **MMA**: both operands loaded from shared memory in the mma layouts (``ldmatrix``), one ``mma.sync``
    m16n8k32 int8 chain per block (M = the 16 tokens, N = the C limb columns, K = D), int32 exact.
 4. **Epilogue** in the accumulator's layout: J·2^(e−8k) (exact), the four limbs summed, L″ added, ℓ⁸_b, the
@@ -87,8 +89,8 @@ def _ceil_log2_pos(x):
 
 @gluon.jit
 def _limb_words(x, BLK: gl.constexpr, GP: gl.constexpr, D: gl.constexpr):
-    """x ``[BLK, GP, D]`` (fixed point, |x| ≤ 126·2^24) → ``[BLK, 4, GP, D/4]`` int32: word (k, g, i) holds limb k of
-    X = rint(x) for the channels 4i … 4i+3 of head g, one byte each (int8, channel order)."""
+    """x ``[BLK, GP, D]`` (fixed point, |x| ≤ 126·2^24) → ``[BLK, 4·GP, D/4]`` int32: word (k·GP + g, i) holds limb k
+    of X = rint(x) for the channels 4i … 4i+3 of head g, one byte each (int8, channel order)."""
     xi = libdevice.rint(x).to(gl.int32)
     z = (xi + 8421504) ^ 8421504  # bytes [a3, a2, a1, a0] as int8: X = Σ_k a_k·256^(3−k)
     z4 = gl.reshape(z, [BLK, GP, D // 4, 2, 2])
@@ -100,20 +102,50 @@ def _limb_words(x, BLK: gl.constexpr, GP: gl.constexpr, D: gl.constexpr):
         is_pure=True, pack=1,
     )  # fmt: skip
     words = gl.join(gl.join(w0, w1), gl.join(w2, w3))  # [BLK, GP, D/4, i, o]: limb 2·o + i
-    return gl.reshape(gl.permute(words, [0, 4, 3, 1, 2]), [BLK, 4, GP, D // 4])
+    return gl.reshape(gl.permute(words, [0, 4, 3, 1, 2]), [BLK, 4 * GP, D // 4])
+
+
+@gluon.jit
+def _block_loads(it, split, BPS, B, nf, jb_q, tables, r, TB_STRIDE, num_blocks, h, pages_u8, pages_i8, pages_f16,
+                 pages_f32, pages_i32, nk, dk, dq, H: gl.constexpr, M: gl.constexpr, D: gl.constexpr, PAGE_BYTES: gl.constexpr,
+                 K_OFFSET: gl.constexpr, K_SCODE: gl.constexpr, HEADER: gl.constexpr, LK_b: gl.constexpr):  # fmt: skip
+    """Every global load of iteration ``it``:
+    block columns ``bb`` [BLK] in and past the table (``inb``, ``valid``), the codes ``[BLK, 16, D/4]`` int32 words
+    (in ``LK``), η, ν, flags, the exponent E_b (clamped to [−126, 127]) ``[BLK]``, the offsets ``[BLK, 1, D]`` float16 and
+    the scale codes ``[BLK, 1, D]`` uint8 (in ``LQ``)."""
+    ib = it * jb_q.shape[0] + jb_q
+    bb = split * BPS + ib
+    inb = (bb < B) & (ib < BPS)
+    valid = inb & (bb < nf)
+    bid = gl.minimum(gl.maximum(gl.load(tables + r * TB_STRIDE + bb, mask=inb, other=0), 0), num_blocks - 1)
+    base = ((bid // M) * H + h) * (M * PAGE_BYTES) + (bid % M) * PAGE_BYTES  # [BLK]
+    base_k = gl.expand_dims(gl.expand_dims(gl.convert_layout(base // 4, LK_b), 1), 2)
+    valid_k = gl.expand_dims(gl.expand_dims(gl.convert_layout(valid, LK_b), 1), 2)
+    # the codes as int32 words (four channels each; 0x80808080 where masked: code − 128 = 0 after the XOR)
+    codes = gl.load((pages_i32 + base_k) + (nk * (D // 4) + dk), mask=valid_k & (dk < D // 4), other=-2139062144)
+    e_b = gl.load(pages_f32 + (base + HEADER) // 4, mask=valid, other=0.0)
+    n_b = gl.load(pages_f32 + (base + HEADER) // 4 + 1, mask=valid, other=0.0)
+    flags = gl.load(pages_u8 + base + HEADER + 9, mask=valid, other=1).to(gl.int32)
+    ex = gl.minimum(gl.maximum(gl.load(pages_i8 + base + HEADER + 8, mask=valid, other=0).to(gl.int32), -126), 127)
+    base3 = gl.expand_dims(gl.expand_dims(base, 1), 2)  # [BLK, 1, 1]
+    vd = gl.expand_dims(gl.expand_dims(valid, 1), 2) & (dq < D)
+    off = gl.load(pages_f16 + (base3 + K_OFFSET) // 2 + dq, mask=vd, other=0.0)
+    sc = gl.load(pages_u8 + base3 + K_SCODE + dq, mask=vd, other=0)
+    return bb, inb, valid, codes, e_b, n_b, flags, ex, off, sc
 
 
 @gluon.jit(**JIT_OPTIONS)
 def _phase1_mma_gluon_kernel(
-    qs, pages_u8, pages_i8, pages_f16, pages_f32, tables, nfull, lut,
+    qs, pages_u8, pages_i8, pages_f16, pages_f32, pages_i32, tables, nfull, lut,
     scores, l8, m8, delta, eta, nu, rmax, amax, bad,
-    num_blocks, B, TB_STRIDE, BPS, DELTA_F, ROUND_A, ROUND_P, ROUND_S,
+    num_blocks, B, TB_STRIDE, BPS, DELTA_F, ROUND_W, ROUND_P, ROUND_S,
     H: gl.constexpr, G: gl.constexpr, GP: gl.constexpr, D: gl.constexpr, M: gl.constexpr, BLK: gl.constexpr,
     PAGE_BYTES: gl.constexpr, K_OFFSET: gl.constexpr, K_SCODE: gl.constexpr, HEADER: gl.constexpr,
     HEADROOM: gl.constexpr, E_MIN: gl.constexpr, E_MAX: gl.constexpr, GRID_MIN: gl.constexpr,
     GRID_MAX: gl.constexpr, EXP_MAX: gl.constexpr,
 ):  # fmt: skip
-    """The arguments of ``phase1_mma._phase1_mma_kernel`` (documented there; libdevice always)."""
+    """The arguments of ``phase1_mma._phase1_mma_kernel`` (documented there; libdevice always), and ``pages_i32`` (the
+    pages as int32 words: the codes are loaded four at a time)."""
     N: gl.constexpr = 16
     C: gl.constexpr = 4 * GP
     TQ: gl.constexpr = 32 // GP  # lanes over the channels of the query side
@@ -121,12 +153,15 @@ def _phase1_mma_gluon_kernel(
     TD: gl.constexpr = D // 16  # lanes over the channels of the codes (16 bytes each)
     TN: gl.constexpr = 32 // TD
     LQ: gl.constexpr = gl.BlockedLayout([1, 1, VQ], [1, GP, TQ], [BLK, 1, 1], [2, 1, 0])
-    LK: gl.constexpr = gl.BlockedLayout([1, N // TN, 16], [1, TN, TD], [BLK, 1, 1], [2, 1, 0])
+    LK: gl.constexpr = gl.BlockedLayout([1, N // TN, 4], [1, TN, TD], [BLK, 1, 1], [2, 1, 0])  # code words
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[BLK, 1, 1], instr_shape=[1, 16, 8])
     DA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=4)
     DB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=4)
-    S8: gl.constexpr = gl.SwizzledSharedLayout(16, 1, 8, [2, 1, 0])  # int8 [BLK, rows, D]: 16-byte chunks swizzled
-    S32: gl.constexpr = gl.SwizzledSharedLayout(4, 1, 8, [3, 2, 1, 0])  # the same bytes as int32 [BLK, 4, GP, D/4]
+    PHASES: gl.constexpr = 8 if D // 16 > 8 else D // 16  # 16-byte chunks per row, at most 8 swizzle phases
+    S8: gl.constexpr = gl.SwizzledSharedLayout(16, 1, PHASES, [2, 1, 0])  # int8 [BLK, rows, D], 16-byte chunks
+    # the limb matrix is written as int32 [BLK, C, D/4] and read as int8 [BLK, C, D]: the same rows, the same
+    # 16-byte chunks, so the same swizzle on both views
+    S32: gl.constexpr = gl.SwizzledSharedLayout(4, 1, PHASES, [2, 1, 0])
     LQ_b: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, LQ))
     LQ_g: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(2, LQ))
     LQ_d: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(1, LQ))
@@ -167,53 +202,43 @@ def _phase1_mma_gluon_kernel(
     zero_c = gl.expand_dims(gl.expand_dims(zero_c, 0), 1)
     k_c = gl.expand_dims(gl.expand_dims(k_c, 0), 1)
 
-    sa = gl.allocate_shared_memory(gl.int8, [BLK, N, D], S8)
-    sb32 = gl.allocate_shared_memory(gl.int32, [BLK, 4, GP, D // 4], S32)
+    sa32 = gl.allocate_shared_memory(gl.int32, [BLK, N, D // 4], S32)  # written as words, read as bytes
+    sa = _reinterpret(sa32, gl.int8, [BLK, N, D], S8)
+    sb32 = gl.allocate_shared_memory(gl.int32, [BLK, C, D // 4], S32)
     sb = _reinterpret(sb32, gl.int8, [BLK, C, D], S8)
 
     jb_q = gl.arange(0, BLK, layout=LQ_b)
     nk = gl.expand_dims(gl.expand_dims(gl.arange(0, N, layout=LK_n), 0), 2)  # [1, N, 1]
-    dk = gl.expand_dims(gl.expand_dims(gl.arange(0, D, layout=LK_d), 0), 1)  # [1, 1, D]
+    dk = gl.expand_dims(gl.expand_dims(gl.arange(0, D // 4, layout=LK_d), 0), 1)  # [1, 1, D/4] code words
+    # (the next iteration's loads are not prefetched into registers: on the H200 that cost 50 registers and was
+    # slower, docs/performance.md)
     for it in range(0, gl.cdiv(BPS, BLK)):
-        # ---- block columns and pages (LQ's per-block slice; converted where another layout needs them)
-        ib_q = it * BLK + jb_q
-        bb_q = split * BPS + ib_q
-        inb_q = (bb_q < B) & (ib_q < BPS)
-        valid_q = inb_q & (bb_q < nf)
-        bid_q = gl.minimum(gl.maximum(gl.load(tables + r * TB_STRIDE + bb_q, mask=inb_q, other=0), 0), num_blocks - 1)
-        base_q = ((bid_q // M) * H + h) * (M * PAGE_BYTES) + (bid_q % M) * PAGE_BYTES  # [BLK]
+        bb_q, inb_q, valid_q, codes, e_b, n_b, flags, ex, off, sc = _block_loads(
+            it, split, BPS, B, nf, jb_q, tables, r, TB_STRIDE, num_blocks, h, pages_u8, pages_i8, pages_f16, pages_f32,
+            pages_i32, nk, dk, dq, H, M, D, PAGE_BYTES, K_OFFSET, K_SCODE, HEADER, LK_b,
+        )  # fmt: skip
         # ---- codes → shared memory (XOR 0x80: code − 128 as int8)
-        base_k = gl.expand_dims(gl.expand_dims(gl.convert_layout(base_q, LK_b), 1), 2)
-        valid_k = gl.expand_dims(gl.expand_dims(gl.convert_layout(valid_q, LK_b), 1), 2)
-        codes = gl.load((pages_u8 + base_k) + (nk * D + dk), mask=valid_k & (dk < D), other=128)
-        flipped = gl.inline_asm_elementwise("xor.b32 $0, $1, 0x80808080;", "=r,r", [codes], dtype=gl.uint8,
-                                            is_pure=True, pack=4)  # fmt: skip
-        sa.store(flipped.to(gl.int8, bitcast=True))
+        sa32.store(codes ^ -2139062144)  # each byte XOR 0x80
         # ---- page header and key metadata
-        e_b = gl.load(pages_f32 + (base_q + HEADER) // 4, mask=valid_q, other=0.0)
-        n_b = gl.load(pages_f32 + (base_q + HEADER) // 4 + 1, mask=valid_q, other=0.0)
-        flags = gl.load(pages_u8 + base_q + HEADER + 9, mask=valid_q, other=1).to(gl.int32)
-        ex = gl.minimum(gl.maximum(gl.load(pages_i8 + base_q + HEADER + 8, mask=valid_q, other=0).to(gl.int32),
-                                   -126), 127)  # fmt: skip
         pb = rk * B + bb_q  # [BLK]
         gl.store(eta + pb, gl.where(valid_q, e_b, 0.0), mask=inb_q)
         gl.store(nu + pb, gl.where(valid_q, n_b, 0.0), mask=inb_q)
         gl.store(bad + pb, (valid_q & (((flags & 2) != 0) | ((flags & 1) == 0))).to(gl.int32), mask=inb_q)
-        base3 = gl.expand_dims(gl.expand_dims(base_q, 1), 2)  # [BLK, 1, 1]
-        vd = gl.expand_dims(gl.expand_dims(valid_q, 1), 2) & (dq < D)
-        off = gl.load(pages_f16 + (base3 + K_OFFSET) // 2 + dq, mask=vd, other=0.0).to(gl.float32)  # [BLK, 1, D]
-        mant = gl.load(lut + gl.load(pages_u8 + base3 + K_SCODE + dq, mask=vd, other=0).to(gl.int32))
+        off = off.to(gl.float32)  # [BLK, 1, D]
+        mant = gl.load(lut + sc.to(gl.int32))  # LUT[j]
         # ---- the query side: x, the block's sums, Δ_b and R_b, the limbs → shared memory
         ex2 = gl.expand_dims(ex, 1)  # [BLK, 1]
         e = ex2 + e_q  # [BLK, GP]
         in_range = zero_head | ((e_raw <= E_MAX) & (e >= GRID_MIN) & (e <= GRID_MAX) & (ex2 <= EXP_MAX))
         e = gl.minimum(gl.maximum(e, GRID_MIN), GRID_MAX)
         x = qx * mant  # [BLK, GP, D] p̃·2^(24 − e)
-        qo = qx * off
         p_sum = gl.sum(gl.abs(x), axis=2) * _pow2(e - 24)  # [BLK, GP] P = Σ|p̃|
-        a_sum = gl.sum(gl.abs(qo), axis=2) * unit  # A = Σ|q'ℓ̃|
-        lo = gl.sum(qo + x * gl.expand_dims(_pow2(gl.minimum(ex2, EXP_MAX) + 7), 2), axis=2) * unit  # L″
-        rb = gl.where(in_range, a_sum * ROUND_A + p_sum * ROUND_P + ROUND_S * _pow2(e), float("inf"))
+        # L″ = Σ q'ℓ' over the block's mid-offsets ℓ' = fl(ℓ̃ + 128σ), in units of 2^(e_q − 24); W = Σ|q'ℓ'|
+        mid = off + 128.0 * (mant * gl.expand_dims(_pow2(ex2), 2))  # [BLK, 1, D]
+        w = qx * mid
+        lo = gl.sum(w, axis=2) * unit  # L″
+        w_sum = gl.sum(gl.abs(w), axis=2) * unit
+        rb = gl.where(in_range, w_sum * ROUND_W + p_sum * ROUND_P + ROUND_S * _pow2(e), float("inf"))
         grow = (rk * G + gq2) * B + gl.expand_dims(bb_q, 1)  # [BLK, GP]
         gmask = gl.expand_dims(inb_q, 1) & (gq2 < G)
         valid2 = gl.expand_dims(valid_q, 1)
@@ -273,10 +298,10 @@ def launch(out, qs: torch.Tensor, pages: torch.Tensor, tables, nfull, lut, layou
            splits, blocks_per_split, num_warps) -> None:  # fmt: skip
     """Launch into the :class:`phase1.Phase1Out` buffers ``out``."""
     R, Hq, D = qs.shape
-    c_a, c_p, c_s = mma_score_rounding_factors(D)
+    c_w, c_p, c_s = mma_score_rounding_factors(D)
     _phase1_mma_gluon_kernel[(R * K, splits)](
-        qs, pages, pages.view(torch.int8), pages.view(torch.float16), pages.view(torch.float32), tables, nfull, lut,
-        out.scores, out.l8, out.m8, out.delta, out.eta, out.nu, out.rmax, out.amax, out.bad,
-        pages.shape[0] * sub_blocks, tables.shape[1], tables.stride(0), blocks_per_split, delta_factor, c_a, c_p, c_s,
+        qs, pages, pages.view(torch.int8), pages.view(torch.float16), pages.view(torch.float32), pages.view(torch.int32),
+        tables, nfull, lut, out.scores, out.l8, out.m8, out.delta, out.eta, out.nu, out.rmax, out.amax, out.bad,
+        pages.shape[0] * sub_blocks, tables.shape[1], tables.stride(0), blocks_per_split, delta_factor, c_w, c_p, c_s,
         **launch_constants(layout, K, Hq // K, sub_blocks, num_warps),
     )  # fmt: skip

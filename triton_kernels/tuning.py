@@ -76,7 +76,7 @@ class KernelTuning:
     resident_maxnreg: int = 0
     prefetch_programs: int = 8
     prefetch_unroll: int = 4
-    phase1_scores: Literal["fma", "mma"] = "fma"
+    phase1_scores: Literal["fma", "mma"] = "mma"
     dialect: Literal["auto", "triton"] = "auto"
 
     def __post_init__(self) -> None:

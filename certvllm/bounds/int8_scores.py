@@ -159,30 +159,29 @@ always in range (all its terms are 0)."""
 MMA_LIMB_MAGNITUDE = 1.004
 """Σ_k |a_k|·256^(3−k) ≤ |X| + 1.004·2^24 for the biased byte split (|a_1..3| ≤ 128: 2·128·65793 < 1.004·2^24)."""
 KEY_MAGNITUDE_SLACK = 4 * UNIT_ROUNDOFF
-"""The float32 key magnitude M_c = fl(max(|ℓ̃|, |fl(ℓ̃ + 255σ)|) + σ) is ≤ (|ℓ̃| + 256σ)(1 + 4u)."""
+"""The float32 key magnitude fl(max(|ℓ̃|, |fl(ℓ̃ + 255σ)|) + σ) is within 4u of the real M_c."""
 
 
 def mma_score_rounding_factors(d: int) -> tuple[float, float, float]:
-    """(c_A, c_P, c_S): R_b = c_A·A + c_P·P + c_S·2^e bounds |s_t − ŝ_t| for every token of the block, where A and P are
-    the kernel's float32 sums Σ_c|q'_c·ℓ̃_c| and Σ_c|p̃_c| (c_A, c_P carry the inflation of those sums) and e the
-    block's grid exponent (docs §5.3).
+    """(c_W, c_P, c_S): R_b = c_W·W + c_P·P + c_S·2^e bounds |s_t − ŝ_t| for every token of the block, where W and P are
+    the kernel's float32 sums Σ_c|q'_c·ℓ'_c| (ℓ' = fl(ℓ̃ + 128σ), the block's mid-offset) and Σ_c|p̃_c| (c_W, c_P carry
+    the inflation of those sums) and e the block's grid exponent (docs §5.3).
 
     R_b also bounds the float32 path's scores of the same block (the promotion pass's exact ones, within
-    ``rounding_factor(d)``·Σ|q'|·M_c): c_A and c_P are at least that path's factors on M_c ≤ (|ℓ̃| + 256σ)(1 + 4u)."""
+    ``rounding_factor(d)``·Σ|q'|·M_c, with M_c ≤ (1 + 2u)|ℓ'_c| + 129σ_c and the float32 M_c within 4u of it): c_W and
+    c_P are at least that path's factors on those terms."""
     u = UNIT_ROUNDOFF
-    g_sum, g4, g_dot = gamma(d + 1), gamma(4), gamma(d)
-    query = 2.0 * u * (1.0 + 3.0 * u)  # fl(q·λ) against λq, on Σ|q'|·|k̂| ≤ A + 255(1 + 2u)P
-    limb_a = g_sum + g4 * (1.0 + g_sum) + query
-    limb_p = (
-        128.0 * g_sum + g4 * (256.0 + 128.0 * g_sum) + 255.0 * u * (1.0 + 2.0 * u) + query * 255.0 * (1.0 + 2.0 * u)
-    )
-    float32_path = g_dot + 6.0 * u  # ``rounding_factor`` before its sum inflation
+    g_dot, g4 = gamma(d), gamma(4)
+    query = 2.0 * u * (1.0 + 3.0 * u) * (1.0 + 2.0 * u)  # fl(q·λ) against λq, on Σ|q'||k̂| ≤ (1+2u)(W + 129(1+2u)P)
+    limb_w = g_dot + u * (1.0 + 2.0 * u) + g4 * (1.0 + g_dot) + query
+    limb_p = 128.0 * u * (1.0 + 2.0 * u) + 128.0 * g4 + 129.0 * (1.0 + 2.0 * u) * query
+    float32_path = (g_dot + 6.0 * u) * (1.0 + KEY_MAGNITUDE_SLACK)  # ``rounding_factor`` before its sum inflation
     inflate = sum_inflation(d)
-    c_a = max(limb_a, float32_path) * inflate
-    c_p = max(limb_p, 256.0 * (1.0 + 2.0 * u) * (1.0 + KEY_MAGNITUDE_SLACK) * float32_path) * inflate
-    c_s = (128.0 * 2.0**-25 + 128.0 * g4 * (2.0**-25 + MMA_LIMB_MAGNITUDE) + 255.0 * 2.0**-174) * d * GAMMA_SLACK
-    assert c_a >= rounding_factor(d)
-    return c_a, c_p, c_s
+    c_w = max(limb_w, float32_path * (1.0 + 2.0 * u)) * inflate
+    c_p = max(limb_p, float32_path * 129.0 * (1.0 + 2.0 * u) ** 2) * inflate
+    c_s = (128.0 * 2.0**-25 + 128.0 * 2.0**-174 + 128.0 * g4 * (2.0**-25 + MMA_LIMB_MAGNITUDE)) * d * GAMMA_SLACK
+    assert c_w >= rounding_factor(d)
+    return c_w, c_p, c_s
 
 
 def mma_query_exponents(q_scaled: torch.Tensor) -> torch.Tensor:
@@ -225,12 +224,15 @@ def mma_scores(q_scaled: torch.Tensor, offsets: torch.Tensor, mantissa: torch.Te
     biased = x_int + 8421504
     limbs = torch.stack([biased >> 24, ((biased >> 16) & 255) - 128, ((biased >> 8) & 255) - 128, (biased & 255) - 128])
     j = ((codes.to(torch.int64) - 128)[None] * limbs[..., None, :]).sum(-1)  # [4, ..., N] exact
-    grid = pow2(e - 24)
-    p_sum = x.abs().sum(-1) * grid
-    a_sum = (qx * offsets).abs().sum(-1) * pow2(e_q - 24)
-    lo = (qx * offsets + x * pow2(ex + 7)[..., None]).sum(-1) * pow2(e_q - 24)
+    sigma = mantissa * pow2(ex)[..., None]
+    mid = offsets + 128.0 * sigma  # ℓ' = fl(ℓ̃ + 128σ)
+    w = qx * mid
+    unit = pow2(e_q - 24)
+    lo = w.sum(-1) * unit  # L″ = Σ q'ℓ'
+    w_sum = w.abs().sum(-1) * unit
+    p_sum = x.abs().sum(-1) * pow2(e - 24)
     terms = sum(j[k].to(torch.float32) * pow2(e - 8 * k)[..., None] for k in range(4))
     score = terms + lo[..., None]
-    c_a, c_p, c_s = mma_score_rounding_factors(d)
-    bound = a_sum * c_a + p_sum * c_p + c_s * pow2(e)
+    c_w, c_p, c_s = mma_score_rounding_factors(d)
+    bound = w_sum * c_w + p_sum * c_p + c_s * pow2(e)
     return torch.where(in_range[..., None], score, 0.0), torch.where(in_range, bound, float("inf"))

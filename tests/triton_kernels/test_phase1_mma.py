@@ -90,9 +90,12 @@ def _exact_int8_scores(q, cache, tables, nfull):
     [("random", 8, 2, 64), ("outlier_channels", 12, 4, 64), _gpu_lane("huge_norms", 32, 8, 128),
      _gpu_lane("constant_channels", 8, 1, 128), _gpu_lane("tiny_norms", 16, 2, 64), _gpu_lane("one_hot", 24, 3, 64)],
 )  # fmt: skip
-def test_mma_scores_stay_within_their_bound_and_match_the_float32_path(family, hq, hkv, d, gen):
+@pytest.mark.parametrize("dialect", ["auto", "triton"])
+def test_mma_scores_stay_within_their_bound_and_match_the_float32_path(family, hq, hkv, d, dialect, gen):
+    """``dialect``: on a GPU ``auto`` runs the Gluon kernel and ``triton`` the compiled Triton one; in the interpreter
+    both are the Triton kernel."""
     cases = [make_case(family, t, hq, hkv, d, torch.float16, gen) for t in (40, 133)]
-    got, q, cache, tables, nfull = _phase1(cases, MMA)
+    got, q, cache, tables, nfull = _phase1(cases, KernelTuning(phase1_scores="mma", dialect=dialect))
     ref, *_ = _phase1(cases, FMA)
     exact, valid = _exact_int8_scores(q, cache, tables, nfull)
     r_mma = got.rmax.cpu().double().permute(0, 1, 3, 2)[..., None]  # [R, K, B, G, 1]

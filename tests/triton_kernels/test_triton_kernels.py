@@ -258,7 +258,11 @@ def test_gpu_path_matches_the_reference_and_is_sound(family, preset, gen):
     assert_within_lowp_error(res.out.cpu(), exact64, plain.out, factor=FACTOR, atol=ULP * _vmax(cases),
                              what=f"CUDA path, {family}/{preset}")  # fmt: skip
     torch.testing.assert_close(res.out.cpu(), ref.out, rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(res.report.bound.cpu(), ref.report.bound, rtol=1e-3, atol=1e-12)
+    # the CUDA path's phase 1 scores on the tensor cores, whose rounding term R_b is larger than the float32 path's
+    # (it also bounds the float32 scores: docs/certification.md §5.3), so its bounds are never tighter than the
+    # reference's (1e-3: sums in other orders) and larger by R_b's share only (measured ≤ 1.7 % on these families)
+    assert bool((res.report.bound.cpu() >= ref.report.bound * (1 - 1e-3) - 1e-12).all())
+    assert bool((res.report.bound.cpu() <= ref.report.bound * 1.03 + 1e-12).all())
 
 
 @pytest.mark.parametrize("fallback", ["sdpa", "device"])
