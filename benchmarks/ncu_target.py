@@ -2,7 +2,7 @@
 
 Usage (on a CUDA machine with ncu, e.g. the lent H200, where it is ``/usr/local/cuda/bin/ncu``)::
 
-    ncu --kernel-name regex:_phase1_gluon --launch-skip 1 --launch-count 1 --section SpeedOfLight \\
+    ncu --kernel-name regex:_phase1_mma_gluon --launch-skip 1 --launch-count 1 --section SpeedOfLight \\
         --section MemoryWorkloadAnalysis --section SourceCounters --section Occupancy \\
         python benchmarks/ncu_target.py --kernel phase1 --point 8x131072
 
@@ -10,7 +10,7 @@ It builds the synthetic cache of ``bench_decode`` at ``batch × context`` and la
 the launchers' defaults (the first launch compiles, so profile the second: ``--launch-skip 1``). For
 ``attend`` it runs two whole certified calls instead, whose attend passes ncu can select the same way
 (``regex:_attend_gluon``). ``--dialect triton`` launches phase 1's Triton kernel instead of the Gluon one
-(``regex:_phase1_kernel``).
+(``regex:_phase1_mma_kernel``).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def main() -> None:
 
     from certvllm.attention import certified_attention
     from certvllm.attention.gpu import CudaOptions, _lut
-    from certvllm.bounds import delta_factor, rounding_factor
+    from certvllm.bounds import delta_factor
     from certvllm.config import load_config
     from certvllm.kv.cuda_pagein import CudaPageInEngine
     from certvllm.kv.residency import Residency
@@ -56,7 +56,7 @@ def main() -> None:
             qs = (q.float() * (1 / math.sqrt(D))).contiguous()
             splits, bps = split_plan(tables.shape[1], batch * kv_heads, tuning=tuning)
             p1mod.phase1(qs, cache.pages, tables.long().contiguous(), lens_t // 16, _lut(dev), cache.layout,
-                         kv_heads, cache.sub_blocks, delta_factor(D), rounding_factor(D), splits, bps,
+                         kv_heads, cache.sub_blocks, delta_factor(D), splits, bps,
                          tuning=tuning)  # fmt: skip
         else:
             cfg = load_config("default")

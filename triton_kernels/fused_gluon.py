@@ -3,8 +3,9 @@
 
 One program per (row, KV head, split); its ``BLK`` warps take one 16-token block each per iteration:
 
-1. **Keys** in phase 1's layout ``L`` over ``[BLK, 16, D]`` (``phase1_gluon``: ``VEC`` key-code bytes per
-   thread, the channels of a token over ``D/VEC`` lanes, the tokens over the other lanes and registers):
+1. **Keys** in the layout ``L`` over ``[BLK, 16, D]`` (``VEC`` key-code bytes per thread, the channels of a token
+   over ``D/VEC`` lanes, the tokens over the other lanes and registers; the block ids of iteration ``it + 1`` loaded
+   during iteration ``it``):
    INT8 scores, ℓ⁸_b, max |s̃⁸|, Δ_b and R_b of every head (Δ_b, R_b with the heads on the token lanes), and,
    on blocks of F, the exact scores from the pool's or the shadow's keys with the canary. Each head's final
    scores go to shared memory, ``[GP, BLK, 16]``.
@@ -30,13 +31,14 @@ from triton.language.extra import libdevice
 
 from certvllm.formats.pool_slots import HASH_MUL
 
-from .phase1_gluon import VEC, _block_ids, _cols, _page_loads, _setup
 from .shape_class import JIT_OPTIONS
 
 _HASH_MUL = gl.constexpr(HASH_MUL)
 _PUBLIC_REINTERPRET = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))
 VB = 2
 """Value bytes per lane and token (the attend pass's ``attend_chunk_bytes``)."""
+VEC = 16
+"""Key-code bytes per thread and token in the key layout ``L``."""
 
 
 def supported(head_dim: int, group: int, value_group: int, channel_major: bool, blk: int, num_warps: int) -> bool:
@@ -47,6 +49,87 @@ def supported(head_dim: int, group: int, value_group: int, channel_major: bool, 
         dp == head_dim and 32 <= head_dim <= 256 and 1 <= group <= 16 and value_group % (2 * VB) == 0
         and not channel_major and blk == num_warps and head_dim // 2 // VB >= 2
     )  # fmt: skip
+
+
+@gluon.jit
+def _setup(qs, nfull, H: gl.constexpr, G: gl.constexpr, D: gl.constexpr, BLK: gl.constexpr, VEC: gl.constexpr):
+    """Program indices and the index tensors of the layout ``L`` (module docstring)."""
+    N: gl.constexpr = 16
+    TD: gl.constexpr = D // VEC  # lanes over the channels
+    TN: gl.constexpr = 32 // TD  # lanes over the tokens
+    L: gl.constexpr = gl.BlockedLayout([1, 1, VEC], [1, TN, TD], [BLK, 1, 1], [2, 1, 0])
+    L_b: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, L))
+    L_n: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(2, L))
+    L_d: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(1, L))
+    rk = gl.program_id(0).to(gl.int64)
+    split = gl.program_id(1)
+    r = rk // H
+    h = rk % H
+    # per-block values live in 1-D tensors (one register per thread) and are expanded only where they
+    # meet a tile: a [BLK, 1, 1] tensor in L would hold VEC copies per thread
+    jb = gl.arange(0, BLK, layout=L_b)  # [BLK]
+    n1 = gl.arange(0, N, layout=L_n)
+    n2 = gl.expand_dims(n1, 0)  # [1, N] (scores)
+    nv = gl.expand_dims(n2, 2)  # [1, N, 1]
+    dv = gl.expand_dims(gl.expand_dims(gl.arange(0, D, layout=L_d), 0), 1)  # [1, 1, D]
+    nf = gl.load(nfull + r)
+    qrow = qs + (r * (H * G) + h * G) * D
+    return rk, split, r, h, jb, n2, nv, dv, nf, qrow
+
+
+@gluon.jit
+def _cols(it, jb, split, BPS, B, nf, BLK: gl.constexpr):
+    """Iteration ``it``'s block columns ``bb`` [BLK], in range (``inb``) and full (``valid``)."""
+    ib = it * BLK + jb
+    bb = split * BPS + ib  # [BLK] block column
+    inb = (bb < B) & (ib < BPS)
+    valid = inb & (bb < nf)
+    return bb, inb, valid
+
+
+@gluon.jit
+def _block_ids(tables, r, TB_STRIDE, bb, inb, num_blocks):
+    """The block ids of columns ``bb`` [BLK], clamped to ``[0, num_blocks)`` (0 where not ``inb``)."""
+    bid = gl.load(tables + r * TB_STRIDE + bb, mask=inb, other=0)
+    return gl.minimum(gl.maximum(bid, 0), num_blocks - 1)
+
+
+@gluon.jit
+def _page_loads(
+    pages_u8,
+    pages_i8,
+    pages_f16,
+    pages_f32,
+    bid,
+    valid,
+    h,
+    nv,
+    dv,
+    H: gl.constexpr,
+    D: gl.constexpr,
+    N: gl.constexpr,
+    M: gl.constexpr,
+    PAGE_BYTES: gl.constexpr,
+    K_OFFSET: gl.constexpr,
+    K_SCODE: gl.constexpr,
+    HEADER: gl.constexpr,
+    BLK: gl.constexpr,
+    VEC: gl.constexpr,
+):
+    """Every page load of one iteration (masked by ``valid``), as loaded: exponent ``ex`` [BLK] int8,
+    ``η``/``ν`` [BLK] float32, ``flags`` [BLK] uint8, key offsets ``off`` [BLK, 1, D] float16, key scale
+    codes ``sc`` [BLK, 1, D] uint8 and key codes ``codes`` [BLK, N, D] uint8."""
+    base = ((bid // M) * H + h) * (M * PAGE_BYTES) + (bid % M) * PAGE_BYTES  # [BLK]
+    ex = gl.load(pages_i8 + base + HEADER + 8, mask=valid, other=0)
+    e_b = gl.load(pages_f32 + (base + HEADER) // 4, mask=valid, other=0.0)
+    n_b = gl.load(pages_f32 + (base + HEADER) // 4 + 1, mask=valid, other=0.0)
+    flags = gl.load(pages_u8 + base + HEADER + 9, mask=valid, other=1)
+    base3 = gl.expand_dims(gl.expand_dims(base, 1), 2)  # [BLK, 1, 1]
+    vd = gl.expand_dims(gl.expand_dims(valid, 1), 2) & (dv < D)  # [BLK, 1, D]
+    off = gl.load(pages_f16 + (base3 + K_OFFSET) // 2 + dv, mask=vd, other=0.0)
+    sc = gl.load(pages_u8 + base3 + K_SCODE + dv, mask=vd, other=0)
+    codes = gl.load((pages_u8 + base3) + (nv * D + dv), mask=vd & (nv < N), other=0)  # [BLK, N, D]
+    return ex, e_b, n_b, flags, off, sc, codes
 
 
 @gluon.jit

@@ -16,8 +16,8 @@ from __future__ import annotations
 import importlib
 
 LAUNCHED: dict[str, tuple[str, ...]] = {
-    "phase1": ("_phase1_kernel",),
-    "phase1_gluon": ("_phase1_gluon_kernel",),
+    "phase1_mma": ("_phase1_mma_kernel",),
+    "phase1_mma_gluon": ("_phase1_mma_gluon_kernel",),
     "phase2": ("_promote_kernel", "_attend_kernel"),
     "attend_gluon": ("_attend_gluon_kernel",),
     "prepare": ("_prepare_kernel",),
@@ -42,10 +42,9 @@ LAUNCHED: dict[str, tuple[str, ...]] = {
     "shadow_write": ("_scatter_kernel",),
     "audit_check": ("_audit_partial_kernel", "_audit_verdict_kernel"),
     "report_tally": ("_tally_kernel",),
-    "limb_scores": ("_block_scores_kernel",),  # the tensor-core score prototype (benchmarks/probe_int8_mma.py)
 }
 """Every kernel the launchers launch, by module of this package."""
-GLUON_MODULES = ("phase1_gluon", "attend_gluon", "fused_gluon")
+GLUON_MODULES = ("phase1_mma_gluon", "attend_gluon", "fused_gluon")
 """Modules that import only where Triton has Gluon."""
 
 

@@ -38,9 +38,8 @@ ATTEND_POINTERS = {
 }  # fmt: skip
 PHASE1_POINTERS = {
     "qs": "*fp32", "pages_u8": "*u8", "pages_i8": "*i8", "pages_f16": "*fp16", "pages_f32": "*fp32",
-    "tables": "*i64", "nfull": "*i64", "lut": "*fp32", "bad": "*i32",
+    "pages_i32": "*i32", "tables": "*i64", "nfull": "*i64", "lut": "*fp32", "bad": "*i32",
 }  # fmt: skip
-"""(Both phase-1 kernels, the float32 one and the MMA one.)"""
 RESIDENT_POINTERS = {
     "qs": "*fp32", "pages_u8": "*u8", "pages_i8": "*i8", "pages_f16": "*fp16", "pages_f32": "*fp32",
     "shadow": "*bf16", "pool": "*bf16", "vpool": "*bf16", "tag": "*i64", "tag_gen": "*i64", "gen": "*i64",
@@ -226,7 +225,7 @@ def run_jobs(jobs: list[dict], timeout: float = 1200.0) -> list[dict]:
 def _run_job(spec: dict) -> dict:
     from certvllm.formats.layout import PageLayout
 
-    from . import attend_gluon, fused_gluon, phase1_gluon, phase1_mma_gluon
+    from . import attend_gluon, fused_gluon, phase1_mma_gluon
     from .fused import CANARY_SLACK, FusedGeometry
     from .phase2 import Phase2Geometry
     from .tuning import KernelTuning
@@ -246,13 +245,9 @@ def _run_job(spec: dict) -> dict:
             geo = Phase2Geometry(PageLayout(d), hkv, hq // hkv, 1, 1024, 4, 64, tuning=tuning)
             kernel, pointers = attend_gluon._attend_gluon_kernel, ATTEND_POINTERS
             consts = attend_gluon.launch_constants(geo, tuning.attend_warps)
-        elif spec["kernel"] == "phase1_mma":
+        else:
             kernel, pointers = phase1_mma_gluon._phase1_mma_gluon_kernel, PHASE1_POINTERS
             consts = phase1_mma_gluon.launch_constants(PageLayout(d), hkv, hq // hkv, 1, tuning.phase1_warps)
-        else:
-            kernel, pointers = phase1_gluon._phase1_gluon_kernel, PHASE1_POINTERS
-            consts = phase1_gluon.launch_constants(PageLayout(d), hkv, hq // hkv, 1, tuning.phase1_warps,
-                                                   tuning.phase1_warps)  # fmt: skip
         c = compile_gluon(kernel, pointers, consts)
         return {"registers": c.registers, "stack": c.stack, "loop_instructions": c.loop_instructions,
                 "common_path_instructions": sum(c.common.values()), "loop_top": dict(c.loop.most_common(12))}  # fmt: skip

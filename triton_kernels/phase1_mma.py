@@ -1,5 +1,5 @@
-"""Phase 1 with the INT8 scores on the tensor cores: the outputs of ``phase1._phase1_kernel`` from an int8 MMA of
-the key codes against a fixed-point split of the scaled query (``docs/certification.md`` §5.3).
+"""Phase 1's kernel: the INT8 scores from an int8 MMA of the key codes against a fixed-point split of the scaled query
+(``docs/certification.md`` §5.2), with the per-block terms of ``phase1.Phase1Out``.
 
 Per block and query head the INT8 score is, in real arithmetic, ŝ_t = Σ_c q'_c·(ℓ̃_c + code_{t,c}·σ_c). The kernel
 never forms k̂; per (block, query head) it rounds p̃_c = fl(q'_c·σ_c) to the fixed-point grid of a power of two

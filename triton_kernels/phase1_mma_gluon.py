@@ -1,5 +1,5 @@
 """Phase 1 with the INT8 scores on the tensor cores, in Gluon: the arithmetic of ``phase1_mma._phase1_mma_kernel``
-(read its docstring and ``docs/certification.md`` §5.3 first) with the register layouts and the operand staging
+(read its docstring and ``docs/certification.md`` §5.2 first) with the register layouts and the operand staging
 chosen by hand.
 
 One program per (row, KV head, split); its ``BLK`` warps take one 16-token block each per iteration:

@@ -7,7 +7,7 @@ configuration computes the same certified quantities (``tests/triton_kernels/tes
 
 * ``programs_per_sm``: the split-K plan's programs per multiprocessor (``common.split_plan``).
 * ``phase1_blk``, ``phase1_warps``: blocks per loop iteration and warps per program of phase 1 (the Gluon
-  phase-1 kernel takes one block per warp).
+  phase-1 kernel takes one block per warp, the Triton one ``phase1_blk`` blocks in one batched dot).
 * ``attend_blk``, ``attend_warps``: the same for the attend pass (the Gluon attend kernel: one block per
   warp); ``attend_parts``: Gluon attend programs per (row, KV head, split), each taking a part of the
   value channels; ``attend_chunk_bytes``: Gluon attend value bytes per lane and token;
@@ -21,10 +21,6 @@ configuration computes the same certified quantities (``tests/triton_kernels/tes
   iteration, its best layout at D = 128 (``docs/performance.md``).
 * ``prefetch_programs``, ``prefetch_unroll``: the step prefetch's staging gather: its programs and the
   pages each has in flight (``prefetch.stage_pages``).
-* ``phase1_scores``: how phase 1 forms the INT8 scores: ``"fma"``, float32 dot products of the dequantized keys
-  (``phase1``, ``phase1_gluon``), or ``"mma"``, int8 tensor-core products of the codes with a fixed-point split of
-  the scaled query (``phase1_mma``, ``phase1_mma_gluon``; docs/certification.md §5.3). Both write a sound R_b for
-  their own arithmetic; the ``mma`` one also bounds the float32 path's scores of the block.
 * ``dialect``: ``"auto"`` runs the Gluon kernels where they compile (CUDA, a supported shape) and the
   Triton kernels otherwise (the interpreter included); ``"triton"`` always runs the Triton kernels (what
   tests and benchmarks that compare the two pass).
@@ -36,7 +32,6 @@ from dataclasses import dataclass, fields
 from typing import Literal
 
 DIALECTS = ("auto", "triton")
-PHASE1_SCORES = ("fma", "mma")
 
 
 def _pow2(x: int) -> bool:
@@ -76,7 +71,6 @@ class KernelTuning:
     resident_maxnreg: int = 0
     prefetch_programs: int = 8
     prefetch_unroll: int = 4
-    phase1_scores: Literal["fma", "mma"] = "mma"
     dialect: Literal["auto", "triton"] = "auto"
 
     def __post_init__(self) -> None:
@@ -88,11 +82,6 @@ class KernelTuning:
                     f"KernelTuning.{name}={value!r} is out of range: it must be {allowed}; pass e.g. "
                     f"KernelTuning({name}={defaults[name]!r}) (the default)"
                 )
-        if self.phase1_scores not in PHASE1_SCORES:
-            raise ValueError(
-                f"KernelTuning.phase1_scores={self.phase1_scores!r} is not a phase-1 arithmetic: it must be one of "
-                f"{', '.join(map(repr, PHASE1_SCORES))}; pass KernelTuning(phase1_scores='fma') (the default)"
-            )
         if self.dialect not in DIALECTS:
             raise ValueError(
                 f"KernelTuning.dialect={self.dialect!r} is not a kernel dialect: it must be one of "

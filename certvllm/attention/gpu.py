@@ -32,7 +32,7 @@ import torch
 from certvllm.attention.call import LayerCall
 from certvllm.attention.epilogue import Measured, certify, combine, finite_abs_max, summarize
 from certvllm.attention.selection import VALUE_BUDGET_MARGIN, Phase1, select_keys, select_values
-from certvllm.bounds import delta_factor, rounding_factor
+from certvllm.bounds import delta_factor
 from certvllm.bounds.report import CertReport
 from certvllm.bounds.summary import Phase1Summary
 from certvllm.config import CertConfig
@@ -203,7 +203,7 @@ def certified_rows(
     dev, tables, nfull, lens = call.qs.device, call.tables, call.nfull, call.lens
     splits, bps = split_plan(B, R * K, options.blocks_per_split, tuning=options.tuning)
     p1 = phase1(call.qs, cache.pages, tables, nfull, _lut(dev), cache.layout, K, cache.sub_blocks,
-                delta_factor(D), rounding_factor(D), splits, bps, tuning=options.tuning)  # fmt: skip
+                delta_factor(D), splits, bps, tuning=options.tuning)  # fmt: skip
     mark(timings, "phase1")
     CudaPageInEngine.wait(tail_event)
     if call.glue_kernels:

@@ -24,9 +24,8 @@ canary), 1e-3·max|v| against the CPU path and 1e-4·max|v| between the Gluon an
 both certify (the heads whose selections differ included: there the rule does not apply), rtol = 1e-5,
 atol = 1e-6·max|v| between the glue kernels and the torch glue (elementwise, so tighter than the rule on
 near-zero elements). Not by the rule: bound terms (directed-rounding sums in another order, with no float64
-counterpart: rtol 1e-3, 1e-5 between the glue kernels and the torch glue), the Gluon phase-1 kernel against
-the Triton one (scores, block maxima and log-masses within the sum of both kernels' rounding bounds R_b, page
-and bound fields to 1e-6 relative) and the Gluon attend configurations against the Triton attend kernel
+counterpart: rtol 1e-3, 1e-5 between the glue kernels and the torch glue; the phase-1 kernels are compared in
+``test_phase1_mma.py``) and the Gluon attend configurations against the Triton attend kernel
 (``attend_deviation``: float32 rounding allowances for partial sums that have no float64 path).
 """
 
@@ -415,45 +414,6 @@ def test_gpu_canary_catches_corrupted_pages(decode_pass):
             assert_within_lowp_error(res.out[0], ref64, dense, factor=FACTOR, atol=ULP * _vmax([c]),
                                      what="rung 4 on the device")  # fmt: skip
             torch.testing.assert_close(res.out[0], dense, rtol=1e-5, atol=1e-5 * _vmax([c]))
-
-
-@pytest.mark.parametrize("hq,hkv,d", [(32, 8, 128), (24, 3, 64), (8, 8, 64)])
-def test_gluon_phase1_matches_the_triton_kernel(hq, hkv, d):
-    """The Gluon phase-1 kernel against the Triton one on the same pages: page fields and flags equal,
-    scores within the sum of both kernels' rounding bounds R_b (different D-term summation orders), block
-    statistics to float32 rounding."""
-    from certvllm.triton_kernels import phase1 as p1mod
-    from certvllm.triton_kernels.common import split_plan
-    from certvllm.triton_kernels.tuning import KernelTuning
-
-    from certvllm.attention.gpu import _lut
-    from certvllm.bounds import delta_factor, rounding_factor
-    from certvllm.testing import make_case
-
-    if not p1mod.use_gluon(d, hq // hkv):
-        pytest.skip("Gluon phase 1 not available for this shape")
-    gen = torch.Generator().manual_seed(9)
-    cases = [make_case(f, t, hq, hkv, d, torch.float16, gen) for f, t in (("random", 700), ("outlier_channels", 333))]
-    cache, tables, lens, _ = cuda_batch(cases)
-    tables, lens = tables.long().contiguous(), lens.long()
-    q = (torch.stack([c.q for c in cases]).cuda().float() * (1 / math.sqrt(d))).contiguous()
-    B = tables.shape[1]
-    splits, bps = split_plan(B, len(cases) * hkv, 5)
-    args = (q, cache.pages, tables, lens // 16, _lut(q.device), cache.layout, hkv, cache.sub_blocks,
-            delta_factor(d), rounding_factor(d), splits, bps)  # fmt: skip
-    got = p1mod.phase1(*args)
-    ref = p1mod.phase1(*args, tuning=KernelTuning(dialect="triton"))
-    for name in ("eta", "nu", "bad", "delta", "rmax"):
-        torch.testing.assert_close(getattr(got, name), getattr(ref, name), rtol=1e-6, atol=0.0, msg=name)
-    valid = (torch.arange(B, device="cuda") < (lens // 16).unsqueeze(1)).view(len(cases), 1, B, 1, 1)
-    r_sum = got.rmax + ref.rmax  # [R, K, G, B]: both kernels are within their R_b of the exact scores
-    diff = torch.where(valid, (got.scores - ref.scores).abs(), 0.0)
-    assert bool((diff <= r_sum.permute(0, 1, 3, 2).unsqueeze(-1)).all())
-    fin = torch.isfinite(ref.m8)
-    assert torch.equal(fin, torch.isfinite(got.m8)) and torch.equal(fin, torch.isfinite(got.l8))
-    assert bool(((got.m8 - ref.m8).abs()[fin] <= r_sum[fin]).all())
-    # the block log-mass also carries tl.exp's approximation (selection heuristics only)
-    assert bool(((got.l8 - ref.l8).abs()[fin] <= r_sum[fin] + 1e-5 * (1 + ref.l8.abs()[fin])).all())
 
 
 def test_gluon_kernels_match_the_triton_kernels_end_to_end():

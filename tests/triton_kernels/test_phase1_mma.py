@@ -1,14 +1,15 @@
-"""Phase 1 with the INT8 scores on the tensor cores (``triton_kernels/phase1_mma.py``, docs/certification.md §5.3).
+"""Phase 1 with the INT8 scores on the tensor cores (``triton_kernels/phase1_mma.py``, docs/certification.md §5.2).
 
 In Triton's interpreter here (compiled on a GPU, where the Gluon kernel is compared with it too):
 
 * every score of every full block and query head is within the block's R_b of the real-number INT8 score
   ŝ_t = Σ_c q'_c·(ℓ̃_c + code·σ_c), evaluated in float64 from the decoded pages (no slack: the float64 evaluation's own
   error, ≤ 2^-40 of the magnitude, is far inside R_b's margins);
-* R_b is at least the float32 path's (``rounding_factor``·Σ|q'|·M_c), so it bounds the promotion pass's exact scores
-  of the block too (1 − 2^-20: the two kernels sum in other orders);
-* the page fields, flags and Δ_b are the float32 path's (Δ_b to 1e-6 relative: the same products, summed in
-  another order); block maxima and log-masses within both kernels' R_b;
+* R_b is at least the float32 path's (``bounds.score_rounding``: ``rounding_factor``·Σ|q'|·M_c), so it bounds the
+  promotion pass's exact scores of the block too (1 − 2^-20: sums in other orders);
+* η_b, ν_b and the page flags are the decoded pages', Δ_b is ``bounds.block_delta`` of the decoded scales to 1e-6
+  relative (the same products, summed in another order); the block maxima within R_b of the float64 scores' and the
+  log-masses within R_b plus ``tl.exp``'s approximation (1e-5 relative: they feed selection heuristics only);
 * a zero query head scores exactly; a head out of the kernel's range (a tiny query on tiny keys) gets R_b = +inf,
   and the certified call sends it, and only it, to rung 3 with the dense output;
 * the whole certified path with this phase 1 is sound over the random and adversarial families (‖out − exact‖ ≤
@@ -34,7 +35,7 @@ from certvllm.triton_kernels.tuning import KernelTuning  # noqa: E402
 from certvllm.attention import certified_attention, dense_decode  # noqa: E402
 from certvllm.attention.gpu import CudaOptions, _lut  # noqa: E402
 from certvllm.attention.op import dense_rows  # noqa: E402
-from certvllm.bounds import delta_factor, rounding_factor  # noqa: E402
+from certvllm.bounds import block_delta, delta_factor, score_rounding  # noqa: E402
 from certvllm.config import load_config  # noqa: E402
 from certvllm.formats.pages import PageReader  # noqa: E402
 from certvllm.kv.cache import LayerKVCache  # noqa: E402
@@ -43,8 +44,7 @@ from certvllm.testing import exact_attention, make_case, paged_batch  # noqa: E4
 
 pytestmark = pytest.mark.slow  # the interpreter: make test runs it, make test-quick does not
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-MMA = KernelTuning(phase1_scores="mma")
-FMA = KernelTuning(phase1_scores="fma", dialect="triton")
+MMA = KernelTuning()
 GPU_LANE = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="runs compiled: pytest -m gpu")]
 
 
@@ -62,27 +62,32 @@ def _phase1(cases, tuning, blocks_per_split=3):
     q = (torch.stack([c.q for c in cases]).to(DEV).float() * (1 / math.sqrt(d))).contiguous()
     splits, bps = split_plan(tables.shape[1], len(cases) * hkv, blocks_per_split)
     out = p1mod.phase1(q, dcache.pages, tables, nfull, _lut(DEV), cache.layout, hkv, cache.sub_blocks,
-                       delta_factor(d), rounding_factor(d), splits, bps, tuning=tuning)  # fmt: skip
+                       delta_factor(d), splits, bps, tuning=tuning)  # fmt: skip
     return out, q, cache, tables, nfull
 
 
-def _exact_int8_scores(q, cache, tables, nfull):
-    """ŝ in float64 ``[R, H_kv, B, G, 16]`` and the validity mask of the full blocks ``[R, 1, B, 1, 1]``."""
-    dec = PageReader(cache.layout).decode(cache.pages, with_values=False)
+def _reference(q, cache, tables, nfull):
+    """From the decoded pages: ŝ in float64 ``[R, H_kv, B, G, 16]``, the validity of the full blocks ``[R, B]``, and the
+    float32 path's per-block terms (``bounds``): Δ_b and R_b ``[R, H_kv, G, B]``, η_b, ν_b, flags ``[R, H_kv, B]``."""
+    lay = cache.layout
+    dec = PageReader(lay).decode(cache.pages, with_values=False)
     tab = tables.cpu()
     R, B = tab.shape
     hkv = cache.num_kv_heads
     G = q.shape[1] // hkv
-    lay = cache.layout
-    raw = cache.pages[:, :, lay.k_codes : lay.k_codes + 16 * lay.head_dim].reshape(-1, hkv, 16, lay.head_dim)
-    sig = dec.sigma.double()[tab]  # [R, B, H, D]
-    off = cache.pages[:, :, lay.k_offset : lay.k_offset + 2 * lay.head_dim].contiguous().view(torch.float16)
-    off = off.double()[tab]
-    k_hat = off[..., None, :] + raw[tab].double() * sig[..., None, :]  # [R, B, H, 16, D]
-    qh = q.cpu().double().view(R, hkv, G, -1)
-    s = torch.einsum("rkgd,rbknd->rkbgn", qh, k_hat)
-    valid = (torch.arange(B) < nfull.cpu().unsqueeze(1)).view(R, 1, B, 1, 1)
-    return s, valid
+    d = lay.head_dim
+    raw = cache.pages[:, :, lay.k_codes : lay.k_codes + 16 * d].reshape(-1, hkv, 16, d)
+    sig = dec.sigma[tab]  # [R, B, H, D]
+    off = cache.pages[:, :, lay.k_offset : lay.k_offset + 2 * d].contiguous().view(torch.float16).double()[tab]
+    k_hat = off[..., None, :] + raw[tab].double() * sig.double()[..., None, :]  # [R, B, H, 16, D]
+    qh = q.cpu().view(R, hkv, G, d)
+    s = torch.einsum("rkgd,rbknd->rkbgn", qh.double(), k_hat)
+    valid = torch.arange(B) < nfull.cpu().unsqueeze(1)
+    qa = qh.abs()
+    delta = block_delta(qa, sig)
+    rounding = score_rounding(qa, dec.key_mag[tab])
+    bad = (~dec.valid | dec.violated)[tab].permute(0, 2, 1)
+    return s, valid, delta, rounding, dec.eta[tab].permute(0, 2, 1), dec.nu[tab].permute(0, 2, 1), bad
 
 
 @pytest.mark.parametrize(
@@ -95,22 +100,28 @@ def test_mma_scores_stay_within_their_bound_and_match_the_float32_path(family, h
     """``dialect``: on a GPU ``auto`` runs the Gluon kernel and ``triton`` the compiled Triton one; in the interpreter
     both are the Triton kernel."""
     cases = [make_case(family, t, hq, hkv, d, torch.float16, gen) for t in (40, 133)]
-    got, q, cache, tables, nfull = _phase1(cases, KernelTuning(phase1_scores="mma", dialect=dialect))
-    ref, *_ = _phase1(cases, FMA)
-    exact, valid = _exact_int8_scores(q, cache, tables, nfull)
-    r_mma = got.rmax.cpu().double().permute(0, 1, 3, 2)[..., None]  # [R, K, B, G, 1]
-    err = torch.where(valid, (got.scores.cpu().double() - exact).abs(), 0.0)
-    assert bool((err <= r_mma).all()), float((err / r_mma.clamp_min(1e-300)).max())
-    v4 = valid.view(valid.shape[0], 1, 1, -1).expand_as(got.rmax).to(got.rmax.device)
-    assert bool((got.rmax[v4] >= ref.rmax[v4] * (1 - 2.0**-20)).all())  # covers the float32 path's scores
-    for name in ("eta", "nu", "bad"):
-        assert torch.equal(getattr(got, name), getattr(ref, name)), name
-    torch.testing.assert_close(got.delta, ref.delta, rtol=1e-6, atol=0.0)
-    fin = torch.isfinite(ref.m8)
-    r_sum = got.rmax + ref.rmax
-    assert torch.equal(fin, torch.isfinite(got.m8)) and torch.equal(fin, torch.isfinite(got.l8))
-    assert bool(((got.m8 - ref.m8).abs()[fin] <= r_sum[fin]).all())
-    assert bool(((got.l8 - ref.l8).abs()[fin] <= r_sum[fin] + 1e-5 * (1 + ref.l8.abs()[fin])).all())
+    got, q, cache, tables, nfull = _phase1(cases, KernelTuning(dialect=dialect))
+    exact, valid, delta, rounding, eta, nu, bad = _reference(q, cache, tables, nfull)
+    v5 = valid[:, None, :, None, None]
+    r_b = got.rmax.cpu().double()
+    err = torch.where(v5, (got.scores.cpu().double() - exact).abs(), 0.0)
+    assert bool((err <= r_b.permute(0, 1, 3, 2)[..., None]).all()), float(
+        (err / r_b.permute(0, 1, 3, 2)[..., None]).max()
+    )
+    v4 = valid[:, None, None, :].expand_as(r_b)
+    assert bool((got.rmax.cpu()[v4] >= rounding[v4] * (1 - 2.0**-20)).all())  # covers the float32 path's scores
+    v3 = valid[:, None, :].expand_as(eta)
+    for name, want, neutral in (("eta", eta, 0.0), ("nu", nu, 0.0), ("bad", bad.int(), 0)):
+        got_f = getattr(got, name).cpu()
+        assert torch.equal(got_f[v3], want[v3].to(got_f.dtype)) and bool((got_f[~v3] == neutral).all()), name
+    torch.testing.assert_close(got.delta.cpu()[v4], delta[v4], rtol=1e-6, atol=0.0)
+    assert bool((got.delta.cpu()[~v4] == 0).all()) and bool((got.rmax.cpu()[~v4] == 0).all())
+    m_exact = exact.amax(dim=-1).permute(0, 1, 3, 2)  # [R, K, G, B]
+    l_exact = torch.logsumexp(exact, dim=-1).permute(0, 1, 3, 2)
+    m8, l8 = got.m8.cpu().double(), got.l8.cpu().double()
+    assert bool(((m8 - m_exact).abs()[v4] <= r_b[v4]).all())
+    assert bool(((l8 - l_exact).abs()[v4] <= r_b[v4] + 1e-5 * (1 + l_exact.abs()[v4])).all())
+    assert bool(torch.isneginf(got.m8.cpu()[~v4]).all()) and bool(torch.isneginf(got.l8.cpu()[~v4]).all())
 
 
 def test_mma_zero_query_head_scores_exactly_and_a_tiny_one_escalates(gen):
@@ -180,13 +191,14 @@ def test_gluon_mma_phase1_matches_the_triton_kernel(hq, hkv, d, gen):
         pytest.skip("the Gluon MMA phase 1 does not take this shape")
     cases = [make_case(f, t, hq, hkv, d, torch.float16, gen) for f, t in (("random", 700), ("outlier_channels", 333))]
     got, q, cache, tables, nfull = _phase1(cases, MMA, 5)
-    ref, *_ = _phase1(cases, KernelTuning(phase1_scores="mma", dialect="triton"), 5)
+    ref, *_ = _phase1(cases, KernelTuning(dialect="triton"), 5)
     for name in ("eta", "nu", "bad"):
         assert torch.equal(getattr(got, name), getattr(ref, name)), name
     for name in ("delta", "rmax"):
         torch.testing.assert_close(getattr(got, name), getattr(ref, name), rtol=1e-6, atol=0.0, msg=name)
-    exact, valid = _exact_int8_scores(q, cache, tables, nfull)
-    err = torch.where(valid, (got.scores.cpu().double() - exact).abs(), 0.0)
+    exact, valid, *_ = _reference(q, cache, tables, nfull)
+    v5 = valid[:, None, :, None, None]
+    err = torch.where(v5, (got.scores.cpu().double() - exact).abs(), 0.0)
     assert bool((err <= got.rmax.cpu().double().permute(0, 1, 3, 2)[..., None]).all())
-    diff = torch.where(valid.to(DEV), (got.scores - ref.scores).abs(), 0.0)
+    diff = torch.where(v5.to(DEV), (got.scores - ref.scores).abs(), 0.0)
     assert bool((diff <= (got.rmax + ref.rmax).permute(0, 1, 3, 2).unsqueeze(-1)).all())

@@ -830,7 +830,7 @@ def _sigma_kernel(codes, exps, out, n, BLOCK: tl.constexpr):
 
 
 def test_key_scale_sigma_equals_the_table_bit_for_bit():
-    """Phase 1 forms σ = LUT[code]·2^E without a table gather (``common.key_scale_sigma``): every code, at
+    """The resident pass forms σ = LUT[code]·2^E without a table gather (``common.key_scale_sigma``): every code, at
     exponents from the clamp limits to beyond them, must give the reference's float32 value exactly."""
     exps = torch.tensor([-130, -126, -125, -40, -7, 0, 3, 20, 120, 127, 130], dtype=torch.int32)
     codes = torch.arange(256, dtype=torch.int32).repeat(exps.numel())
