@@ -187,7 +187,7 @@ def test_gluon_mma_phase1_matches_the_triton_kernel(hq, hkv, d, gen):
     """The Gluon kernel against the Triton one (the interpreter-tested arithmetic): page fields and flags equal, Δ_b
     and R_b to float32 rounding (sums in another order), scores within the sum of both R_b and within the Gluon
     kernel's own R_b of the float64 INT8 scores."""
-    if not p1mod.use_gluon_mma(d, hq // hkv, MMA):
+    if not p1mod.use_gluon(d, hq // hkv, MMA):
         pytest.skip("the Gluon MMA phase 1 does not take this shape")
     cases = [make_case(f, t, hq, hkv, d, torch.float16, gen) for f, t in (("random", 700), ("outlier_channels", 333))]
     got, q, cache, tables, nfull = _phase1(cases, MMA, 5)
