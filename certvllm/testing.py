@@ -99,6 +99,16 @@ def make_case(family: str, t: int, hq: int, hkv: int, d: int, dtype: torch.dtype
     return Case(family, q.to(dtype), k.to(dtype), v.to(dtype))
 
 
+def out_of_phase1_range_case(gen: torch.Generator) -> list[Case]:
+    """One bfloat16 row (70 tokens, 4 query heads, 1 KV head, D = 64) whose head 1 is 2^-100 times smaller, on keys
+    2^-20 times smaller: its grid exponent is below the range of phase 1's INT8-MMA scores (``bounds.int8_scores``),
+    so that head's R_b is +inf and it must escalate (the others stay in range)."""
+    case = make_case("random", 70, 4, 1, 64, torch.bfloat16, gen)
+    case.q[1] *= 2.0**-100
+    case.k.mul_(2.0**-20)
+    return [case]
+
+
 @dataclass
 class SoundnessResult:
     """Outcome of checking a batch of cases (one row per case; tensors ``[rows, H_q]``).

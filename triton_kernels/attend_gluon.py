@@ -34,9 +34,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.language.extra import libdevice
 
+from .gluon_common import reinterpret
 from .shape_class import JIT_OPTIONS
-
-_PUBLIC_REINTERPRET = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))
 
 
 def chunks(head_dim: int, parts: int, chunk_bytes: int) -> int:
@@ -140,10 +139,7 @@ def _attend_gluon_kernel(
     mgc = gl.expand_dims(gl.expand_dims(mg, 2), 3)
     wsm = gl.allocate_shared_memory(gl.float32, [SN, BLK, GP, TN], WS)
     WT: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])  # the same bytes, indexed by token
-    if _PUBLIC_REINTERPRET:
-        wsx = wsm.reinterpret(gl.float32, [SN, BLK, GP, TN], WT)
-    else:  # Triton < 3.7 names it _reinterpret
-        wsx = wsm._reinterpret(gl.float32, [SN, BLK, GP, TN], WT)
+    wsx = reinterpret(wsm, gl.float32, [SN, BLK, GP, TN], WT)
     acc_e = gl.zeros([BLK, GP, TN, QC, VB], gl.float64, layout=LA)
     acc_o = gl.zeros([BLK, GP, TN, QC, VB], gl.float64, layout=LA)
     den64 = gl.zeros([BLK, GP], gl.float64, layout=LB)

@@ -31,10 +31,10 @@ from triton.language.extra import libdevice
 
 from certvllm.formats.pool_slots import HASH_MUL
 
+from .gluon_common import reinterpret
 from .shape_class import JIT_OPTIONS
 
 _HASH_MUL = gl.constexpr(HASH_MUL)
-_PUBLIC_REINTERPRET = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))
 VB = 2
 """Value bytes per lane and token (the attend pass's ``attend_chunk_bytes``)."""
 VEC = 16
@@ -130,14 +130,6 @@ def _page_loads(
     sc = gl.load(pages_u8 + base3 + K_SCODE + dv, mask=vd, other=0)
     codes = gl.load((pages_u8 + base3) + (nv * D + dv), mask=vd & (nv < N), other=0)  # [BLK, N, D]
     return ex, e_b, n_b, flags, off, sc, codes
-
-
-@gluon.jit
-def _reinterpret(buf, dtype: gl.constexpr, shape: gl.constexpr, layout: gl.constexpr):
-    if _PUBLIC_REINTERPRET:
-        return buf.reinterpret(dtype, shape, layout)
-    else:  # Triton < 3.7 names it _reinterpret
-        return buf._reinterpret(dtype, shape, layout)
 
 
 @gluon.jit
@@ -258,11 +250,11 @@ def _fused_gluon_kernel(
     gvec = gl.arange(0, GP, layout=LG)
     # ---- shared buffers
     ssm = gl.allocate_shared_memory(gl.float32, [GP, BLK, N], SS)
-    ss4 = _reinterpret(ssm, gl.float32, [GP, BLK, TN, SN], S4)
+    ss4 = reinterpret(ssm, gl.float32, [GP, BLK, TN, SN], S4)
     for g in gl.static_range(G, GP):  # padding heads (G not a power of two): no tokens, weight 0
         ssm.index(g).store(gl.full([BLK, N], float("-inf"), gl.float32, layout=n2.type.layout))
     wsm = gl.allocate_shared_memory(gl.float32, [SN, BLK, GP, TN], WS)
-    wsx = _reinterpret(wsm, gl.float32, [SN, BLK, GP, TN], WT)
+    wsx = reinterpret(wsm, gl.float32, [SN, BLK, GP, TN], WT)
     # ---- accumulators
     acc_e = gl.zeros([BLK, GP, TN, QC, VB], gl.float64, layout=LA)
     acc_o = gl.zeros([BLK, GP, TN, QC, VB], gl.float64, layout=LA)

@@ -48,13 +48,10 @@ from .common import launch_device_ok, next_pow2, page_base, pow2_f32, precise, s
 from .shape_class import JIT_OPTIONS
 from .tuning import DEFAULT_TUNING, KernelTuning
 
-LIMBS = 4
-"""Bytes of the fixed-point query: X < 2^31 splits into four int8 limbs."""
 
-
-def dot_columns(group: int) -> int:
-    """Columns of the limb matrix: LIMBS × GP, GP = max(4, next power of two ≥ G) (a dot takes ≥ 16 columns)."""
-    return LIMBS * max(4, next_pow2(group))
+def head_pad(group: int) -> int:
+    """GP: query heads padded to a power of two ≥ 4 (the dot takes ≥ 16 columns: 4 limbs × GP)."""
+    return max(4, next_pow2(group))
 
 
 @triton.jit
@@ -219,7 +216,7 @@ def launch(out, qs: torch.Tensor, pages: torch.Tensor, tables: torch.Tensor, nfu
         qs, pages, pages.view(torch.int8), pages.view(torch.float16), pages.view(torch.float32), tables, nfull, lut,
         out.scores, out.l8, out.m8, out.delta, out.eta, out.nu, out.rmax, out.amax, out.bad,
         pages.shape[0] * sub_blocks, tables.shape[1], tables.stride(0), blocks_per_split, delta_factor, c_w, c_p, c_s,
-        H=K, G=G, GP=dot_columns(G) // LIMBS, D=D, M=sub_blocks, BLK=tuning.phase1_blk, PAGE_BYTES=layout.page_bytes,
+        H=K, G=G, GP=head_pad(G), D=D, M=sub_blocks, BLK=tuning.phase1_blk, PAGE_BYTES=layout.page_bytes,
         K_OFFSET=layout.k_offset, K_SCODE=layout.k_scale_code, HEADER=layout.header, HEADROOM=float(MMA_HEADROOM),
         E_MIN=MMA_E_MIN, E_MAX=MMA_E_MAX, GRID_MIN=MMA_GRID_MIN, GRID_MAX=MMA_GRID_MAX, EXP_MAX=MMA_EXPONENT_MAX,
         PRECISE=precise(), num_warps=tuning.phase1_warps,

@@ -40,9 +40,10 @@ from certvllm.bounds.int8_scores import (
     mma_score_rounding_factors,
 )
 
+from .gluon_common import pow2, reinterpret
+from .phase1_mma import head_pad
 from .shape_class import JIT_OPTIONS
 
-_PUBLIC_REINTERPRET = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))
 _TRANSPOSE_4X4 = gl.constexpr(
     "{ .reg .b32 t0, t1, t2, t3;"
     " prmt.b32 t0, $4, $5, 0x5140; prmt.b32 t1, $4, $5, 0x7362;"
@@ -58,25 +59,6 @@ def supported(head_dim: int, group: int, num_warps: int, blk: int) -> bool:
     warp."""
     dp = 1 << max(0, (head_dim - 1).bit_length())
     return dp == head_dim and 64 <= head_dim <= 256 and 1 <= group <= 8 and blk == num_warps
-
-
-def head_pad(group: int) -> int:
-    """GP: query heads padded to a power of two ≥ 4 (the dot takes ≥ 16 columns: 4 limbs × GP)."""
-    return max(4, 1 << max(0, (group - 1).bit_length()))
-
-
-@gluon.jit
-def _reinterpret(buf, dtype: gl.constexpr, shape: gl.constexpr, layout: gl.constexpr):
-    if _PUBLIC_REINTERPRET:
-        return buf.reinterpret(dtype, shape, layout)
-    else:  # Triton < 3.7 names it _reinterpret
-        return buf._reinterpret(dtype, shape, layout)
-
-
-@gluon.jit
-def _pow2(e):
-    """2^e as float32 for int32 e in [-126, 127], exactly (from the exponent bits)."""
-    return ((e + 127) << 23).to(gl.float32, bitcast=True)
 
 
 @gluon.jit
@@ -185,8 +167,8 @@ def _phase1_mma_gluon_kernel(
     e_raw = gl.where(qmax > 0, _ceil_log2_pos(qmax * ((1.0 + 2.0**-20) / HEADROOM)), E_MIN)
     e_q = gl.minimum(gl.maximum(e_raw, E_MIN), E_MAX)
     zero_head = qmax == 0
-    qx = q * gl.expand_dims(_pow2(24 - e_q), 2)  # [1, GP, D]
-    unit = _pow2(e_q - 24)  # [1, GP]: L″ and A are summed in units of 2^(e_q − 24)
+    qx = q * gl.expand_dims(pow2(24 - e_q), 2)  # [1, GP, D]
+    unit = pow2(e_q - 24)  # [1, GP]: L″ and A are summed in units of 2^(e_q − 24)
     gq2 = gl.expand_dims(gl.arange(0, GP, layout=LQ_g), 0)  # [1, GP]
     cm = gl.arange(0, C, layout=LM_c)  # limb columns k·GP + g
     g_c = cm % GP
@@ -203,9 +185,9 @@ def _phase1_mma_gluon_kernel(
     k_c = gl.expand_dims(gl.expand_dims(k_c, 0), 1)
 
     sa32 = gl.allocate_shared_memory(gl.int32, [BLK, N, D // 4], S32)  # written as words, read as bytes
-    sa = _reinterpret(sa32, gl.int8, [BLK, N, D], S8)
+    sa = reinterpret(sa32, gl.int8, [BLK, N, D], S8)
     sb32 = gl.allocate_shared_memory(gl.int32, [BLK, C, D // 4], S32)
-    sb = _reinterpret(sb32, gl.int8, [BLK, C, D], S8)
+    sb = reinterpret(sb32, gl.int8, [BLK, C, D], S8)
 
     jb_q = gl.arange(0, BLK, layout=LQ_b)
     nk = gl.expand_dims(gl.expand_dims(gl.arange(0, N, layout=LK_n), 0), 2)  # [1, N, 1]
@@ -232,13 +214,13 @@ def _phase1_mma_gluon_kernel(
         in_range = zero_head | ((e_raw <= E_MAX) & (e >= GRID_MIN) & (e <= GRID_MAX) & (ex2 <= EXP_MAX))
         e = gl.minimum(gl.maximum(e, GRID_MIN), GRID_MAX)
         x = qx * mant  # [BLK, GP, D] p̃·2^(24 − e)
-        p_sum = gl.sum(gl.abs(x), axis=2) * _pow2(e - 24)  # [BLK, GP] P = Σ|p̃|
+        p_sum = gl.sum(gl.abs(x), axis=2) * pow2(e - 24)  # [BLK, GP] P = Σ|p̃|
         # L″ = Σ q'ℓ' over the block's mid-offsets ℓ' = fl(ℓ̃ + 128σ), in units of 2^(e_q − 24); W = Σ|q'ℓ'|
-        mid = off + 128.0 * (mant * gl.expand_dims(_pow2(ex2), 2))  # [BLK, 1, D]
+        mid = off + 128.0 * (mant * gl.expand_dims(pow2(ex2), 2))  # [BLK, 1, D]
         w = qx * mid
         lo = gl.sum(w, axis=2) * unit  # L″
         w_sum = gl.sum(gl.abs(w), axis=2) * unit
-        rb = gl.where(in_range, w_sum * ROUND_W + p_sum * ROUND_P + ROUND_S * _pow2(e), float("inf"))
+        rb = gl.where(in_range, w_sum * ROUND_W + p_sum * ROUND_P + ROUND_S * pow2(e), float("inf"))
         grow = (rk * G + gq2) * B + gl.expand_dims(bb_q, 1)  # [BLK, GP]
         gmask = gl.expand_dims(inb_q, 1) & (gq2 < G)
         valid2 = gl.expand_dims(valid_q, 1)
@@ -252,7 +234,7 @@ def _phase1_mma_gluon_kernel(
         e_c = ex_m + e_q_c  # [BLK, 1, C]
         range_c = zero_c | ((e_raw_c <= E_MAX) & (e_c >= GRID_MIN) & (e_c <= GRID_MAX) & (ex_m <= EXP_MAX))
         e_c = gl.minimum(gl.maximum(e_c, GRID_MIN), GRID_MAX)
-        terms = gl.where(range_c, jk.to(gl.float32) * _pow2(e_c - 8 * k_c), 0.0)  # exact products (out of range: 0)
+        terms = gl.where(range_c, jk.to(gl.float32) * pow2(e_c - 8 * k_c), 0.0)  # exact products (out of range: 0)
         s = gl.sum(gl.reshape(terms, [BLK, N, 4, GP]), axis=2)  # [BLK, N, GP]
         LS: gl.constexpr = s.type.layout
         LS_b: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, LS))

@@ -10,10 +10,10 @@ In Triton's interpreter here (compiled on a GPU, where the Gluon kernel is compa
 * η_b, ν_b and the page flags are the decoded pages', Δ_b is ``bounds.block_delta`` of the decoded scales to 1e-6
   relative (the same products, summed in another order); the block maxima within R_b of the float64 scores' and the
   log-masses within R_b plus ``tl.exp``'s approximation (1e-5 relative: they feed selection heuristics only);
-* a zero query head scores exactly; a head out of the kernel's range (a tiny query on tiny keys) gets R_b = +inf,
-  and the certified call sends it, and only it, to rung 3 with the dense output;
-* the whole certified path with this phase 1 is sound over the random and adversarial families (‖out − exact‖ ≤
-  e_key + e_val with no slack, rungs 3/4 equal to dense).
+* a zero query head scores exactly; a head out of the kernel's range (a tiny query on tiny keys) gets R_b = +inf.
+
+The whole certified path runs this phase 1 in ``test_triton_kernels.py`` and ``test_gpu.py`` (soundness over the
+random and adversarial families, rungs 3/4 exact).
 """
 
 from __future__ import annotations
@@ -32,15 +32,11 @@ from certvllm.triton_kernels import phase1 as p1mod  # noqa: E402
 from certvllm.triton_kernels.common import split_plan  # noqa: E402
 from certvllm.triton_kernels.tuning import KernelTuning  # noqa: E402
 
-from certvllm.attention import certified_attention, dense_decode  # noqa: E402
-from certvllm.attention.gpu import CudaOptions, _lut  # noqa: E402
-from certvllm.attention.op import dense_rows  # noqa: E402
+from certvllm.attention.gpu import _lut  # noqa: E402
 from certvllm.bounds import block_delta, delta_factor, score_rounding  # noqa: E402
-from certvllm.config import load_config  # noqa: E402
 from certvllm.formats.pages import PageReader  # noqa: E402
 from certvllm.kv.cache import LayerKVCache  # noqa: E402
-from certvllm.kv.cuda_pagein import CudaPageInEngine  # noqa: E402
-from certvllm.testing import exact_attention, make_case, paged_batch  # noqa: E402
+from certvllm.testing import make_case, out_of_phase1_range_case, paged_batch  # noqa: E402
 
 pytestmark = pytest.mark.slow  # the interpreter: make test runs it, make test-quick does not
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -124,11 +120,11 @@ def test_mma_scores_stay_within_their_bound_and_match_the_float32_path(family, h
     assert bool(torch.isneginf(got.m8.cpu()[~v4]).all()) and bool(torch.isneginf(got.l8.cpu()[~v4]).all())
 
 
-def test_mma_zero_query_head_scores_exactly_and_a_tiny_one_escalates(gen):
-    """Head 0 of the group all zero: every score is exactly 0 (Σ 0·ℓ̃, no limb term) and R_b finite. Then, in bfloat16,
+def test_mma_zero_query_head_scores_exactly_and_a_tiny_one_is_out_of_range(gen):
+    """Head 0 of the group all zero: every score is exactly 0 (Σ 0·ℓ', no limb term) and R_b finite. Then, in bfloat16,
     head 1 scaled by 2^-100 on keys scaled by 2^-20: its grid exponent falls below the kernel's range, so its R_b is
-    +inf (scores 0, the other heads in range), and the certified call gives that head, and only it, rung 3 with the
-    dense output (no canary alarm: the row is not sent to rung 4)."""
+    +inf and its scores 0 (finite: the canary stays quiet), the other heads in range. (The certified call sends that
+    head, and only it, to rung 3: ``test_triton_kernels.py``.)"""
     cases = [make_case("random", t, 4, 1, 64, torch.float16, gen) for t in (70, 90)]
     for c in cases:
         c.q[0].zero_()
@@ -136,48 +132,10 @@ def test_mma_zero_query_head_scores_exactly_and_a_tiny_one_escalates(gen):
     for r, t in enumerate((70, 90)):
         s0 = got.scores[r, 0, : t // 16, 0].cpu()
         assert torch.equal(s0, torch.zeros_like(s0)) and bool(torch.isfinite(got.rmax[r, 0, 0, : t // 16]).all())
-    tiny = [make_case("random", 70, 4, 1, 64, torch.bfloat16, gen)]
-    tiny[0].q[1] *= 2.0**-100
-    tiny[0].k.mul_(2.0**-20)
-    out, *_ = _phase1(tiny, MMA)
+    out, *_ = _phase1(out_of_phase1_range_case(gen), MMA)
     nb = 70 // 16
     assert bool(torch.isinf(out.rmax[0, 0, 1, :nb]).all()) and bool((out.scores[0, 0, :nb, 1] == 0).all())
     assert bool(torch.isfinite(out.rmax[0, 0, [0, 2, 3], :nb]).all())
-    res = _certified(tiny, load_config("default"), "sdpa")
-    assert int(res.report.rung[0, 1]) == 3 and bool((res.report.rung[0, [0, 2, 3]] <= 2).all())
-
-
-def _certified(cases, cfg, fallback):
-    cache, tables, lens = paged_batch(cases, cfg.value_group_size)
-    q = torch.stack([c.q for c in cases])
-    scale = 1 / math.sqrt(q.shape[-1])
-    dcache = LayerKVCache(cache.pages.to(DEV), cache.shadow, cache.layout)
-    dq, dtables, dlens = q.to(DEV), tables.to(DEV), lens.to(DEV)
-    eng = CudaPageInEngine(DEV)
-    rows = dense_rows(dq, dcache, dtables, dlens, scale, eng, cfg.dense_backend) if fallback == "sdpa" else None
-    res = certified_attention(dq, dcache, dtables, dlens, cfg, backend="cuda", pagein=eng, exact_rows=rows,
-                              cuda_options=CudaOptions(blocks_per_split=3, tuning=MMA))  # fmt: skip
-    out, rung, bound = res.out.cpu(), res.report.rung.cpu(), res.report.bound.cpu().double()
-    for i, c in enumerate(cases):
-        err = torch.linalg.vector_norm(out[i].double() - exact_attention(c.q, c.k, c.v, scale), dim=-1)
-        certified = rung[i] <= 2
-        assert (err[certified] <= bound[i][certified]).all(), f"error > bound: {(err - bound[i]).max()}"
-        exact = rung[i] >= 3
-        if exact.any() and fallback == "sdpa":
-            dense = dense_decode(c.q.to(DEV), c.k.to(DEV), c.v.to(DEV), scale).cpu()
-            assert torch.equal(dense[exact], out[i][exact])
-    return res
-
-
-@pytest.mark.parametrize(
-    "family,preset,fallback",
-    [("retrieval_peaks", "default", "sdpa"), ("near_tied_blocks", "paper", "device"),
-     _gpu_lane("outlier_channels", "default", "sdpa"), _gpu_lane("sink_and_recency", "strict", "device"),
-     _gpu_lane("huge_norms", "coverage", "sdpa"), _gpu_lane("flat", "naive", "sdpa")],
-)  # fmt: skip
-def test_certified_path_with_the_mma_phase1_is_sound(family, preset, fallback, gen):
-    cases = [make_case(family, t, 8, 2, 64, torch.float16, gen) for t in (5, 37, 130, 200)]
-    _certified(cases, load_config(preset), fallback)
 
 
 @pytest.mark.gpu

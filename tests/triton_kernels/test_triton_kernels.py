@@ -62,6 +62,7 @@ from certvllm.testing import (  # noqa: E402
     assert_within_lowp_error,
     exact_attention,
     make_case,
+    out_of_phase1_range_case,
     paged_batch,
     run_with_exact,
 )
@@ -273,6 +274,14 @@ def test_gpu_rungs_3_and_4_are_exact(fallback, gen):
     res, _, _ = _check(cases, make_config(bound_tol=1e-9), fallback=fallback)
     assert (res.report.rung[0] == 3).all() and (res.report.rung[1] == 4).all()
     assert res.report.precondition[1].all() and (res.report.bound == 0).all()
+
+
+def test_a_head_out_of_phase_1s_range_escalates(gen):
+    """Phase 1's INT8-MMA scores have a range (docs/certification.md §5.2): a head whose grid exponent falls below it (a
+    bfloat16 query 2^-100 times smaller on keys 2^-20 times smaller) gets R_b = +inf, so its bound is infinite and it
+    goes to rung 3 with the dense output, alone (the row is not sent to rung 4: its scores stay finite)."""
+    res, _, _ = _check(out_of_phase1_range_case(gen), load_config("default"))
+    assert int(res.report.rung[0, 1]) == 3 and bool((res.report.rung[0, [0, 2, 3]] <= 2).all())
 
 
 @pytest.mark.parametrize(
