@@ -61,29 +61,13 @@ def phase1_call(q, cache, tables, nfull, tuning):
                           splits, bps, tuning=tuning)  # fmt: skip
 
 
-def exact_int8_scores_row(q, cache, tables, nfull, row: int) -> torch.Tensor:
-    """ŝ in float64 for one row: ``[H_kv, nfull, G, 16]``."""
-    from certvllm.formats.pages import PageReader
-
-    lay = cache.layout
-    ids = tables[row, : int(nfull[row])]
-    pages = cache.pages[ids]  # [n, H, bytes]
-    dec = PageReader(lay).decode(pages, with_values=False)
-    d = lay.head_dim
-    codes = pages[:, :, lay.k_codes : lay.k_codes + 16 * d].reshape(pages.shape[0], pages.shape[1], 16, d)
-    off = pages[:, :, lay.k_offset : lay.k_offset + 2 * d].contiguous().view(torch.float16).double()
-    k_hat = off[:, :, None, :] + codes.double() * dec.sigma.double()[:, :, None, :]  # [n, H, 16, D]
-    hkv = pages.shape[1]
-    qh = q[row].double().view(hkv, -1, d)
-    return torch.einsum("kgd,bknd->kbgn", qh, k_hat)
-
-
 def run_point(batch: int, ctx: int, iters: int) -> dict:
     from certvllm.triton_kernels.tuning import KernelTuning
 
     from certvllm.attention import certified_attention
     from certvllm.attention.gpu import CudaOptions
     from certvllm.kv.cuda_pagein import CudaPageInEngine
+    from certvllm.testing import exact_int8_scores
 
     dev = torch.device("cuda")
     t0 = time.time()
@@ -114,7 +98,7 @@ def run_point(batch: int, ctx: int, iters: int) -> dict:
     # ---- checks of the MMA kernel on row 0
     got, twin = outs["mma"], outs["mma-triton"]
     n0 = int(nfull[0])
-    exact = exact_int8_scores_row(qs, cache, tables, nfull, 0)  # [K, n, G, 16]
+    exact = exact_int8_scores(qs[0], cache, tables[0, :n0])  # [K, n, G, 16]
     for name in ("mma", "mma-triton"):
         o = outs[name]
         err = (o.scores[0, :, :n0].double() - exact).abs()

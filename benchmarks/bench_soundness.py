@@ -6,8 +6,11 @@ those of ``certvllm.testing`` (random and adversarial: outlier channels, near-ti
 flat attention, constant channels, tiny and huge norms, sinks and recency, retrieval peaks), over
 GQA ratios 1/3/4/8, D = 64/128, float16 and bfloat16, and the default/paper/strict/fast/naive/coverage presets.
 
-Usage: python benchmarks/bench_soundness.py [--head-steps 1000000] [--workers N] [--out runs/soundness.json]
-Prints a table (per family and per preset) and writes the JSON summary.
+Usage: python benchmarks/bench_soundness.py [--head-steps 1000000] [--workers N] [--backend auto|cuda]
+                                           [--out runs/soundness.json]
+Prints a table (per family and per preset) and writes the JSON summary. ``--backend cuda`` checks the CUDA path (its
+Triton kernels: compiled on a GPU, in Triton's interpreter on a CPU, where it is about 100× slower) instead of the op's
+own choice for the machine.
 """
 
 from __future__ import annotations
@@ -48,7 +51,14 @@ def _new_group() -> dict:
 
 
 def run_shard(
-    head_steps: int, seed: int, rows: int, max_len: int, worker: int = 0, workers: int = 1, calls: int = 0
+    head_steps: int,
+    seed: int,
+    rows: int,
+    max_len: int,
+    worker: int = 0,
+    workers: int = 1,
+    calls: int = 0,
+    backend: str = "auto",
 ) -> dict:
     """Check ``head_steps`` head-steps (or, with ``calls`` > 0, that many batched calls): iterations
     ``worker, worker + workers, ...`` of the family × preset × shape cycle, drawing from a generator seeded
@@ -65,7 +75,8 @@ def run_shard(
         hq, hkv, d = SHAPES[(it // (len(FAMILIES) * len(PRESETS))) % len(SHAPES)]
         dtype = (torch.float16, torch.bfloat16)[it % 2]
         lengths = torch.randint(1, max_len, (rows,), generator=gen).tolist()
-        res = check_soundness([make_case(family, t, hq, hkv, d, dtype, gen) for t in lengths], load_config(preset))
+        cases = [make_case(family, t, hq, hkv, d, dtype, gen) for t in lengths]
+        res = check_soundness(cases, load_config(preset), backend=backend)
         certified = (res.rung <= 2) & (res.error > 0)
         ratio = (res.bound[certified] / res.error[certified]).double()
         rung_hist = torch.bincount(res.rung.flatten().long(), minlength=5)
@@ -90,11 +101,11 @@ def _shard_entry(args: tuple) -> dict:
     return run_shard(*args)
 
 
-def run(head_steps: int, seed: int, rows: int, max_len: int, workers: int = 1) -> dict:
+def run(head_steps: int, seed: int, rows: int, max_len: int, workers: int = 1, backend: str = "auto") -> dict:
     """Run the benchmark over ``workers`` processes (each single-threaded when ``workers > 1``) and merge."""
     start = time.perf_counter()
     share = -(-head_steps // workers)
-    jobs = [(share, seed, rows, max_len, w, workers, 0) for w in range(workers)]
+    jobs = [(share, seed, rows, max_len, w, workers, 0, backend) for w in range(workers)]
     if workers == 1:
         shards = [run_shard(*jobs[0])]
     else:
@@ -111,7 +122,7 @@ def run(head_steps: int, seed: int, rows: int, max_len: int, workers: int = 1) -
     elapsed = time.perf_counter() - start
     return {
         "config": {"head_steps": head_steps, "seed": seed, "rows_per_call": rows, "max_len": max_len,
-                   "workers": workers, "families": FAMILIES, "presets": PRESETS, "shapes": SHAPES},
+                   "workers": workers, "backend": backend, "families": FAMILIES, "presets": PRESETS, "shapes": SHAPES},
         "environment": {"torch": torch.__version__, "python": platform.python_version(),
                         "machine": platform.machine(), "cpus": os.cpu_count(),
                         "threads": 1 if workers > 1 else torch.get_num_threads()},
@@ -141,11 +152,19 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=24, help="sequences per batched call")
     parser.add_argument("--max-len", type=int, default=900, help="context lengths are drawn from [1, max-len)")
     parser.add_argument("--workers", type=int, default=1, help="processes, each single-threaded when > 1")
+    parser.add_argument(
+        "--backend",
+        choices=("auto", "cuda"),
+        default="auto",
+        help="the op's backend: auto (its choice for the machine) or cuda (the Triton kernels)",
+    )
     parser.add_argument("--out", type=Path, default=Path("runs/soundness.json"))
     args = parser.parse_args()
     if args.workers < 1:
         parser.error(f"--workers must be ≥ 1, got {args.workers}")
-    result = run(args.head_steps, args.seed, args.rows, args.max_len, args.workers)
+    if args.backend == "cuda" and not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported (the workers inherit it)
+    result = run(args.head_steps, args.seed, args.rows, args.max_len, args.workers, args.backend)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
     print_table(result)

@@ -99,6 +99,23 @@ def make_case(family: str, t: int, hq: int, hkv: int, d: int, dtype: torch.dtype
     return Case(family, q.to(dtype), k.to(dtype), v.to(dtype))
 
 
+def exact_int8_scores(q_scaled: torch.Tensor, cache, block_ids: torch.Tensor) -> torch.Tensor:
+    """The real-number INT8 scores ŝ_t = Σ_c q'_c(ℓ̃_c + code_{t,c}·σ_c) of one row, in float64, from its decoded pages:
+    ``q_scaled`` q' = fl(q·λ) ``[H_q, D]``, ``block_ids`` ``[n]`` (16-token blocks of ``cache``) →
+    ``[H_kv, n, G, 16]`` (what phase 1's scores must be within R_b of)."""
+    from certvllm.formats.pages import PageReader
+
+    lay = cache.layout
+    d = lay.head_dim
+    pages = cache.pages[block_ids.to(cache.pages.device)]  # [n, H_kv, page bytes] (one 16-token block per page)
+    sigma = PageReader(lay).decode(pages, with_values=False).sigma.double()
+    codes = pages[:, :, lay.k_codes : lay.k_codes + 16 * d].reshape(*pages.shape[:2], 16, d)
+    off = pages[:, :, lay.k_offset : lay.k_offset + 2 * d].contiguous().view(torch.float16).double()
+    k_hat = off[:, :, None, :] + codes.double() * sigma[:, :, None, :]  # [n, H_kv, 16, D]
+    q = q_scaled.to(k_hat.device).double()
+    return torch.einsum("kgd,bknd->kbgn", q.view(pages.shape[1], -1, d), k_hat)
+
+
 def out_of_phase1_range_case(gen: torch.Generator) -> list[Case]:
     """One bfloat16 row (70 tokens, 4 query heads, 1 KV head, D = 64) whose head 1 is 2^-100 times smaller, on keys
     2^-20 times smaller: its grid exponent is below the range of phase 1's INT8-MMA scores (``bounds.int8_scores``),

@@ -21,6 +21,8 @@ path's R_b on the same block. ``mma_scores`` emulates the kernel for the tests.
 
 from __future__ import annotations
 
+from functools import cache
+
 import torch
 
 from certvllm.bounds.rounding import GAMMA_SLACK, UNIT_ROUNDOFF, gamma
@@ -45,6 +47,7 @@ KEY_MAGNITUDE_SLACK = 4 * UNIT_ROUNDOFF
 """The float32 key magnitude fl(max(|ℓ̃|, |fl(ℓ̃ + 255σ)|) + σ) is within 4u of the real M_c."""
 
 
+@cache
 def mma_score_rounding_factors(d: int) -> tuple[float, float, float]:
     """(c_W, c_P, c_S): R_b = c_W·W + c_P·P + c_S·2^e bounds |s_t − ŝ_t| for every token of the block, where W and P are
     the kernel's float32 sums Σ_c|q'_c·ℓ'_c| (ℓ' = fl(ℓ̃ + 128σ), the block's mid-offset) and Σ_c|p̃_c| (c_W, c_P carry

@@ -36,7 +36,7 @@ from certvllm.attention.gpu import _lut  # noqa: E402
 from certvllm.bounds import block_delta, delta_factor, score_rounding  # noqa: E402
 from certvllm.formats.pages import PageReader  # noqa: E402
 from certvllm.kv.cache import LayerKVCache  # noqa: E402
-from certvllm.testing import make_case, out_of_phase1_range_case, paged_batch  # noqa: E402
+from certvllm.testing import exact_int8_scores, make_case, out_of_phase1_range_case, paged_batch  # noqa: E402
 
 pytestmark = pytest.mark.slow  # the interpreter: make test runs it, make test-quick does not
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -71,13 +71,9 @@ def _reference(q, cache, tables, nfull):
     R, B = tab.shape
     hkv = cache.num_kv_heads
     G = q.shape[1] // hkv
-    d = lay.head_dim
-    raw = cache.pages[:, :, lay.k_codes : lay.k_codes + 16 * d].reshape(-1, hkv, 16, d)
     sig = dec.sigma[tab]  # [R, B, H, D]
-    off = cache.pages[:, :, lay.k_offset : lay.k_offset + 2 * d].contiguous().view(torch.float16).double()[tab]
-    k_hat = off[..., None, :] + raw[tab].double() * sig.double()[..., None, :]  # [R, B, H, 16, D]
-    qh = q.cpu().view(R, hkv, G, d)
-    s = torch.einsum("rkgd,rbknd->rkbgn", qh.double(), k_hat)
+    qh = q.cpu().view(R, hkv, G, lay.head_dim)
+    s = torch.stack([exact_int8_scores(q[r].cpu(), cache, tab[r]) for r in range(R)])  # [R, K, B, G, 16]
     valid = torch.arange(B) < nfull.cpu().unsqueeze(1)
     qa = qh.abs()
     delta = block_delta(qa, sig)
