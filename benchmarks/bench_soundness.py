@@ -8,9 +8,12 @@ GQA ratios 1/3/4/8, D = 64/128, float16 and bfloat16, and the default/paper/stri
 
 Usage: python benchmarks/bench_soundness.py [--head-steps 1000000] [--workers N] [--backend auto|cuda]
                                            [--out runs/soundness.json]
-Prints a table (per family and per preset) and writes the JSON summary. ``--backend cuda`` checks the CUDA path (its
-Triton kernels: compiled on a GPU, in Triton's interpreter on a CPU, where it is about 100× slower) instead of the op's
-own choice for the machine.
+Prints a table (per family and per preset) and writes the JSON summary.
+
+``--phase1-pairs N`` checks instead the CUDA path's phase-1 score arithmetic alone (``bounds.int8_scores.mma_scores``,
+the kernels' specification) on N (query head, block) pairs of the families' pages, every score against its float64
+value within R_b (minutes on a CPU). ``--backend cuda`` checks the CUDA path (its Triton kernels: compiled on a GPU,
+in Triton's interpreter on a CPU, where it runs a few head-steps per second) instead of the op's own choice.
 """
 
 from __future__ import annotations
@@ -97,6 +100,55 @@ def run_shard(
     return dict(groups)
 
 
+def phase1_arithmetic(pairs: int, seed: int) -> dict:
+    """The phase-1 INT8-MMA arithmetic (``mma_scores``) against float64 on ``pairs`` (query head, block) pairs of the
+    families' pages (D = 64/128, GQA 4/8/8, float16 and bfloat16): violations (|s − ŝ| > R_b), heads out of the
+    kernel's range (R_b = inf) and the largest error over R_b."""
+    import math
+
+    from certvllm.bounds.int8_scores import mma_scores
+    from certvllm.formats.layout import key_scale_lut
+    from certvllm.testing import exact_int8_scores, paged_batch
+
+    gen = torch.Generator().manual_seed(seed)
+    lut = key_scale_lut()
+    out = {"pairs": 0, "violations": 0, "out_of_range": 0, "worst_error_over_bound": 0.0}
+    it = 0
+    start = time.perf_counter()
+    while out["pairs"] < pairs:
+        family = FAMILIES[it % len(FAMILIES)]
+        d = (64, 128)[(it // len(FAMILIES)) % 2]
+        hq, hkv = ((32, 8), (8, 1), (24, 3))[it % 3]
+        dtype = (torch.float16, torch.bfloat16)[it % 2]
+        cases = [make_case(family, t, hq, hkv, d, dtype, gen) for t in (400, 977)]
+        cache, tables, lens = paged_batch(cases)
+        lay = cache.layout
+        g = hq // hkv
+        for r, case in enumerate(cases):
+            ids = tables[r, : int(lens[r]) // 16].long()
+            pages = cache.pages[ids]
+            n = pages.shape[0]
+            q = (case.q.float() * (1 / math.sqrt(d))).view(1, hkv, g, d).expand(n, hkv, g, d)
+            mant = lut[pages[:, :, lay.k_scale_code : lay.k_scale_code + d].long()][:, :, None].expand(n, hkv, g, d)
+            off = pages[:, :, lay.k_offset : lay.k_offset + 2 * d].contiguous().view(torch.float16).float()
+            ex = pages[:, :, lay.header + 8].view(torch.int8).long()[:, :, None].expand(n, hkv, g)
+            codes = pages[:, :, : 16 * d].reshape(n, hkv, 1, 16, d).expand(n, hkv, g, 16, d)
+            score, bound = mma_scores(q, off[:, :, None].expand(n, hkv, g, d), mant, ex, codes)
+            exact = exact_int8_scores(case.q.float() * (1 / math.sqrt(d)), cache, ids).permute(1, 0, 2, 3)
+            err = (score.double() - exact).abs()
+            fin = torch.isfinite(bound)
+            out["violations"] += int((err > bound.double()[..., None])[fin].sum())
+            out["out_of_range"] += int((~fin).sum())
+            ratio = (err / bound.double()[..., None])[fin]
+            out["worst_error_over_bound"] = max(
+                out["worst_error_over_bound"], float(ratio.max()) if ratio.numel() else 0
+            )
+            out["pairs"] += bound.numel()
+        it += 1
+    out["seconds"] = time.perf_counter() - start
+    return out
+
+
 def _shard_entry(args: tuple) -> dict:
     return run_shard(*args)
 
@@ -158,8 +210,22 @@ def main() -> None:
         default="auto",
         help="the op's backend: auto (its choice for the machine) or cuda (the Triton kernels)",
     )
+    parser.add_argument(
+        "--phase1-pairs",
+        type=int,
+        default=0,
+        help="check phase 1's INT8-MMA arithmetic alone on this many (query head, block) pairs",
+    )
     parser.add_argument("--out", type=Path, default=Path("runs/soundness.json"))
     args = parser.parse_args()
+    if args.phase1_pairs > 0:
+        result = phase1_arithmetic(args.phase1_pairs, args.seed)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2))
+        print(f"{result['pairs']:,} (query head, block) pairs × 16 scores in {result['seconds']:.0f} s: "
+              f"{result['violations']} violations, {result['out_of_range']} out of range (R_b = inf), "
+              f"largest error / R_b {result['worst_error_over_bound']:.4f} → {args.out}")  # fmt: skip
+        raise SystemExit(1 if result["violations"] else 0)
     if args.workers < 1:
         parser.error(f"--workers must be ≥ 1, got {args.workers}")
     if args.backend == "cuda" and not torch.cuda.is_available():
