@@ -108,7 +108,9 @@ def _settle(tables, TB_STRIDE, nfull, bits, B, need_mask, num_blocks, P, claim, 
     idx, inb, need, bid, page, s1, s2 = _items(tables, TB_STRIDE, nfull, bits, B, need_mask, num_blocks, P, H, BLK)
     st = tl.load(state + idx, mask=inb, other=-1)
     own = inb & (st >= 0)
-    slot = tl.where(own, st, 0).to(tl.int64)
+    # Triton's CAS takes no mask: an item without a slot swaps against a value no entry holds, at its own first
+    # slot (one address per page, not one for all: ~all items on entry 0 serialised the whole kernel)
+    slot = tl.where(own, st, s1).to(tl.int64)
     old = tl.atomic_cas(claim + slot, tl.where(own, page + _CLAIM_HIT, _NO_CLAIM), tl.full(page.shape, -1, tl.int64))
     rest = own & (old != page + _CLAIM_HIT)  # not the hit that claimed this slot
     old = tl.atomic_cas(claim + slot, tl.where(rest, page, _NO_CLAIM), tl.full(page.shape, -1, tl.int64))
@@ -127,16 +129,21 @@ def _settle(tables, TB_STRIDE, nfull, bits, B, need_mask, num_blocks, P, claim, 
 
 @triton.jit(**JIT_OPTIONS)
 def _fill_list(src, pool, vpool, fills, nfill, H: tl.constexpr, M: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
-               CHANNEL_MAJOR: tl.constexpr, SPP: tl.constexpr, VALUES: tl.constexpr):  # fmt: skip
+               CHANNEL_MAJOR: tl.constexpr, VALUES: tl.constexpr):  # fmt: skip
+    """The listed fills, grid-stride: program p copies fills p, p + grid, … (the grid is capped, so a call that
+    fills nothing costs a few hundred idle programs, not one per item)."""
     n = tl.load(nfill)
-    for j in range(0, SPP):
-        i = tl.program_id(0).to(tl.int64) * SPP + j
-        if i < n:
-            slot = tl.load(fills + 2 * i)
-            e = tl.load(fills + 2 * i + 1)
-            copy_page(src, e, 0, pool, slot, H, M, D, DP, CHANNEL_MAJOR)
-            if VALUES:
-                copy_page(src, e, 1, vpool, slot, H, M, D, DP, CHANNEL_MAJOR)
+    for i in range(tl.program_id(0).to(tl.int64), n, tl.num_programs(0)):
+        slot = tl.load(fills + 2 * i)
+        e = tl.load(fills + 2 * i + 1)
+        copy_page(src, e, 0, pool, slot, H, M, D, DP, CHANNEL_MAJOR)
+        if VALUES:
+            copy_page(src, e, 1, vpool, slot, H, M, D, DP, CHANNEL_MAJOR)
+
+
+FILL_PROGRAMS = 512
+"""The fill's grid cap: enough programs to keep the copy engines' worth of page copies in flight on an H200
+(132 SMs) when a call fills thousands of slots, few enough that an all-hit call's launch is cheap."""
 
 
 def pool_lookup(
@@ -192,12 +199,11 @@ def pool_lookup(
     nfill = torch.zeros(1, dtype=torch.int64, device=dev)
     _settle[grid](*common, claims[0], claims[1], generation, tag, tag_gen, state, fills, nfill, step, H=H, BLK=blk,
                   num_warps=4)  # fmt: skip
-    spp = 16
     d = pool.shape[2]
-    _fill_list[(triton.cdiv(items, spp),)](
+    _fill_list[(min(items, FILL_PROGRAMS),)](
         device_arg(shadow), pool, pool if values is None else values, fills, nfill,
-        H=H, M=sub_blocks, D=d, DP=next_pow2(d), CHANNEL_MAJOR=channel_major, SPP=spp,
-        VALUES=values is not None, num_warps=4,
+        H=H, M=sub_blocks, D=d, DP=next_pow2(d), CHANNEL_MAJOR=channel_major, VALUES=values is not None,
+        num_warps=4,
     )  # fmt: skip
     return state, step
 
@@ -223,7 +229,7 @@ def _resident_mark(tables, TB_STRIDE, nfull, bits, B, need_mask, num_blocks, P, 
     idx, inb, need, bid, page, _s1, _s2 = _items(tables, TB_STRIDE, nfull, bits, B, need_mask, num_blocks, P, H, BLK)
     zero = page * 0
     minus1 = (zero - 1).to(tl.int32)  # CAS values typed as slot_of's int32 (the interpreter writes a value's width)
-    safe = tl.where(need, page, 0)
+    safe = page  # a masked-off CAS still lands: at its own page's entry (spread), never all on entry 0
     g = tl.load(gen + bid, mask=need, other=-2)
     s = tl.load(slot_of + safe, mask=need, other=-1).to(tl.int64)
     has = need & (s >= 0)
@@ -278,7 +284,7 @@ def _resident_assign(tables, TB_STRIDE, nfull, bits, B, need_mask, num_blocks, P
     slot = tl.load(free + tl.where(ok, k, 0), mask=ok, other=0)
     victim = tl.load(tag + slot, mask=ok, other=-1)
     evict = ok & (victim >= 0)  # its slot_of forgets the slot (a CAS: an entry pointing elsewhere is kept)
-    tl.atomic_cas(slot_of + tl.where(evict, victim, 0), tl.where(evict, slot, _CMP_NEVER).to(tl.int32),
+    tl.atomic_cas(slot_of + tl.where(evict, victim, page), tl.where(evict, slot, _CMP_NEVER).to(tl.int32),
                   (victim * 0 - 1).to(tl.int32))  # fmt: skip
     tl.store(tag + slot, page, mask=ok)
     tl.store(fill_flag + slot, _FILL, mask=ok)
