@@ -30,10 +30,13 @@ def _kernel_table(prof, calls: int) -> tuple[list[dict], int, float]:
     for evt in prof.events():
         if evt.device_type == torch.autograd.DeviceType.CUDA:
             per_name[evt.name].append(evt.device_time)
-    rows = [
-        {"kernel": name[:90], "count_per_call": len(t) / calls, "us_per_call": sum(t) / calls}
-        for name, t in per_name.items()
-    ]
+    rows = []
+    for name, t in per_name.items():
+        row = {"kernel": name[:90], "count_per_call": len(t) / calls, "us_per_call": sum(t) / calls}
+        k = len(t) // calls
+        if k > 1 and len(t) == k * calls:  # a kernel launched k times per call: each launch's mean, in call order
+            row["us_per_launch"] = [sum(t[i::k]) / calls for i in range(k)]
+        rows.append(row)
     rows.sort(key=lambda r: -r["us_per_call"])
     count = sum(len(t) for t in per_name.values()) // calls
     total = sum(sum(t) for t in per_name.values()) / calls
@@ -75,7 +78,8 @@ def profile_point(batch: int, ctx: int, presets: list[str], calls: int, top: int
         print(f"b={batch} ctx={ctx} {preset}: graph {graph_ms:.3f} ms, {count} kernels/call, "
               f"kernel sum {total_us / 1e3:.3f} ms", flush=True)  # fmt: skip
         for r in rows[:top]:
-            print(f"    {r['us_per_call']:9.1f} us  x{r['count_per_call']:5.1f}  {r['kernel']}", flush=True)
+            each = " (" + " + ".join(f"{u:.1f}" for u in r["us_per_launch"]) + ")" if "us_per_launch" in r else ""
+            print(f"    {r['us_per_call']:9.1f} us  x{r['count_per_call']:5.1f}  {r['kernel']}{each}", flush=True)
     release_cache(cache)
     return out
 

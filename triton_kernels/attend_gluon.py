@@ -202,20 +202,21 @@ def _attend_gluon_kernel(
         lm = gl.where(den_b > 0, mg + gl.log(gl.where(den_b > 0, den_b, 1.0)), float("-inf"))
         gl.store(exact_lm + (rk * G + g2) * B + gl.expand_dims(bb, 1), lm,
                  mask=kb & valid2 & (g2 < G) & (part == 0))  # fmt: skip
-    # the lanes' and warps' partial sums, float64
-    orow = (rk * S + split) * G + g2
-    gm = (g2 < G) & (part == 0)
-    gl.store(den + orow, gl.sum(den64, axis=0)[None, :], mask=gm)
-    gl.store(aval + orow, gl.sum(av64, axis=0)[None, :], mask=gm)
-    gl.store(atail + orow, gl.sum(at64, axis=0)[None, :], mask=gm)
-    LO: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(2, LA))
-    gq3 = gl.expand_dims(gl.expand_dims(gl.arange(0, GP, layout=gl.SliceLayout(1, gl.SliceLayout(2, LO))), 1), 2)
-    qo = gl.expand_dims(gl.expand_dims(gl.arange(0, QC, layout=gl.SliceLayout(0, gl.SliceLayout(2, LO))), 0), 2)
-    xo = gl.expand_dims(gl.expand_dims(gl.arange(0, VB, layout=gl.SliceLayout(0, gl.SliceLayout(1, LO))), 0), 1)
-    optr = acc + ((rk * S + split) * G + gq3) * D + 2 * (part * DHC + qo * VB + xo)
-    om = (gq3 < G) & (qo < QC) & (xo < VB)
-    gl.store(optr, gl.sum(gl.sum(acc_e, axis=2), axis=0), mask=om)
-    gl.store(optr + 1, gl.sum(gl.sum(acc_o, axis=2), axis=0), mask=om)
+    if act != 0:  # an inactive group (the exact re-run's unescalated ones) writes nothing
+        # the lanes' and warps' partial sums, float64
+        orow = (rk * S + split) * G + g2
+        gm = (g2 < G) & (part == 0)
+        gl.store(den + orow, gl.sum(den64, axis=0)[None, :], mask=gm)
+        gl.store(aval + orow, gl.sum(av64, axis=0)[None, :], mask=gm)
+        gl.store(atail + orow, gl.sum(at64, axis=0)[None, :], mask=gm)
+        LO: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(2, LA))
+        gq3 = gl.expand_dims(gl.expand_dims(gl.arange(0, GP, layout=gl.SliceLayout(1, gl.SliceLayout(2, LO))), 1), 2)
+        qo = gl.expand_dims(gl.expand_dims(gl.arange(0, QC, layout=gl.SliceLayout(0, gl.SliceLayout(2, LO))), 0), 2)
+        xo = gl.expand_dims(gl.expand_dims(gl.arange(0, VB, layout=gl.SliceLayout(0, gl.SliceLayout(1, LO))), 0), 1)
+        optr = acc + ((rk * S + split) * G + gq3) * D + 2 * (part * DHC + qo * VB + xo)
+        om = (gq3 < G) & (qo < QC) & (xo < VB)
+        gl.store(optr, gl.sum(gl.sum(acc_e, axis=2), axis=0), mask=om)
+        gl.store(optr + 1, gl.sum(gl.sum(acc_o, axis=2), axis=0), mask=om)
 
 
 def launch_constants(geo, num_warps: int) -> dict:

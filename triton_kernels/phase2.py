@@ -16,8 +16,9 @@ from the tier-1 page and the phase-1 scores.
   new γ is needed. Alongside it accumulates Σ den_b·η_b over INT4-value blocks (E_val), Σ den_b over
   INT8-key blocks (the tail mass) and writes m + log den_b of key-promoted blocks (the rank test).
 
-Programs of an (row, KV head) group whose ``active`` flag is 0 do nothing: the exact-only re-run used for
-rungs 3/4 on the device sets it for the escalated groups only.
+Programs of an (row, KV head) group whose ``active`` flag is 0 do nothing and write nothing (their outputs
+are left as allocated): the exact-only re-run used for rungs 3/4 on the device sets it for the escalated
+groups only, and reads back only those.
 
 The promotion pass scans the bitmasks ``PB`` blocks at a time and visits single blocks only in tiles that
 promote something. The attend pass takes ``BLK`` blocks per iteration ([BLK, 16, ·] tiles, the tokens of a
@@ -267,7 +268,8 @@ def _attend_kernel(
         mg_all = tl.load(mmax + rk * G + gv, mask=gv < G, other=0.0)  # [1, GP, 1]
         lm = tl.where(den_all > 0, mg_all + tl.log(tl.where(den_all > 0, den_all, 1.0)), float("-inf"))
         tl.store(exact_lm + (rk * G + gv) * B + bv, lm, mask=kb & valid & (gv < G))
-    store_split_sums(acc, den, aval, atail, rk, split, S, acc_e, acc_o, den64, av64, at64, G, GP, D, DH)
+    if act != 0:  # an inactive group writes nothing
+        store_split_sums(acc, den, aval, atail, rk, split, S, acc_e, acc_o, den64, av64, at64, G, GP, D, DH)
 
 
 @dataclass
@@ -379,7 +381,8 @@ def attend(
     """Launch the attend pass.
 
     Returns:
-        :class:`AttendOut`: acc ``[R, H_kv, S, G, D]``, den/aval/atail ``[R, H_kv, S, G]``, all float64.
+        :class:`AttendOut`: acc ``[R, H_kv, S, G, D]``, den/aval/atail ``[R, H_kv, S, G]``, all float64; a
+        group whose ``active`` is 0 is left unwritten (uninitialised memory).
     """
     launch_device_ok(scores)
     R = scores.shape[0]

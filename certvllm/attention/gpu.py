@@ -45,6 +45,7 @@ from certvllm.triton_kernels.common import split_plan
 from certvllm.triton_kernels.finalize import combine_exact, finalize
 from certvllm.triton_kernels.phase1 import Phase1Out, phase1
 from certvllm.triton_kernels.phase2 import AttendOut, Phase2Geometry, attend, promote
+from certvllm.triton_kernels.phase2_glue import global_max, promotion_counts, rerun_inputs
 from certvllm.triton_kernels.prepare import prepare
 from certvllm.triton_kernels.select import select_blocks
 from certvllm.triton_kernels.shape_class import width_class
@@ -144,15 +145,18 @@ class DeviceRerun:
         """Overwrite ``out`` ``[R, H_q, D]`` on the heads where ``exact`` ``[R, H_q]`` is set with exact attention
         over the originals. When none escalated the kernels exit at once (no host synchronisation)."""
         c, s = self.call, self.summary
-        R, K, G, _, D = c.shape
-        active = exact.view(R, K, G).any(dim=-1)
-        full = (1 << (2 * G)) - 1
-        bits = torch.where(active[:, :, None] & c.bvalid[:, None, :], full, 0).to(torch.int32).contiguous()
-        active_i = active.to(torch.int32).contiguous()
-        canary = torch.zeros(R, dtype=torch.int32, device=c.qs.device)
+        R, K, G, B, D = c.shape
+        if c.glue_kernels:
+            bits, active_i, canary = rerun_inputs(exact, c.nfull, K, B)
+        else:
+            active = exact.view(R, K, G).any(dim=-1)
+            full = (1 << (2 * G)) - 1
+            bits = torch.where(active[:, :, None] & c.bvalid[:, None, :], full, 0).to(torch.int32).contiguous()
+            active_i = active.to(torch.int32).contiguous()
+            canary = torch.zeros(R, dtype=torch.int32, device=c.qs.device)
         smax, _ = promote(self.geo, c.qs, c.cache.shadow, c.tables, c.nfull, bits, active_i, self.p1.scores,
                           self.p1.m8, self.p1.delta, s.round1.contiguous(), canary, False)  # fmt: skip
-        m = torch.maximum(smax.amax(dim=-1), s.s_tail.amax(dim=-1)).contiguous()
+        m = _global_max(c, smax, s.s_tail)
         exact_lm = torch.empty(R, K, G, c.tables.shape[1], dtype=torch.float32, device=c.qs.device)
         parts = attend(self.geo, self.p1.scores, m, c.cache.shadow, c.cache.pages, c.tables, c.nfull, bits,
                        active_i, exact_lm)  # fmt: skip
@@ -293,20 +297,30 @@ def _phase2(
                          kslot, stage)  # fmt: skip
     if prefetch is not None:
         prefetch[0].after_promote(prefetch[1])
-    m = torch.maximum(smax.amax(dim=-1), summary.s_tail.amax(dim=-1)).contiguous()  # (R, K, G)
+    m = _global_max(call, smax, summary.s_tail)
     exact_lm = torch.empty(R, K, G, B, dtype=torch.float32, device=dev)
     mark(timings, "promote")
     parts = attend(geo, p1.scores, m, cache.shadow, cache.pages, call.tables, call.nfull, bits, active, exact_lm)
     mark(timings, "attend")
     if isinstance(pagein, CudaPageInEngine):
         key_bits = (1 << G) - 1
-        value_loads = (bits >> G) != 0
-        if key_paged is None:
-            key_paged = ((bits != 0) if run_canary else ((bits & key_bits) != 0)).sum()
+        paged_mask = -1 if run_canary else key_bits  # the bits whose blocks the promotion pass read keys for
         page_half = cache.layout.block_size * D * cache.shadow.element_size()
-        pagein.add_device_counts(((bits & key_bits) != 0).sum(), value_loads.sum(),
-                                 (key_paged + value_loads.sum()) * page_half)  # fmt: skip
+        if call.glue_kernels:
+            pagein.add_device_count_vector(promotion_counts(bits, G, key_paged, paged_mask, page_half))
+        else:
+            value_loads = ((bits >> G) != 0).sum()
+            if key_paged is None:
+                key_paged = ((bits & paged_mask) != 0).sum()
+            pagein.add_device_counts(((bits & key_bits) != 0).sum(), value_loads, (key_paged + value_loads) * page_half)
     return parts, m, sabs, exact_lm, canary
+
+
+def _global_max(call: _Call, smax: torch.Tensor, s_tail: torch.Tensor) -> torch.Tensor:
+    """The attend pass's ``[R, K, G]`` global maxima: the promotion pass's split maxima and the partial block's."""
+    if call.glue_kernels:
+        return global_max(smax, s_tail)
+    return torch.maximum(smax.amax(dim=-1), s_tail.amax(dim=-1)).contiguous()
 
 
 def _finish(

@@ -165,7 +165,11 @@ class CudaPageInEngine(PageInEngine):
     # -- traffic counted on the device (no synchronisation until take_stats; none with take_stats_deferred) --
     def add_device_counts(self, key_blocks: torch.Tensor, value_blocks: torch.Tensor, nbytes: torch.Tensor) -> None:
         """Add promotion counts and fused page-in bytes held in 0-dim device tensors."""
-        counts = torch.stack((key_blocks, value_blocks, nbytes)).to(torch.int64)
+        self.add_device_count_vector(torch.stack((key_blocks, value_blocks, nbytes)).to(torch.int64))
+
+    def add_device_count_vector(self, counts: torch.Tensor) -> None:
+        """Add ``[3]`` int64 device counts: key blocks, value blocks, fused page-in bytes (the call's
+        ``triton_kernels.phase2_glue.promotion_counts``)."""
         self._device_counts = counts if self._device_counts is None else self._device_counts + counts
 
     @contextmanager

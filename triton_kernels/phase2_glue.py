@@ -1,0 +1,123 @@
+"""The small steps around the promotion and attend passes, one launch each in place of a few torch launches.
+
+* :func:`global_max`: the attend pass's m = max(max_s smax, max_t s_tail) per query head (torch's
+  ``amax``/``maximum``, NaN kept), 3 launches → 1;
+* :func:`rerun_inputs`: the exact re-run's promotion bitmask (every bit on the full blocks of an escalated
+  group), its active flags and a zeroed canary, from the ``[R, H_q]`` escalation mask, 6 launches → 1;
+* :func:`promotion_counts`: a call's promoted key blocks, value blocks and page-in bytes as one ``[3]``
+  int64 tensor (``CudaPageInEngine.add_device_counts``), about 12 launches → 2.
+
+Each returns what its torch expression did, exactly (integer counts; maxima are exact), so callers may use
+either. Tested against those expressions under the interpreter (``tests/triton_kernels/test_phase2_glue.py``).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import launch_device_ok, max_nan, next_pow2
+from .shape_class import JIT_OPTIONS
+
+COUNT_BLOCK = 4096
+"""Bitmask words per program of the count kernel."""
+RERUN_BLOCK = 1024
+"""Block columns per iteration of the re-run input kernel."""
+
+
+@triton.jit(**JIT_OPTIONS)
+def _global_max_kernel(smax, s_tail, m, S, SP: tl.constexpr, N: tl.constexpr):
+    """One program per (row, KV head, query head): m = max(smax[pid, :S], s_tail[pid, :N])."""
+    pid = tl.program_id(0).to(tl.int64)
+    s = tl.arange(0, SP)
+    a = tl.load(smax + pid * S + s, mask=s < S, other=float("-inf"))
+    t = tl.load(s_tail + pid * N + tl.arange(0, N))
+    tl.store(m + pid, max_nan(tl.reduce(a, 0, max_nan), tl.reduce(t, 0, max_nan)))
+
+
+def global_max(smax: torch.Tensor, s_tail: torch.Tensor) -> torch.Tensor:
+    """``[R, K, G, S]`` split maxima of the promotion pass and ``[R, K, G, N]`` partial-block scores (float32)
+    → ``[R, K, G]`` float32 m, as ``torch.maximum(smax.amax(-1), s_tail.amax(-1))``."""
+    launch_device_ok(smax)
+    R, K, G, S = smax.shape
+    N = s_tail.shape[-1]
+    m = torch.empty(R, K, G, dtype=torch.float32, device=smax.device)
+    _global_max_kernel[(R * K * G,)](smax.contiguous(), s_tail.contiguous(), m, S, SP=next_pow2(S), N=N,
+                                     num_warps=1)  # fmt: skip
+    return m
+
+
+@triton.jit(**JIT_OPTIONS)
+def _rerun_inputs_kernel(exact, nfull, bits, active, canary, B, G: tl.constexpr, GP: tl.constexpr,
+                         H: tl.constexpr, FULL: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    """One program per (row, KV head): active = any escalated head of the group; bits = FULL (every promotion
+    bit) on the row's full blocks where active, else 0; program (r, 0) zeroes canary[r]."""
+    pid = tl.program_id(0).to(tl.int64)
+    r = pid // H
+    g = tl.arange(0, GP)
+    act = tl.max(tl.load(exact + pid * G + g, mask=g < G, other=0).to(tl.int32), 0)
+    tl.store(active + pid, act)
+    if pid % H == 0:
+        tl.store(canary + r, 0)
+    nf = tl.load(nfull + r)
+    word = tl.where(act != 0, FULL, 0)
+    for start in range(0, B, BLOCK):
+        b = start + tl.arange(0, BLOCK)
+        tl.store(bits + pid * B + b, tl.where(b < nf, word, 0), mask=b < B)
+
+
+def rerun_inputs(exact: torch.Tensor, nfull: torch.Tensor, num_kv_heads: int,
+                 num_blocks: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``[R, H_q]`` bool escalation mask, ``[R]`` int64 full blocks per row → ``(bits [R, K, B] int32,
+    active [R, K] int32, canary [R] int32 zeros)`` of the exact re-run, as ``DeviceRerun``'s torch lines."""
+    launch_device_ok(nfull)
+    R, Hq = exact.shape
+    K, B = num_kv_heads, num_blocks
+    G = Hq // K
+    full = (1 << (2 * G)) - 1
+    full = full - (1 << 32) if full >= 1 << 31 else full  # the int32 word of every bit (G = 16: −1)
+    dev = nfull.device
+    bits = torch.empty(R, K, B, dtype=torch.int32, device=dev)
+    active = torch.empty(R, K, dtype=torch.int32, device=dev)
+    canary = torch.empty(R, dtype=torch.int32, device=dev)
+    _rerun_inputs_kernel[(R * K,)](exact.contiguous().view(torch.int8), nfull, bits, active, canary, B, G=G,
+                                   GP=next_pow2(G), H=K, FULL=full, BLOCK=min(RERUN_BLOCK, next_pow2(B)),
+                                   num_warps=4)  # fmt: skip
+    return bits, active, canary
+
+
+@triton.jit(**JIT_OPTIONS)
+def _promotion_counts_kernel(bits, n, key_paged, counts, G: tl.constexpr, PAGED_MASK: tl.constexpr,
+                             HAS_PAGED: tl.constexpr, PAGE_HALF: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    """counts[0] += words with a key bit, counts[1] += words with a value bit, counts[2] += page-in bytes:
+    (paged key pages + value pages)·PAGE_HALF, the paged keys read from ``key_paged`` (HAS_PAGED, added once,
+    by program 0) or counted as the words with a ``PAGED_MASK`` bit."""
+    pid = tl.program_id(0)
+    i = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    w = tl.load(bits + i, mask=i < n, other=0)
+    keys = tl.sum(((w & ((1 << G) - 1)) != 0).to(tl.int64), 0)
+    values = tl.sum(((w >> G) != 0).to(tl.int64), 0)
+    if HAS_PAGED:
+        paged = tl.where(pid == 0, tl.load(key_paged).to(tl.int64), 0)
+    else:
+        paged = tl.sum(((w & PAGED_MASK) != 0).to(tl.int64), 0)
+    tl.atomic_add(counts, keys)
+    tl.atomic_add(counts + 1, values)
+    tl.atomic_add(counts + 2, (paged + values) * PAGE_HALF)
+
+
+def promotion_counts(bits: torch.Tensor, group: int, key_paged: torch.Tensor | None, paged_mask: int,
+                     page_half: int) -> torch.Tensor:  # fmt: skip
+    """``[R, K, B]`` int32 promotion bitmask → ``[3]`` int64 (key blocks, value blocks, page-in bytes):
+    ``((bits & key_bits) != 0).sum()``, ``((bits >> G) != 0).sum()`` and
+    ``(paged + value blocks)·page_half``, where paged is the 0-dim ``key_paged`` or, when None,
+    ``((bits & paged_mask) != 0).sum()``."""
+    launch_device_ok(bits)
+    counts = torch.zeros(3, dtype=torch.int64, device=bits.device)
+    n = bits.numel()
+    _promotion_counts_kernel[(max(1, triton.cdiv(n, COUNT_BLOCK)),)](
+        bits.contiguous(), n, counts if key_paged is None else key_paged, counts, G=group, PAGED_MASK=paged_mask,
+        HAS_PAGED=key_paged is not None, PAGE_HALF=page_half, BLOCK=COUNT_BLOCK, num_warps=4,
+    )  # fmt: skip
+    return counts
