@@ -8,7 +8,8 @@ Usage (on a CUDA machine with ncu, e.g. the lent H200, where it is ``/usr/local/
 
 It builds the synthetic cache of ``bench_decode`` at ``batch × context`` and launches the kernel twice with
 the launchers' defaults (the first launch compiles, so profile the second: ``--launch-skip 1``). For
-``attend`` it runs two whole certified calls instead, whose attend passes ncu can select the same way
+``attend`` it runs two whole certified calls instead; each launches the attend kernel twice (the main pass, then
+the exact re-run, empty when nothing escalated), so the second call's main pass is ``--launch-skip 2``
 (``regex:_attend_gluon``). ``--dialect triton`` launches phase 1's Triton kernel instead of the Gluon one
 (``regex:_phase1_mma_kernel``).
 """

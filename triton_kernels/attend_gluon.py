@@ -18,7 +18,9 @@ default); its ``BLK`` warps take one 16-token block each per iteration. Per bloc
    adds them to its own accumulators; the lanes' and the warps' partials are added in float64 once at
    the end.
 
-Value-promoted blocks repeat step 2 over the unquantized values read zero-copy from the shadow.
+Value-promoted blocks repeat step 2 over the unquantized values read zero-copy from the shadow. Whether an
+iteration has one is bit ``it % 32`` of a mask that the program reduces over the blocks of 32 iterations at a
+time, so the common iteration has no reduction across warps (one barrier pair, for the weights).
 
 The float32 sums are thus over SN ≤ 16 of a block's tokens, in order: each is within γ_SN ≤ γ_N of its
 exact value, and everything after it is float64, so the error terms of docs/certification.md §5.1 hold
@@ -60,6 +62,11 @@ def supported(head_dim: int, group: int, num_warps: int, blk: int, value_group: 
 def _expand4(x):
     """[BLK] → [BLK, 1, 1, 1] (x in the innermost slice of a rank-4 layout)."""
     return gl.expand_dims(gl.expand_dims(gl.expand_dims(x, 1), 2), 3)
+
+
+@gluon.jit
+def _bit_or(a, b):
+    return a | b
 
 
 @gluon.jit
@@ -130,11 +137,15 @@ def _attend_gluon_kernel(
     kbyte = part * DHC + qv * VB + xv
     gq = (2 * (part * DHC + qv * VB)) // GRP  # [1, 1, QC, 1] value group within the token
     jo = gl.arange(0, BLK, layout=LA1)
+    LM: gl.constexpr = gl.BlockedLayout([1], [32], [BLK], [0])  # [32·BLK]: the blocks of 32 iterations
+    im = gl.arange(0, 32 * BLK, layout=LM)
     go = gl.arange(0, GP, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, LA)))))
     go = gl.expand_dims(go, 0)
     act = gl.load(active + rk)
     n_iter = gl.where(act != 0, gl.cdiv(BPS, BLK), 0)
     nf = gl.load(nfull + r)
+    nf32 = nf.to(gl.int32)
+    bits_row = bits + rk * B
     mg = gl.load(mmax + rk * G + g2, mask=g2 < G, other=0.0)
     mgc = gl.expand_dims(gl.expand_dims(mg, 2), 3)
     wsm = gl.allocate_shared_memory(gl.float32, [SN, BLK, GP, TN], WS)
@@ -145,6 +156,7 @@ def _attend_gluon_kernel(
     den64 = gl.zeros([BLK, GP], gl.float64, layout=LB)
     av64 = gl.zeros([BLK, GP], gl.float64, layout=LB)
     at64 = gl.zeros([BLK, GP], gl.float64, layout=LB)
+    vmask = act * 0  # int32: bit i set when iteration 32·(it // 32) + i has a value-promoted block
     for it in range(0, n_iter):
         bb, valid, bid, base = _blocks(jb, it, split, BPS, B, nf, tables, r, TB_STRIDE, num_blocks, h, H, M,
                                        PAGE_BYTES, BLK)  # fmt: skip
@@ -173,7 +185,14 @@ def _attend_gluon_kernel(
             num_e = num_e + w5 * gl.expand_dims(vze + (byte & 15).to(gl.float32) * vsc, 1)
             num_o = num_o + w5 * gl.expand_dims(vze + (byte >> 4).to(gl.float32) * vsc, 1)
         vbits = ((gl.expand_dims(bits_b, 1) >> (G + g2)) & 1) != 0
-        anyv = gl.max(gl.max(vbits.to(gl.int32), axis=1), axis=0) != 0
+        # whether any of the iteration's blocks has values promoted: bit it % 32 of a mask that the program's
+        # threads reduce once per 32 iterations (a reduction across the warps per iteration costs two barriers)
+        if it % 32 == 0:
+            ib_m = it * BLK + im
+            bb_m = split * BPS + ib_m
+            bm = gl.load(bits_row + bb_m, mask=(bb_m < B) & (ib_m < BPS) & (bb_m < nf32), other=0)
+            vmask = gl.reduce(gl.where((bm >> G) != 0, 1 << (im // BLK), 0), 0, _bit_or)
+        anyv = ((vmask >> (it % 32)) & 1) != 0
         if anyv:  # unquantized values of value-promoted blocks, zero-copy from the shadow
             bits_v = gl.load(bits + rk * B + split * BPS + it * BLK + jv, mask=valid_v, other=0)
             vsel = vm & _expand4((bits_v >> G) != 0) & (xv < VB)

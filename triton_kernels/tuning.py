@@ -11,8 +11,9 @@ configuration computes the same certified quantities (``tests/triton_kernels/tes
 * ``attend_blk``, ``attend_warps``: the same for the attend pass (the Gluon attend kernel: one block per
   warp); ``attend_parts``: Gluon attend programs per (row, KV head, split), each taking a part of the
   value channels; ``attend_chunk_bytes``: Gluon attend value bytes per lane and token;
-  ``attend_maxnreg``: Gluon attend registers per thread at most, applied at G ≤ 4 only (0: no cap; at
-  G = 8 the cap would spill).
+  ``attend_maxnreg``: Gluon attend registers per thread at most, applied at G ≤ 4 only (0, the default: no
+  cap; at G = 4, D = 128 the kernel then takes 168, 3 programs per SM, and was faster on the H200 than
+  capped at 128 with spills, docs/performance.md; at G = 8 a cap would spill hundreds of bytes).
 * ``resident_maxnreg``: registers per thread of the Gluon resident pass at most (0: no cap). Uncapped it takes ~254
   (2 four-warp programs per SM); 168 or 128 admit 3 or 4 programs and spill 336 / 520 bytes (Triton 3.6, offline):
   which wins is the H200's to say (``benchmarks/probe_resident.py --tuning resident_maxnreg=168``).
@@ -66,7 +67,7 @@ class KernelTuning:
     attend_warps: int = 4
     attend_parts: int = 1
     attend_chunk_bytes: int = 2
-    attend_maxnreg: int = 128
+    attend_maxnreg: int = 0
     resident_warps: int = 4
     resident_maxnreg: int = 0
     prefetch_programs: int = 8
