@@ -20,8 +20,8 @@ Programs of an (row, KV head) group whose ``active`` flag is 0 do nothing and wr
 are left as allocated): the exact-only re-run used for rungs 3/4 on the device sets it for the escalated
 groups only, and reads back only those.
 
-The promotion pass scans the bitmasks ``PB`` blocks at a time and visits single blocks only in tiles that
-promote something. The attend pass takes ``BLK`` blocks per iteration ([BLK, 16, ·] tiles, the tokens of a
+The promotion pass scans the bitmasks ``PB`` blocks at a time and then visits the tile's needed blocks only,
+taken in ascending order from the tile's registers. The attend pass takes ``BLK`` blocks per iteration ([BLK, 16, ·] tiles, the tokens of a
 block in registers); on CUDA its Gluon version (``attend_gluon``: hand-chosen layout, weights computed once
 per (head, token), FMA chains, the same bounds) runs when it supports the shape.
 """
@@ -94,6 +94,7 @@ def _promote_kernel(
     run_max = tl.full([GP], float("-inf"), tl.float32)
     run_abs = tl.zeros([GP], tl.float32)
     key_bits = (1 << G) - 1
+    tl.static_assert(PB <= 64, "PB: a tile's needed blocks are the bits of one int64")
     jt = tl.arange(0, PB)
     for t in range(0, n_tiles):
         # PB blocks at once: bitmasks and INT8 block maxima (the common case: nothing promoted)
@@ -108,52 +109,53 @@ def _promote_kernel(
             need_t = bbt != 0
         else:
             need_t = (bbt & key_bits) != 0
-        if tl.sum(need_t.to(tl.int32), axis=0) > 0:
-            for j in range(0, PB):
-                i = t * PB + j
-                b = split * BPS + i
-                valid = (b < B) & (i < BPS) & (b < nf)
-                bb = tl.load(bits + rk * B + b, mask=valid, other=0)
+        n_need = tl.sum(need_t.to(tl.int32), axis=0)
+        if n_need > 0:
+            # only the tile's needed blocks, in ascending order: bit j of `rem` marks position j (PB ≤ 64; the bits
+            # are distinct, so their sum is their OR), and each step takes the lowest set bit, its position read
+            # from the exponent of its exact float64 value (a scan of all PB positions would visit every block)
+            rem = tl.sum(tl.where(need_t, tl.full([PB], 1, tl.int64) << jt.to(tl.int64), 0), axis=0)
+            for _k in range(0, n_need):
+                low = rem & -rem
+                rem = rem ^ low
+                j = (((low.to(tl.float64).to(tl.int64, bitcast=True) >> 52) & 0x7FF) - 1023).to(tl.int32)
+                b = split * BPS + t * PB + j
+                bb = tl.load(bits + rk * B + b)
                 kb = (((bb >> g) & 1) != 0) & gm
-                if CANARY:
-                    need = bb != 0
+                bid = tl.load(tables + r * TB_STRIDE + b)
+                bid = tl.minimum(tl.maximum(bid, 0), num_blocks - 1)
+                kbase = (((bid // M) * H + h) * 2) * (M * N * D)
+                if CHANNEL_MAJOR:
+                    koffs = d[None, :] * (M * N) + (bid % M) * N + n[:, None]
                 else:
-                    need = (bb & key_bits) != 0
-                if need:
-                    bid = tl.load(tables + r * TB_STRIDE + b)
-                    bid = tl.minimum(tl.maximum(bid, 0), num_blocks - 1)
-                    kbase = (((bid // M) * H + h) * 2) * (M * N * D)
-                    if CHANNEL_MAJOR:
-                        koffs = d[None, :] * (M * N) + (bid % M) * N + n[:, None]
-                    else:
-                        koffs = ((bid % M) * N + n[:, None]) * D + d[None, :]
-                    if USE_POOL:
-                        ks = tl.load(kslot + rk * B + b).to(tl.int64)
-                        if ks >= 0:  # the promotion cache or the step prefetch holds it (the shadow's bytes)
-                            if ks >= nslots:
-                                src = stage + (ks - nslots) * (N * D)
-                            else:
-                                src = pool + ks * (N * D)
-                            kt = tl.load(src + n[:, None] * D + d[None, :], mask=dm[None, :],
-                                         other=0.0).to(tl.float32)  # fmt: skip
+                    koffs = ((bid % M) * N + n[:, None]) * D + d[None, :]
+                if USE_POOL:
+                    ks = tl.load(kslot + rk * B + b).to(tl.int64)
+                    if ks >= 0:  # the promotion cache or the step prefetch holds it (the shadow's bytes)
+                        if ks >= nslots:
+                            src = stage + (ks - nslots) * (N * D)
                         else:
-                            kt = tl.load(shadow + kbase + koffs, mask=dm[None, :], other=0.0).to(tl.float32)
+                            src = pool + ks * (N * D)
+                        kt = tl.load(src + n[:, None] * D + d[None, :], mask=dm[None, :],
+                                     other=0.0).to(tl.float32)  # fmt: skip
                     else:
                         kt = tl.load(shadow + kbase + koffs, mask=dm[None, :], other=0.0).to(tl.float32)
-                    se = tl.sum(q[:, None, :] * kt[None, :, :], axis=2)  # [GP, N] exact-key scores
-                    srow = ((rk * B + b) * G + g[:, None]) * N + n[None, :]
-                    if CANARY:
-                        s8 = tl.load(scores + srow, mask=gm[:, None], other=0.0)
-                        dl = tl.load(delta + (rk * G + g) * B + b, mask=gm, other=0.0)
-                        allowed = (dl + 2.0 * r1) * (1.0 + 2.0**-10)
-                        diff = tl.abs(se - s8)
-                        viol = ((diff > allowed[:, None]) | ~(diff < float("inf"))) & gm[:, None]
-                        nviol = tl.sum(tl.sum(viol.to(tl.int32), axis=1), axis=0)
-                        tl.atomic_max(canary + r, (nviol > 0).to(tl.int32))
-                    tl.store(scores + srow, se, mask=kb[:, None])
-                    run_max = tl.maximum(run_max, tl.where(kb, tl.max(se, axis=1), float("-inf")))
-                    sa = tl.max(tl.where(tl.abs(se) < float("inf"), tl.abs(se), 0.0), axis=1)
-                    run_abs = tl.maximum(run_abs, tl.where(kb, sa, 0.0))
+                else:
+                    kt = tl.load(shadow + kbase + koffs, mask=dm[None, :], other=0.0).to(tl.float32)
+                se = tl.sum(q[:, None, :] * kt[None, :, :], axis=2)  # [GP, N] exact-key scores
+                srow = ((rk * B + b) * G + g[:, None]) * N + n[None, :]
+                if CANARY:
+                    s8 = tl.load(scores + srow, mask=gm[:, None], other=0.0)
+                    dl = tl.load(delta + (rk * G + g) * B + b, mask=gm, other=0.0)
+                    allowed = (dl + 2.0 * r1) * (1.0 + 2.0**-10)
+                    diff = tl.abs(se - s8)
+                    viol = ((diff > allowed[:, None]) | ~(diff < float("inf"))) & gm[:, None]
+                    nviol = tl.sum(tl.sum(viol.to(tl.int32), axis=1), axis=0)
+                    tl.atomic_max(canary + r, (nviol > 0).to(tl.int32))
+                tl.store(scores + srow, se, mask=kb[:, None])
+                run_max = tl.maximum(run_max, tl.where(kb, tl.max(se, axis=1), float("-inf")))
+                sa = tl.max(tl.where(tl.abs(se) < float("inf"), tl.abs(se), 0.0), axis=1)
+                run_abs = tl.maximum(run_abs, tl.where(kb, sa, 0.0))
     tl.store(smax + (rk * G + g) * S + split, run_max, mask=gm)
     tl.store(sabs + (rk * G + g) * S + split, run_abs, mask=gm)
 
