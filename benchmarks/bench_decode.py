@@ -28,11 +28,16 @@ import json
 import math
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+if str(Path(__file__).resolve().parent) not in sys.path:  # loaded by path (tests, bench_phase1): its siblings
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+from dense_baselines import BASELINES, build_baseline, relative_error, require_fa3  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128
 PRESETS = ("naive", "paper", "coverage", "default", "default+resident")
@@ -243,9 +248,6 @@ def run_point(batch: int, ctx: int, args, results: list[dict]) -> None:
     lens = [ctx - 7] * batch  # a 9-token partial block at the end of every row
     cache, tables = build_cache(k, v, lens)
     seq_lens = torch.tensor(lens, device=dev)
-    kd = k[:, : lens[0]].permute(0, 2, 1, 3).contiguous()
-    vd = v[:, : lens[0]].permute(0, 2, 1, 3).contiguous()
-    qd = q.unsqueeze(2)
     scale = 1.0 / math.sqrt(D)
     setup_s = time.time() - t0
     tokens = batch * lens[0]
@@ -253,9 +255,7 @@ def run_point(batch: int, ctx: int, args, results: list[dict]) -> None:
     page_bytes = batch * (lens[0] // 16) * HKV * cache.layout.page_bytes
     rec: dict = {"batch": batch, "context": ctx, "seq_len": lens[0], "setup_s": round(setup_s, 2)}
 
-    def dense():
-        return F.scaled_dot_product_attention(qd, kd, vd, scale=scale, enable_gqa=True)
-
+    dense = build_baseline("sdpa", q, k, v, lens[0], scale)
     rec["dense_eager_ms"] = time_eager(dense, args.iters)
     rec["dense_ms"] = time_graph(dense, args.iters) or rec["dense_eager_ms"]
     rec["dense_GBps"] = fp16_bytes / (rec["dense_ms"] * 1e-3) / 1e9
@@ -263,6 +263,21 @@ def run_point(batch: int, ctx: int, args, results: list[dict]) -> None:
     rec["page_bytes"] = page_bytes
     print(f"  b={batch} ctx={ctx}: setup {setup_s:.1f}s, dense {rec['dense_ms']:.3f} ms "
           f"(eager {rec['dense_eager_ms']:.3f})", flush=True)  # fmt: skip
+    reference = dense()
+    for name in args.baselines:
+        if name == "sdpa":
+            continue
+        run = build_baseline(name, q, k, v, lens[0], scale)
+        b = {"eager_ms": time_eager(run, args.iters), "graph_ms": time_graph(run, args.iters)}
+        b["ms"] = b["graph_ms"] or b["eager_ms"]
+        b["ratio_to_dense"] = b["ms"] / rec["dense_ms"]
+        b["max_rel_err_vs_sdpa"] = relative_error(run(), reference)
+        rec[name] = b
+        print(f"    {name:8s} graph {_fmt(b['graph_ms'])} ms, eager {b['eager_ms']:.3f} ms, "
+              f"×{b['ratio_to_dense']:.2f} dense, max rel. error vs SDPA {b['max_rel_err_vs_sdpa']:.2e}",
+              flush=True)  # fmt: skip
+        del run
+    del reference
 
     default_pool = None
     for preset in args.methods:
@@ -314,6 +329,9 @@ def run_point(batch: int, ctx: int, args, results: list[dict]) -> None:
             r["cold_ms"] = time_graph(cold, args.iters)
             pool.take_stats()
         r["ratio_to_dense"] = r["ms"] / rec["dense_ms"]
+        for name in args.baselines:
+            if name in rec:
+                r[f"ratio_to_{name}"] = r["ms"] / rec[name]["ms"]
         r["stages_ms"] = {k_: round(v_, 4) for k_, v_ in stages.items()}
         rungs = torch.bincount(res.report.rung.flatten().long().cpu(), minlength=5)
         r["rung_histogram"] = [int(x) for x in rungs]
@@ -542,10 +560,14 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=16, help="multi-step case: decode steps per regime (0: skip)")
     ap.add_argument("--layers", type=int, default=8, help="whole-step case: layers per step (0: skip)")
     ap.add_argument("--methods", nargs="+", default=list(PRESETS), choices=PRESETS)
+    ap.add_argument("--baselines", nargs="+", default=["sdpa"], choices=BASELINES,
+                    help="dense baselines timed in the same run (sdpa always; fa3 and fa3-fp8 need vLLM)")  # fmt: skip
     ap.add_argument("--out", type=Path, default=Path("runs/decode.json"))
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_decode needs a CUDA GPU")
+    if any(b.startswith("fa3") for b in args.baselines):
+        require_fa3()
     torch.backends.cuda.matmul.allow_tf32 = False
     results: list[dict] = []
     t0 = time.time()
@@ -568,11 +590,16 @@ def main() -> None:
     except ImportError:
         pass
     args.out.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
-    heads = " | ".join(f"{m} ms (×)" for m in args.methods)
-    print(f"\n| batch | context | dense ms | {heads} | rungs 0-4 per method |")
-    print("|---|---|---|" + "---|" * len(args.methods) + "---|")
+    extra = [b for b in args.baselines if b != "sdpa"]
+    heads = " | ".join([f"{b} ms (×SDPA)" for b in extra] + [f"{m} ms (×SDPA{''.join(f', ×{b}' for b in extra)})"
+                                                             for m in args.methods])  # fmt: skip
+    print(f"\n| batch | context | SDPA ms | {heads} | rungs 0-4 per method |")
+    print("|---|---|---|" + "---|" * (len(extra) + len(args.methods)) + "---|")
     for r in results:
-        cells = [f"{r[p]['ms']:.3f} ({r[p]['ratio_to_dense']:.2f}×)" for p in args.methods]
+        cells = [f"{r[b]['ms']:.3f} ({r[b]['ratio_to_dense']:.2f}×)" for b in extra]
+        for p in args.methods:
+            ratios = ", ".join(f"{r[p][f'ratio_to_{x}']:.2f}×" for x in ["dense"] + extra)
+            cells.append(f"{r[p]['ms']:.3f} ({ratios})")
         hist = "; ".join(f"{p}: {r[p]['rung_histogram']}" for p in args.methods)
         print(f"| {r['batch']} | {r['context'] // 1024}K | {r['dense_ms']:.3f} | {' | '.join(cells)} | {hist} |")
     print("\nPromotion cache, default preset (ms per layer call, ×dense; hit rates of the pool):")
