@@ -5,7 +5,8 @@ Usage: python benchmarks/bench_attend.py [--points 1x8192 8x131072] [--configs t
 
 For each point (batch × context, the synthetic K/V of ``bench_decode``) one certified call runs with the
 ``preset`` and the arguments of its attend pass are kept (phase-2 scores, global maxima, promotion bits,
-pages, shadow). The pass is then replayed in each configuration: ``triton`` (the Triton kernel) or
+pages, shadow). The pass is then replayed in each configuration: ``triton`` (the Triton kernel),
+``cudaW`` (the CUDA kernel, ``csrc/cuda/attend.cu``, with W warps per CUDA block; ``cuda``: 4) or
 ``gPxCxW[rN]`` (the Gluon kernel with P value-channel parts, C bytes per lane and token, W warps = blocks
 per iteration, ``rN`` a cap of N registers per thread, r0 none). Each
 configuration is timed (median of CUDA-event timings of ``--iters`` replays) and checked
@@ -33,11 +34,14 @@ def parse_config(name: str) -> dict:
     cap; without it the default)."""
     if name == "triton":
         return {"dialect": "triton"}
+    c = re.fullmatch(r"cuda(\d*)", name)
+    if c is not None:
+        return {"attend_kernel": "cuda", "attend_warps": int(c.group(1) or 4)}
     m = re.fullmatch(r"g(\d+)x(\d+)x(\d+)(?:r(\d+))?", name)
     if m is None:
-        raise SystemExit(f"unknown configuration {name!r}: use triton or gPxCxW[rN], e.g. g1x2x4 or g1x2x4r0")
+        raise SystemExit(f"unknown configuration {name!r}: use triton, cudaW or gPxCxW[rN], e.g. cuda4 or g1x2x4")
     p, c, w = (int(x) for x in m.group(1, 2, 3))
-    cfg = {"attend_parts": p, "attend_chunk_bytes": c, "attend_warps": w, "attend_blk": w}
+    cfg = {"attend_kernel": "gluon", "attend_parts": p, "attend_chunk_bytes": c, "attend_warps": w, "attend_blk": w}
     if m.group(4) is not None:
         cfg["attend_maxnreg"] = int(m.group(4))
     return cfg
@@ -73,7 +77,10 @@ def run_config(args: tuple, cfg: dict, iters: int):
     from certvllm.triton_kernels import phase2
 
     geo = dataclasses.replace(args[0], tuning=dataclasses.replace(args[0].tuning, **cfg))
-    if geo.tuning.dialect != "triton" and not phase2.use_gluon_attend(geo):
+    if geo.tuning.attend_kernel == "cuda" and geo.tuning.dialect != "triton":
+        if not phase2.use_cuda_attend(geo, args[1].device):
+            return None, None, None
+    elif geo.tuning.dialect != "triton" and not phase2.use_gluon_attend(geo):
         return None, None, None
     lm = args[-1].clone()
 
@@ -88,7 +95,7 @@ def run_config(args: tuple, cfg: dict, iters: int):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--points", nargs="+", default=["1x8192", "8x131072"])
-    ap.add_argument("--configs", nargs="+", default=["triton", "g1x2x4", "g1x2x4r0", "g1x4x4", "g2x2x4", "g1x2x8"])
+    ap.add_argument("--configs", nargs="+", default=["triton", "g1x2x4", "cuda2", "cuda4", "cuda8"])
     ap.add_argument("--preset", default="default")
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--out", type=Path, default=Path("runs/attend.json"))

@@ -27,8 +27,9 @@ LAYERS = [
     ("vllm_plugin",),
     ("cli", "eval", "server"),
 ]
-# the kernel layer takes typed parameters and returns tensors: it may import only these from certvllm
-KERNEL_IMPORTS = ("certvllm.formats", "certvllm.bounds", "certvllm.triton_kernels")
+# the kernel layer takes typed parameters and returns tensors: it may import only these from certvllm (and the
+# build-once loader of its compiled extensions, in the same layer)
+KERNEL_IMPORTS = ("certvllm.formats", "certvllm.bounds", "certvllm.triton_kernels", "certvllm.kernels.jit")
 
 
 def _layer_of(module: str) -> int | None:

@@ -293,6 +293,17 @@ class Phase2Geometry:
 ATTEND_GLUON_GATE = GluonGate("attend")
 
 
+def use_cuda_attend(geo: Phase2Geometry, device: torch.device) -> bool:
+    """Whether :func:`attend` runs the CUDA kernel (``attend_cuda``): ``geo.tuning`` allows it (dialect not
+    ``"triton"``, ``attend_kernel`` ``"cuda"``) and the kernel takes the shape on ``device``."""
+    tun = geo.tuning
+    if tun.dialect == "triton" or tun.attend_kernel != "cuda":
+        return False
+    from . import attend_cuda
+
+    return attend_cuda.supported(geo.layout, geo.group, tun.attend_warps, device)
+
+
 def use_gluon_attend(geo: Phase2Geometry) -> bool:
     """Whether :func:`attend` runs the Gluon kernel (``attend_gluon``): compiled (not the interpreter),
     ``geo.tuning.dialect`` not ``"triton"``, Gluon importable and compiling (``ATTEND_GLUON_GATE``) and a
@@ -410,7 +421,15 @@ def attend(
             V_ZERO=lay.v_zero, HEADER=lay.header, PRECISE=precise(), num_warps=geo.tuning.attend_warps,
         )  # fmt: skip
 
-    if use_gluon_attend(geo):
+    if use_cuda_attend(geo, scores.device):
+        from . import attend_cuda
+
+        attend_cuda.ATTEND_CUDA_GATE.run(
+            lambda: attend_cuda.launch(out, geo, scores, mmax, shadow, pages, tables, nfull, bits, active, exact_lm,
+                                       geo.tuning.attend_warps),
+            launch_triton,
+        )  # fmt: skip
+    elif use_gluon_attend(geo):
         from . import attend_gluon
 
         ATTEND_GLUON_GATE.run(

@@ -519,13 +519,15 @@ def test_gluon_resident_pass_matches_the_triton_kernel(hq, hkv, d):
         q = (q.float() + 0.05 * torch.randn(q.shape, generator=gen).cuda()).to(q.dtype)
 
 
-@pytest.mark.parametrize("hq,hkv,d", [(32, 8, 128), (24, 3, 64), (64, 8, 128), (8, 8, 64), (8, 4, 256)])
-def test_gluon_attend_configurations_match_the_triton_kernel(hq, hkv, d):
-    """Every supported Gluon attend configuration (value-channel parts × bytes per lane × warps × register
-    cap) against the
-    Triton attend kernel, replaying the attend pass of a real call with extra value promotions: the output
-    sums, den, Σ den_b·η_b, Σ_T den_b and the rank test's log-masses agree within float32 rounding
-    (``attend_deviation``)."""
+ATTEND_SHAPES = [(32, 8, 128), (24, 3, 64), (64, 8, 128), (8, 8, 64), (8, 4, 256), (64, 4, 128)]
+
+
+def _attend_replay(hq: int, hkv: int, d: int):
+    """The attend pass of a real call (retrieval peaks and random cases), with values promoted on ~15 % of blocks
+    on top of the selection: ``(run, check)`` where ``run(**tuning)`` replays the pass in a ``KernelTuning`` and
+    returns ``(geometry, (out, exact_lm))``, and ``check(got)`` compares a replay with the Triton kernel's within
+    float32 rounding (``attend_deviation``: the output sums, den, Σ den_b·η_b, Σ_T den_b and the rank test's
+    log-masses)."""
     import dataclasses
 
     from certvllm.triton_kernels import phase2
@@ -546,28 +548,55 @@ def test_gluon_attend_configurations_match_the_triton_kernel(hq, hkv, d):
     args[7] = bits | torch.where(extra, 1 << (geo.group + g), 0).int()  # values promoted on ~15 % of blocks
     vabs_max = 1.5 * max(float(c.v.float().abs().max()) for c in cases)
 
-    def tuned(**kw):
-        return dataclasses.replace(geo, tuning=dataclasses.replace(geo.tuning, **kw))
-
     def run(**kw):
+        tuned = dataclasses.replace(geo, tuning=dataclasses.replace(geo.tuning, **kw))
         lm = args[-1].clone()
-        out = phase2.attend(tuned(**kw), *args[1:-1], lm)
-        return out, lm
+        return tuned, (phase2.attend(tuned, *args[1:-1], lm), lm)
 
-    ref, ref_lm = run(dialect="triton")
+    _, (ref, ref_lm) = run(dialect="triton")
+
+    def check(got) -> dict:
+        return attend_deviation(got[0], got[1], ref, ref_lm, vabs_max)
+
+    return run, check
+
+
+@pytest.mark.parametrize("hq,hkv,d", ATTEND_SHAPES)
+def test_gluon_attend_configurations_match_the_triton_kernel(hq, hkv, d):
+    """Every supported Gluon attend configuration (value-channel parts × bytes per lane × warps × register
+    cap) against the Triton attend kernel (``_attend_replay``)."""
+    from certvllm.triton_kernels import phase2
+
+    run, check = _attend_replay(hq, hkv, d)
     tested = 0
     configs = [(1, 2, 4, 128), (1, 2, 4, 0), (2, 2, 4, 128), (4, 2, 4, 0), (1, 4, 4, 0), (2, 4, 4, 0), (1, 2, 8, 0)]
     for parts, chunk, warps, maxnreg in configs:
-        kw = dict(attend_parts=parts, attend_chunk_bytes=chunk, attend_warps=warps, attend_blk=warps,
-                  attend_maxnreg=maxnreg)  # fmt: skip
-        if not phase2.use_gluon_attend(tuned(**kw)):
+        kw = dict(attend_kernel="gluon", attend_parts=parts, attend_chunk_bytes=chunk, attend_warps=warps,
+                  attend_blk=warps, attend_maxnreg=maxnreg)  # fmt: skip
+        tuned, got = run(**kw)
+        if not phase2.use_gluon_attend(tuned):
             continue
-        out, lm = run(**kw)
-        dev = attend_deviation(out, lm, ref, ref_lm, vabs_max)
+        dev = check(got)
         assert dev["ok"], (parts, chunk, warps, maxnreg, dev)
         tested += 1
     if not tested:
         pytest.skip("the Gluon attend kernel is not available (no Gluon) or supports none of these configurations")
+
+
+@pytest.mark.parametrize("hq,hkv,d", ATTEND_SHAPES)
+def test_cuda_attend_matches_the_triton_kernel(hq, hkv, d):
+    """The CUDA attend kernel (``csrc/cuda/attend.cu``) with 2, 4 and 8 warps per CUDA block against the Triton
+    attend kernel (``_attend_replay``: value promotions on ~15 % of blocks, GQA 1–16, D = 64/128/256); it must
+    build on the H200 and take every one of these shapes."""
+    from certvllm.triton_kernels import attend_cuda, phase2
+
+    attend_cuda.load()  # a build failure fails the test rather than falling back
+    run, check = _attend_replay(hq, hkv, d)
+    for warps in attend_cuda.WARPS:
+        tuned, got = run(attend_kernel="cuda", attend_warps=warps)
+        assert phase2.use_cuda_attend(tuned, torch.device("cuda")), (hq, hkv, d, warps)
+        dev = check(got)
+        assert dev["ok"], (warps, dev)
 
 
 @pytest.mark.parametrize("preset", ["default", "strict"])

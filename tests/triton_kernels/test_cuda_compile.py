@@ -1,0 +1,53 @@
+"""The CUDA attend kernel (``csrc/cuda/attend.cu``) compiles for sm_90a with nvcc, offline: every configuration the
+launcher dispatches to is instantiated, and those of at most 8 query heads per KV head keep their accumulators in
+registers (no spills). Runs where nvcc is installed (the H200 and this project's development machine); where it is
+not, the test is skipped with that reason (the kernel is then built, and tested, on the GPU: ``test_gpu.py``)."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+SOURCE = Path(__file__).resolve().parents[2] / "csrc" / "cuda" / "attend.cu"
+NVCC = shutil.which("nvcc")
+
+
+def _ptxas_report(tmp_path: Path) -> dict[tuple[int, int, int], tuple[int, int]]:
+    """``{(D, GP, warps): (registers, spill store bytes)}`` of every compiled attend kernel."""
+    proc = subprocess.run(
+        [NVCC, "-DCERTVLLM_NO_TORCH", "-O3", "-std=c++17", "-arch=sm_90a", "-cubin", "-Xptxas", "-v",
+         "-o", str(tmp_path / "attend.cubin"), str(SOURCE)],
+        capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report: dict[tuple[int, int, int], tuple[int, int]] = {}
+    name = None
+    spill = 0
+    for line in proc.stderr.splitlines():
+        m = re.search(r"Compiling entry function '_ZN8certvllm13attend_kernelILi(\d+)ELi(\d+)ELi\d+ELi(\d+)ELi", line)
+        if m:
+            name = tuple(int(x) for x in m.groups())
+            continue
+        m = re.search(r"(\d+) bytes spill stores", line)
+        if m:
+            spill = int(m.group(1))
+        m = re.search(r"Used (\d+) registers", line)
+        if m and name is not None:
+            report[name] = (int(m.group(1)), spill)
+            name = None
+    return report
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc is not installed here: the CUDA kernel is built and tested on the GPU")
+def test_every_attend_configuration_compiles_for_sm90_without_spills_up_to_gqa_8(tmp_path):
+    report = _ptxas_report(tmp_path)
+    expected = {(d, gp, w) for d in (64, 128, 256) for gp in (1, 2, 4, 8, 16) for w in (2, 4, 8)}
+    assert set(report) == expected
+    for (d, gp, w), (regs, spill) in report.items():
+        assert regs <= 255
+        if gp <= 8:
+            assert spill == 0, ((d, gp, w), regs, spill)
