@@ -1,14 +1,16 @@
 """Where the time of one certified decode-attention layer call goes, kernel by kernel (CUDA only).
 
 Usage: python benchmarks/profile_decode.py [--points 1x8192 8x131072] [--presets naive default]
-                                           [--out runs/profile.json]
+                                           [--tunings "" attend_kernel=cuda] [--out runs/profile.json]
 
 For each point (batch × context, the synthetic K/V of ``bench_decode``) and preset it times CUDA-graph
 replays of the call (what the table of ``bench_decode`` reports), then profiles eager calls with
 ``torch.profiler`` and prints, per call: the number of kernels, the sum of their device times, and the
 kernels ranked by device time. The gap between the graph time and the kernel sum is launch and dependency
 latency (one graph node after another); the ranking shows which kernels are worth fusing or speeding up.
-Last, the registers and spills per thread of every compiled certvllm kernel.
+Each preset runs once per ``--tunings`` entry (comma-separated ``KernelTuning`` fields, "" the defaults),
+labelled ``preset[tuning]``, so two kernel choices are compared in one run. Last, the registers and spills per
+thread of every compiled certvllm kernel.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from pathlib import Path
 
 import torch
 from bench_decode import D, build_cache, release_cache, synthetic_kv, time_graph
+from kernel_sass import parse_tuning
 from torch.profiler import ProfilerActivity, profile
 
 
@@ -43,8 +46,11 @@ def _kernel_table(prof, calls: int) -> tuple[list[dict], int, float]:
     return rows, count, total
 
 
-def profile_point(batch: int, ctx: int, presets: list[str], calls: int, top: int) -> dict:
+def profile_point(batch: int, ctx: int, presets: list[str], calls: int, top: int, tunings: list[str]) -> dict:
+    from certvllm.triton_kernels.tuning import KernelTuning
+
     from certvllm.attention import certified_attention
+    from certvllm.attention.gpu import CudaOptions
     from certvllm.config import load_config
     from certvllm.kv.cuda_pagein import CudaPageInEngine
     from certvllm.kv.residency import Residency
@@ -56,13 +62,17 @@ def profile_point(batch: int, ctx: int, presets: list[str], calls: int, top: int
     seq_lens = torch.tensor(lens, device=dev)
     scale = 1.0 / math.sqrt(D)
     out: dict = {"batch": batch, "context": ctx}
-    for preset in presets:
+    for preset, tuning in [(p, t) for p in presets for t in tunings]:
         cfg = load_config(preset)
         eng = CudaPageInEngine(dev)
         residency = Residency.for_layer(cache, cfg.promotion_cache_fraction if cfg.mode == "certified" else 0.0)
+        options = CudaOptions(tuning=KernelTuning(**parse_tuning([x for x in tuning.split(",") if x])))
+        if tuning:
+            preset = f"{preset}[{tuning}]"
 
-        def call(cfg=cfg, eng=eng, residency=residency):  # what the vLLM backend calls
-            return certified_attention(q, cache, tables, seq_lens, cfg, scale, pagein=eng, residency=residency)
+        def call(cfg=cfg, eng=eng, residency=residency, options=options):  # what the vLLM backend calls
+            return certified_attention(q, cache, tables, seq_lens, cfg, scale, pagein=eng, residency=residency,
+                                       cuda_options=options)  # fmt: skip
 
         graph_ms = time_graph(call, 20)
         for _ in range(3):
@@ -112,6 +122,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--points", nargs="+", default=["1x8192", "1x131072", "8x131072"])
     ap.add_argument("--presets", nargs="+", default=["naive", "default"])
+    ap.add_argument("--tunings", nargs="+", default=[""],
+                    help='KernelTuning overrides per run, e.g. "" attend_kernel=cuda')  # fmt: skip
     ap.add_argument("--calls", type=int, default=5)
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--out", type=Path, default=Path("runs/profile.json"))
@@ -119,7 +131,7 @@ def main() -> None:
     results = []
     for p in args.points:
         b, c = (int(x) for x in p.split("x"))
-        results.append(profile_point(b, c, args.presets, args.calls, args.top))
+        results.append(profile_point(b, c, args.presets, args.calls, args.top, args.tunings))
     resources = compiled_kernel_resources()
     for r in resources:
         print(f"    {r['kernel']:32s} {r['registers']:4d} registers/thread, {r['spill_bytes']} bytes spilled")
