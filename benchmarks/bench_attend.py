@@ -6,7 +6,7 @@ Usage: python benchmarks/bench_attend.py [--points 1x8192 8x131072] [--configs t
 For each point (batch × context, the synthetic K/V of ``bench_decode``) one certified call runs with the
 ``preset`` and the arguments of its attend pass are kept (phase-2 scores, global maxima, promotion bits,
 pages, shadow). The pass is then replayed in each configuration: ``triton`` (the Triton kernel),
-``cudaW`` (the CUDA kernel, ``csrc/cuda/attend.cu``, with W warps per CUDA block; ``cuda``: 4) or
+``cudaW`` (the CUDA kernel, ``csrc/cuda/attend_kernel.cuh``, with W warps per CUDA block; ``cuda``: 4) or
 ``gPxCxW[rN]`` (the Gluon kernel with P value-channel parts, C bytes per lane and token, W warps = blocks
 per iteration, ``rN`` a cap of N registers per thread, r0 none). Each
 configuration is timed (median of CUDA-event timings of ``--iters`` replays) and checked

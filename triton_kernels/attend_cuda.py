@@ -1,4 +1,4 @@
-"""The attend pass's CUDA kernel (``csrc/cuda/attend.cu``; read its header first): build on first use, the shapes it
+"""The attend pass's CUDA kernel (``csrc/cuda/attend_kernel.cuh``; read its header first): build on first use, the shapes it
 takes, and the launch into the :class:`phase2.AttendOut` buffers.
 
 The kernel computes what ``phase2._attend_kernel`` computes, with the same float32 block sums and float64
@@ -24,8 +24,9 @@ MAX_GROUP = 16
 WARPS = (2, 4, 8)
 _EXT = JitExtension(
     "certvllm_cuda_attend_v1",
-    [csrc_file("cuda", "attend.cu")],
+    [csrc_file("cuda", name) for name in ("attend.cu", "attend_d64.cu", "attend_d128.cu", "attend_d256.cu")],
     "the attend pass runs the Triton kernel",
+    headers=(csrc_file("cuda", "attend_kernel.cuh"),),
     extra_cuda_cflags=["-O3", "-std=c++17"],
 )
 _DEVICE_POINTERS: dict[int, int] = {}

@@ -36,17 +36,22 @@ def csrc_file(*parts: str) -> Path:
 class JitExtension:
     """One extension module, compiled on first :meth:`load` and cached per process."""
 
-    def __init__(self, name: str, sources: list[Path], fallback: str, **build_args: object) -> None:
+    def __init__(
+        self, name: str, sources: list[Path], fallback: str, headers: tuple[Path, ...] = (), **build_args: object
+    ) -> None:
+        """``sources`` are compiled (in parallel where torch's ninja build can); ``headers`` are files they include,
+        which the build folder's digest covers too."""
         self.name, self.sources, self.fallback, self.build_args = name, sources, fallback, build_args
+        self.headers = headers
         self._lock = threading.Lock()
         self._module: ModuleType | None = None
         self._failed: str | None = None
 
     @property
     def digest(self) -> str:
-        """12 hex digits of the sources' bytes and the build arguments."""
+        """12 hex digits of the sources' and headers' bytes and the build arguments."""
         h = hashlib.sha256(repr(sorted(self.build_args.items())).encode())
-        for source in self.sources:
+        for source in (*self.sources, *self.headers):
             h.update(Path(source).read_bytes())
         return h.hexdigest()[:12]
 

@@ -1,7 +1,8 @@
-"""The CUDA attend kernel (``csrc/cuda/attend.cu``) compiles for sm_90a with nvcc, offline: every configuration the
-launcher dispatches to is instantiated, and those of at most 8 query heads per KV head keep their accumulators in
-registers (no spills). Runs where nvcc is installed (the H200 and this project's development machine); where it is
-not, the test is skipped with that reason (the kernel is then built, and tested, on the GPU: ``test_gpu.py``)."""
+"""The CUDA attend kernel (``csrc/cuda/attend_kernel.cuh``) compiles for sm_90a with nvcc, offline: the three
+per-head-dim units instantiate every configuration the launcher dispatches to, and those of at most 8 query heads
+per KV head keep their accumulators in registers (no spills). Runs where nvcc is installed (the H200 and this
+project's development machine); where it is not, the test is skipped with that reason (the kernel is then built,
+and tested, on the GPU: ``test_gpu.py``)."""
 
 from __future__ import annotations
 
@@ -12,22 +13,29 @@ from pathlib import Path
 
 import pytest
 
-SOURCE = Path(__file__).resolve().parents[2] / "csrc" / "cuda" / "attend.cu"
+CUDA_SOURCES = Path(__file__).resolve().parents[2] / "csrc" / "cuda"
 NVCC = shutil.which("nvcc")
 
 
 def _ptxas_report(tmp_path: Path) -> dict[tuple[int, int, int], tuple[int, int]]:
     """``{(D, GP, warps): (registers, spill store bytes)}`` of every compiled attend kernel."""
-    proc = subprocess.run(
-        [NVCC, "-DCERTVLLM_NO_TORCH", "-O3", "-std=c++17", "-arch=sm_90a", "-cubin", "-Xptxas", "-v",
-         "-o", str(tmp_path / "attend.cubin"), str(SOURCE)],
-        capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    procs = [
+        subprocess.Popen(
+            [NVCC, "-O3", "-std=c++17", "-arch=sm_90a", "-cubin", "-Xptxas", "-v", "-o", str(tmp_path / f"d{d}.cubin"),
+             str(CUDA_SOURCES / f"attend_d{d}.cu")],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        for d in (64, 128, 256)
+    ]
+    stderr = ""
+    for proc in procs:
+        _, err = proc.communicate(timeout=900)
+        assert proc.returncode == 0, err[-4000:]
+        stderr += err
     report: dict[tuple[int, int, int], tuple[int, int]] = {}
     name = None
     spill = 0
-    for line in proc.stderr.splitlines():
+    for line in stderr.splitlines():
         m = re.search(r"Compiling entry function '_ZN8certvllm13attend_kernelILi(\d+)ELi(\d+)ELi\d+ELi(\d+)ELi", line)
         if m:
             name = tuple(int(x) for x in m.groups())

@@ -585,7 +585,7 @@ def test_gluon_attend_configurations_match_the_triton_kernel(hq, hkv, d):
 
 @pytest.mark.parametrize("hq,hkv,d", ATTEND_SHAPES)
 def test_cuda_attend_matches_the_triton_kernel(hq, hkv, d):
-    """The CUDA attend kernel (``csrc/cuda/attend.cu``) with 2, 4 and 8 warps per CUDA block against the Triton
+    """The CUDA attend kernel (``csrc/cuda/attend_kernel.cuh``) with 2, 4 and 8 warps per CUDA block against the Triton
     attend kernel (``_attend_replay``: value promotions on ~15 % of blocks, GQA 1–16, D = 64/128/256); it must
     build on the H200 and take every one of these shapes."""
     from certvllm.triton_kernels import attend_cuda, phase2
