@@ -21,9 +21,21 @@ def _ptxas_report(tmp_path: Path) -> dict[tuple[int, int, int], tuple[int, int]]
     """``{(D, GP, warps): (registers, spill store bytes)}`` of every compiled attend kernel."""
     procs = [
         subprocess.Popen(
-            [NVCC, "-O3", "-std=c++17", "-arch=sm_90a", "-cubin", "-Xptxas", "-v", "-o", str(tmp_path / f"d{d}.cubin"),
-             str(CUDA_SOURCES / f"attend_d{d}.cu")],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            [
+                NVCC,
+                "-O3",
+                "-std=c++17",
+                "-arch=sm_90a",
+                "-cubin",
+                "-Xptxas",
+                "-v",
+                "-o",
+                str(tmp_path / f"d{d}.cubin"),
+                str(CUDA_SOURCES / f"attend_d{d}.cu"),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
         )  # fmt: skip
         for d in (64, 128, 256)
     ]
