@@ -22,9 +22,9 @@ configuration computes the same certified quantities (``tests/triton_kernels/tes
   iteration, its best layout at D = 128 (``docs/performance.md``).
 * ``prefetch_programs``, ``prefetch_unroll``: the step prefetch's staging gather: its programs and the
   pages each has in flight (``prefetch.stage_pages``).
-* ``attend_kernel``: ``"cuda"``: the attend pass runs the CUDA kernel (``attend_cuda``) where it builds and takes
-  the shape, else the Gluon one where that does, else Triton; ``"gluon"`` (the default until the CUDA kernel has
-  passed its GPU tests): never the CUDA kernel.
+* ``attend_kernel``: ``"cuda"`` (the default): the attend pass runs the CUDA kernel (``attend_cuda``) where it builds
+  and takes the shape, else the Gluon one where that does, else Triton; ``"gluon"``: never the CUDA kernel (the
+  A/B of ``benchmarks/bench_attend.py`` until the Gluon attend kernel is deleted).
 * ``dialect``: ``"auto"`` runs the Gluon kernels where they compile (CUDA, a supported shape) and the
   Triton kernels otherwise (the interpreter included); ``"triton"`` always runs the Triton kernels (what
   tests and benchmarks that compare the two pass).
@@ -76,7 +76,7 @@ class KernelTuning:
     resident_maxnreg: int = 0
     prefetch_programs: int = 8
     prefetch_unroll: int = 4
-    attend_kernel: Literal["cuda", "gluon"] = "gluon"
+    attend_kernel: Literal["cuda", "gluon"] = "cuda"
     dialect: Literal["auto", "triton"] = "auto"
 
     def __post_init__(self) -> None:
@@ -91,7 +91,7 @@ class KernelTuning:
         if self.attend_kernel not in ATTEND_KERNELS:
             raise ValueError(
                 f"KernelTuning.attend_kernel={self.attend_kernel!r} is not an attend kernel: it must be one of "
-                f"{', '.join(map(repr, ATTEND_KERNELS))}; pass KernelTuning(attend_kernel='gluon') (the default)"
+                f"{', '.join(map(repr, ATTEND_KERNELS))}; pass KernelTuning(attend_kernel='cuda') (the default)"
             )
         if self.dialect not in DIALECTS:
             raise ValueError(
