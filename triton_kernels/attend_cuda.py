@@ -30,7 +30,7 @@ _EXT = JitExtension(
     extra_cuda_cflags=["-O3", "-std=c++17"],
 )
 _DEVICE_POINTERS: dict[int, int] = {}
-ATTEND_CUDA_GATE = GluonGate("attend (CUDA)")
+ATTEND_CUDA_GATE = GluonGate("attend", dialect="CUDA")
 """Falls back to the Triton kernel, once and with a warning, when the extension cannot be built."""
 
 

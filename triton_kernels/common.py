@@ -107,8 +107,8 @@ class GluonGate:
     kernels for sm_90 in ``make test``, so a failure here means a Triton other than the tested ones.
     ``KernelTuning(dialect="triton")`` skips the Gluon kernels altogether."""
 
-    def __init__(self, name: str) -> None:
-        self.name = name
+    def __init__(self, name: str, dialect: str = "Gluon") -> None:
+        self.name, self.dialect = name, dialect
         self.launched = False
         self.failure: str | None = None
 
@@ -122,8 +122,11 @@ class GluonGate:
                 self.failure = f"{type(err).__name__}: {str(err)[:400]}"
                 import warnings
 
+                built_by = (
+                    f"Triton {triton.__version__}" if self.dialect == "Gluon" else "nvcc (torch's extension build)"
+                )
                 warnings.warn(
-                    f"certvllm: the Gluon {self.name} kernel failed to compile with Triton {triton.__version__} "
+                    f"certvllm: the {self.dialect} {self.name} kernel failed to compile with {built_by} "
                     f"({self.failure}); using the Triton kernel for the rest of this process (same results, "
                     'slower). Pass KernelTuning(dialect="triton") to the launchers to skip the attempt.',
                     RuntimeWarning,

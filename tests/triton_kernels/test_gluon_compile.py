@@ -141,3 +141,8 @@ def test_a_gluon_kernel_that_fails_to_compile_falls_back_once_and_loudly():
     with pytest.raises(RuntimeError, match="illegal"):
         ok.run(lambda: (_ for _ in ()).throw(RuntimeError("illegal memory access")), lambda: calls.append("never"))
     assert "never" not in calls and ok.failure is None
+
+    cuda = GluonGate("attend", dialect="CUDA")  # the CUDA attend kernel's build failure names nvcc, not Triton
+    with pytest.warns(RuntimeWarning, match="the CUDA attend kernel failed to compile with nvcc"):
+        cuda.run(broken, lambda: calls.append("triton"))
+    assert calls[-1] == "triton"
