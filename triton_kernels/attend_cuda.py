@@ -10,12 +10,14 @@ compiled by torch's extension tools (``certvllm.kernels.jit``, nvcc) the first t
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from certvllm.formats.layout import BLOCK_SIZE, PageLayout
 from certvllm.kernels.jit import JitExtension, csrc_file
 
-from .common import GluonGate, interpreting, next_pow2
+from .common import GluonGate, interpreting
 
 VALUE_GROUP = 16
 """The value group size the kernel is compiled for (other sizes run the Triton kernel)."""
@@ -34,35 +36,34 @@ ATTEND_CUDA_GATE = GluonGate("attend", dialect="CUDA")
 """Falls back to the Triton kernel, once and with a warning, when the extension cannot be built."""
 
 
-def supported(layout: PageLayout, group: int, warps: int, device: torch.device) -> bool:
-    """Whether the CUDA kernel takes this call: a compiled (not interpreted) CUDA device of compute capability 9.x,
-    a head dim in :data:`HEAD_DIMS`, value groups of :data:`VALUE_GROUP`, at most :data:`MAX_GROUP` query heads per
-    KV head, ``warps`` in :data:`WARPS`, and no earlier build failure in this process."""
-    if interpreting() or device.type != "cuda" or ATTEND_CUDA_GATE.failure is not None:
-        return False
-    if torch.cuda.get_device_capability(device)[0] != 9:
-        return False
+@functools.cache
+def _hopper(index: int) -> bool:
+    """Whether CUDA device ``index`` has compute capability 9.x (asked once per device, not per layer call)."""
+    return torch.cuda.get_device_capability(index)[0] == 9
+
+
+@functools.cache
+def layout_fits(layout: PageLayout) -> bool:
+    """Whether the kernel can copy a page's value codes, scales and zeros as one span: contiguous, the span, header
+    and page 16-byte aligned, 16-token blocks and value groups of :data:`VALUE_GROUP` (``formats.layout`` lays
+    them out so at every supported head dim)."""
+    n, d = layout.block_size, layout.head_dim
     return (
-        layout.head_dim in HEAD_DIMS and layout.value_group == VALUE_GROUP and 1 <= group <= MAX_GROUP
-        and warps in WARPS and layout.block_size == BLOCK_SIZE
+        n == BLOCK_SIZE and layout.value_group == VALUE_GROUP and d in HEAD_DIMS
+        and layout.v_scale == layout.v_codes + n * d // 2
+        and layout.v_zero == layout.v_scale + 2 * n * layout.groups
+        and layout.v_codes % 16 == 0 and layout.header % 16 == 0 and layout.page_bytes % 16 == 0
     )  # fmt: skip
 
 
-def check_layout(layout: PageLayout) -> None:
-    """The kernel copies the value codes, scales and zeros as one span: they must be contiguous and 16-byte
-    aligned in the page (``formats.layout`` puts them so; raises naming the offsets otherwise)."""
-    n, d = layout.block_size, layout.head_dim
-    if (
-        layout.v_scale != layout.v_codes + n * d // 2
-        or layout.v_zero != layout.v_scale + 2 * n * layout.groups
-        or layout.v_codes % 16
-        or layout.header % 16
-        or layout.page_bytes % 16
-    ):  # fmt: skip
-        raise ValueError(
-            f"page layout {layout}: the CUDA attend kernel needs the value codes, scales and zeros contiguous and "
-            "the value span, header and page 16-byte aligned; run the Triton kernel (KernelTuning(dialect='triton'))"
-        )
+def supported(layout: PageLayout, group: int, warps: int, device: torch.device) -> bool:
+    """Whether the CUDA kernel takes this call: a compiled (not interpreted) CUDA device of compute capability 9.x,
+    a page layout it can stream (:func:`layout_fits`), at most :data:`MAX_GROUP` query heads per KV head, ``warps``
+    in :data:`WARPS`, and no earlier build failure in this process."""
+    if interpreting() or device.type != "cuda" or ATTEND_CUDA_GATE.failure is not None:
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return 1 <= group <= MAX_GROUP and warps in WARPS and layout_fits(layout) and _hopper(index)
 
 
 def load():
@@ -71,13 +72,10 @@ def load():
 
 
 def launch(out, geo, scores, mmax, shadow, pages, tables, nfull, bits, active, exact_lm, warps: int) -> None:
-    """Launch the CUDA attend pass into ``out`` (:class:`phase2.AttendOut`); the arguments are
-    :func:`phase2.attend`'s. ``shadow`` is read through its device address (pinned host memory under unified
+    """Launch the CUDA attend pass into ``out`` (:class:`phase2.AttendOut`) for a call :func:`supported` accepted; the
+    arguments are :func:`phase2.attend`'s. ``shadow`` is read through its device address (pinned host memory under unified
     addressing, or device memory)."""
-    lay = geo.layout
-    check_layout(lay)
-    if geo.group > MAX_GROUP or next_pow2(geo.group) > MAX_GROUP:
-        raise ValueError(f"{geo.group} query heads per KV head: the CUDA attend kernel takes at most {MAX_GROUP}")
+    lay = geo.layout  # :func:`supported` has checked it (the extension checks shapes and dtypes again)
     if tables.stride(1) != 1:
         tables = tables.contiguous()
     ext = load()
