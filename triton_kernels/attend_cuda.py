@@ -1,11 +1,12 @@
-"""The attend pass's CUDA kernel (``csrc/cuda/attend_kernel.cuh``; read its header first): build on first use, the shapes it
-takes, and the launch into the :class:`phase2.AttendOut` buffers.
+"""The attend pass's CUDA kernel (``csrc/cuda/attend_kernel.cuh``; read its header first): build on first use, the
+shapes it takes, and the launch into the :class:`phase2.AttendOut` buffers.
 
 The kernel computes what ``phase2._attend_kernel`` computes, with the same float32 block sums and float64
 accumulation (docs/certification.md §5.1), so the certificate is unchanged; it differs in how the bytes move:
 independent warps stream their pages through a ring of ``cp.async`` stages instead of waiting on each load. It is
 compiled by torch's extension tools (``certvllm.kernels.jit``, nvcc) the first time a CUDA process asks for it
-(the server's warm-up does); where that fails, :data:`ATTEND_CUDA_GATE` warns once and the Triton kernel runs.
+(the server's warm-up does); where that fails, :data:`ATTEND_CUDA_GATE` warns once, that call runs the Triton kernel
+and later ones the Gluon kernel (``phase2.attend``).
 """
 
 from __future__ import annotations
