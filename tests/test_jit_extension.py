@@ -37,3 +37,33 @@ def test_a_lock_left_by_a_killed_build_is_cleared_and_a_live_one_kept(tmp_path):
     old = time.time() - STALE_LOCK_SECONDS - 5
     os.utime(lock, (old, old))
     assert clear_stale_lock(tmp_path) and not lock.exists()
+
+
+def test_a_finished_build_is_imported_without_a_build_step_when_the_sources_are_copied_anew(tmp_path, monkeypatch):
+    """torch's ninja build compares file times, so a tree copied anew (same bytes, new times: every run on the lent
+    GPU machines) rebuilt the extension; a finished build of the same digest is imported directly instead."""
+    import shutil
+
+    import pytest
+    import torch.utils.cpp_extension
+
+    from certvllm.kernels import cpu
+
+    try:
+        built = cpu._EXT.load()
+    except RuntimeError as err:
+        pytest.fail(f"the CPU extension must build on the test machine: {err}")
+    copies = []
+    for source in cpu._EXT.sources:
+        copy = tmp_path / Path(source).name
+        shutil.copyfile(source, copy)  # same bytes, a new file time
+        copies.append(copy)
+    again = JitExtension(cpu._EXT.name, copies, "fallback", **cpu._EXT.build_args)
+    assert again.build_dir == cpu._EXT.build_dir
+
+    def no_build(*args, **kwargs):
+        raise AssertionError("a finished build of this digest must not be built again")
+
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", no_build)
+    module = again.load()
+    assert module.__file__ == built.__file__ and set(dir(built)) <= set(dir(module))

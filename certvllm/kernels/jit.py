@@ -2,14 +2,20 @@
 
 Each extension compiles into ``$CERTVLLM_EXT_DIR/<name>-<digest>`` (default ``~/.cache/certvllm/extensions``)
 on first use; a failure is remembered and reported once, and callers fall back to a slower path. The digest
-covers the sources' bytes and the build arguments, so two checkouts or versions never rebuild one folder
-under each other (a build that changed a running server's module in place, or loaded one with another
+covers the sources' bytes, the build arguments and the torch build, so two checkouts or versions never rebuild
+one folder under each other (a build that changed a running server's module in place, or loaded one with another
 interface, was seen with a test run and a server from two trees).
+
+A folder whose build finished holds ``<module>.so`` and a ``built`` marker (written after the module imported);
+later processes import that library directly instead of asking torch's ninja build, which compares file times and
+rebuilt everything (about a minute for the CUDA attend kernel) whenever the sources were copied anew with the
+same bytes, as on every run on the lent GPU machines.
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import logging
 import threading
 from importlib import resources
@@ -19,6 +25,8 @@ from types import ModuleType
 from certvllm.env import environment
 
 logger = logging.getLogger("certvllm")
+BUILT_MARKER = "built"
+"""Written into a build folder once its module imported: the folder's library is complete."""
 STALE_LOCK_SECONDS = 600.0
 """Age past which a build folder's ``lock`` is taken to be left by a killed build (one takes well under a minute):
 torch's loader would otherwise wait on it forever."""
@@ -41,16 +49,27 @@ class JitExtension:
     ) -> None:
         """``sources`` are compiled (in parallel where torch's ninja build can); ``headers`` are files they include,
         which the build folder's digest covers too."""
-        self.name, self.sources, self.fallback, self.build_args = name, sources, fallback, build_args
+        self.name, self.sources, self.fallback = name, sources, fallback
+        # lists frozen to tuples: torch's loader appends to the flag lists it is given, which would change the
+        # digest (and the folder) of a built extension under its own feet
+        self.build_args = {k: tuple(v) if isinstance(v, list) else v for k, v in build_args.items()}
         self.headers = headers
         self._lock = threading.Lock()
         self._module: ModuleType | None = None
         self._failed: str | None = None
 
     @property
+    def module_name(self) -> str:
+        return self.name.split("-")[0]
+
+    @property
     def digest(self) -> str:
-        """12 hex digits of the sources' and headers' bytes and the build arguments."""
+        """12 hex digits of the sources' and headers' bytes, the build arguments and the torch build (its version
+        and CUDA version: the library links against both)."""
+        import torch
+
         h = hashlib.sha256(repr(sorted(self.build_args.items())).encode())
+        h.update(f"{torch.__version__}|{torch.version.cuda}".encode())
         for source in (*self.sources, *self.headers):
             h.update(Path(source).read_bytes())
         return h.hexdigest()[:12]
@@ -78,18 +97,45 @@ class JitExtension:
                 return self._module
             if self._failed is not None:
                 raise RuntimeError(self._failed)
+            self._module = self._import_built()
+            if self._module is not None:
+                return self._module
             from torch.utils.cpp_extension import load as load_extension
 
             clear_stale_lock(self.build_dir)
             try:
-                self._module = load_extension(name=self.name.split("-")[0], sources=[str(s) for s in self.sources],
+                self._module = load_extension(name=self.module_name, sources=[str(s) for s in self.sources],
                                               build_directory=str(self.build_dir), verbose=False,
-                                              **self.build_args)  # type: ignore[arg-type]  # fmt: skip
+                                              **self._fresh_build_args())  # type: ignore[arg-type]  # fmt: skip
             except Exception as err:  # a missing compiler must not take the service down
                 self._failed = f"{self.name} unavailable ({type(err).__name__}: {err}); {self.fallback}"
                 logger.warning("%s", self._failed)
                 raise RuntimeError(self._failed) from err
+            (self.build_dir / BUILT_MARKER).touch()
         return self._module
+
+    def _fresh_build_args(self) -> dict[str, object]:
+        """The build arguments with new lists, for a loader that may change them."""
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in self.build_args.items()}
+
+    def _import_built(self) -> ModuleType | None:
+        """The library of a finished build of this digest, imported without a build step; None when there is none
+        (no marker: never built, or a build that did not finish) or it does not import (then it is rebuilt)."""
+        library = self.build_dir / f"{self.module_name}.so"
+        if not (self.build_dir / BUILT_MARKER).exists() or not library.exists():
+            return None
+        try:
+            import torch  # noqa: F401  (the library resolves torch's symbols from the loaded torch)
+
+            spec = importlib.util.spec_from_file_location(self.module_name, library)
+            assert spec is not None and spec.loader is not None
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+        except Exception as err:  # a damaged library: build again, as before the marker existed
+            logger.warning("certvllm: %s did not import (%s: %s); rebuilding it", library, type(err).__name__, err)
+            (self.build_dir / BUILT_MARKER).unlink(missing_ok=True)
+            return None
+        return module
 
 
 def clear_stale_lock(build_dir: Path, max_age: float = STALE_LOCK_SECONDS) -> bool:
