@@ -1,14 +1,12 @@
 """The attend pass alone, in each of its kernel configurations, on the inputs of a real layer call (CUDA only).
 
-Usage: python benchmarks/bench_attend.py [--points 1x8192 8x131072] [--configs triton g1x2x4 g2x2x4 ...]
+Usage: python benchmarks/bench_attend.py [--points 1x8192 8x131072] [--configs triton cuda2 cuda4 cuda8]
                                          [--preset default] [--out runs/attend.json]
 
 For each point (batch × context, the synthetic K/V of ``bench_decode``) one certified call runs with the
 ``preset`` and the arguments of its attend pass are kept (phase-2 scores, global maxima, promotion bits,
-pages, shadow). The pass is then replayed in each configuration: ``triton`` (the Triton kernel),
-``cudaW`` (the CUDA kernel, ``csrc/cuda/attend_kernel.cuh``, with W warps per CUDA block; ``cuda``: 4) or
-``gPxCxW[rN]`` (the Gluon kernel with P value-channel parts, C bytes per lane and token, W warps = blocks
-per iteration, ``rN`` a cap of N registers per thread, r0 none). Each
+pages, shadow). The pass is then replayed in each configuration: ``triton`` (the Triton kernel) or
+``cudaW`` (the CUDA kernel, ``csrc/cuda/attend_kernel.cuh``, with W warps per CUDA block; ``cuda``: 4). Each
 configuration is timed (median of CUDA-event timings of ``--iters`` replays) and checked
 against the Triton kernel within float32 rounding (``certvllm.testing.attend_deviation``: each deviation
 over its allowance, ≤ 1 is agreement). It prints a table and writes JSON; the ratio column is against the
@@ -29,22 +27,14 @@ from bench_decode import build_cache, median_ms, release_cache, synthetic_kv
 
 
 def parse_config(name: str) -> dict:
-    """The ``KernelTuning`` fields of a configuration: ``triton`` → the Triton kernel; ``gPxCxW[rN]`` →
-    Gluon with P parts, C chunk bytes, W warps and, with ``rN``, at most N registers per thread (r0: no
-    cap; without it the default)."""
+    """The ``KernelTuning`` fields of a configuration: ``triton`` → the Triton kernel; ``cudaW`` → the CUDA
+    kernel with W warps per CUDA block (``cuda``: 4)."""
     if name == "triton":
         return {"dialect": "triton"}
     c = re.fullmatch(r"cuda(\d*)", name)
-    if c is not None:
-        return {"attend_kernel": "cuda", "attend_warps": int(c.group(1) or 4)}
-    m = re.fullmatch(r"g(\d+)x(\d+)x(\d+)(?:r(\d+))?", name)
-    if m is None:
-        raise SystemExit(f"unknown configuration {name!r}: use triton, cudaW or gPxCxW[rN], e.g. cuda4 or g1x2x4")
-    p, c, w = (int(x) for x in m.group(1, 2, 3))
-    cfg = {"attend_kernel": "gluon", "attend_parts": p, "attend_chunk_bytes": c, "attend_warps": w, "attend_blk": w}
-    if m.group(4) is not None:
-        cfg["attend_maxnreg"] = int(m.group(4))
-    return cfg
+    if c is None:
+        raise SystemExit(f"unknown configuration {name!r}: use triton or cudaW, e.g. cuda4")
+    return {"attend_warps": int(c.group(1) or 4)}
 
 
 def capture(batch: int, ctx: int, preset: str) -> tuple[tuple, object, float]:
@@ -73,14 +63,12 @@ def capture(batch: int, ctx: int, preset: str) -> tuple[tuple, object, float]:
 
 def run_config(args: tuple, cfg: dict, iters: int):
     """Time the attend pass in configuration ``cfg`` (``KernelTuning`` fields); returns (median ms,
-    AttendOut, exact_lm), or Nones where the Gluon kernel does not support the configuration."""
+    AttendOut, exact_lm), or Nones where the CUDA kernel does not take the configuration (its shape, its warps or
+    this device; ``phase2.use_cuda_attend``)."""
     from certvllm.triton_kernels import phase2
 
     geo = dataclasses.replace(args[0], tuning=dataclasses.replace(args[0].tuning, **cfg))
-    if geo.tuning.attend_kernel == "cuda" and geo.tuning.dialect != "triton":
-        if not phase2.use_cuda_attend(geo, args[1].device):
-            return None, None, None
-    elif geo.tuning.dialect != "triton" and not phase2.use_gluon_attend(geo):
+    if geo.tuning.dialect != "triton" and not phase2.use_cuda_attend(geo, args[1].device):
         return None, None, None
     lm = args[-1].clone()
 
@@ -95,7 +83,7 @@ def run_config(args: tuple, cfg: dict, iters: int):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--points", nargs="+", default=["1x8192", "8x131072"])
-    ap.add_argument("--configs", nargs="+", default=["triton", "g1x2x4", "cuda2", "cuda4", "cuda8"])
+    ap.add_argument("--configs", nargs="+", default=["triton", "cuda2", "cuda4", "cuda8"])
     ap.add_argument("--preset", default="default")
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--out", type=Path, default=Path("runs/attend.json"))

@@ -1,13 +1,13 @@
 """What the compiler makes of the Gluon kernels, without a GPU: registers, stack (spilled bytes) and the
 instructions of one main-loop iteration (one 16-token block per warp), per configuration.
 
-Usage: python benchmarks/kernel_sass.py [--tuning attend_maxnreg=0 ...] [--out runs/kernel_sass.json]
+Usage: python benchmarks/kernel_sass.py [--tuning resident_maxnreg=168 ...] [--out runs/kernel_sass.json]
 
-Compiles the attend, phase-1 and resident-pass Gluon kernels with the installed Triton for sm_90
+Compiles the phase-1 and resident-pass Gluon kernels with the installed Triton for sm_90
 (``triton_kernels/offline_compile.py``, in a child process) at LLaMA-3.1-8B shapes (G = 4, D = 128) and a
 few others, with the launchers' constants for ``KernelTuning`` (the defaults, with the ``--tuning``
 fields replaced), and prints one row per kernel with the loop's most frequent opcodes.
-Fewer instructions per block is necessary, not sufficient: the H200 decides (``bench_attend.py``,
+Fewer instructions per block is necessary, not sufficient: the H200 decides (``probe_resident.py``,
 ``profile_decode.py``). The Triton here may differ from the H200's (3.6 there), so compare variants
 compiled here with each other.
 """
@@ -20,7 +20,7 @@ from pathlib import Path
 
 
 def parse_tuning(items: list[str]) -> dict:
-    """``["attend_maxnreg=0", ...]`` → ``{"attend_maxnreg": 0, ...}``, checked by ``KernelTuning``."""
+    """``["resident_maxnreg=168", ...]`` → ``{"resident_maxnreg": 168, ...}``, checked by ``KernelTuning``."""
     from certvllm.triton_kernels.tuning import KernelTuning
 
     out: dict = {}
@@ -28,8 +28,8 @@ def parse_tuning(items: list[str]) -> dict:
         for item in items:
             name, sep, value = item.partition("=")
             if not sep:
-                raise ValueError(f"{item!r}: write FIELD=VALUE, e.g. attend_maxnreg=0")
-            out[name] = value if name in ("dialect", "attend_kernel") else int(value)
+                raise ValueError(f"{item!r}: write FIELD=VALUE, e.g. resident_maxnreg=168")
+            out[name] = value if name == "dialect" else int(value)
         KernelTuning(**out)
     except (TypeError, ValueError) as err:
         raise SystemExit(f"--tuning: {err}") from err
@@ -41,13 +41,13 @@ def main() -> None:
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tuning", nargs="*", default=[], metavar="FIELD=VALUE",
-                    help="KernelTuning fields to change, e.g. attend_maxnreg=0 attend_parts=2")  # fmt: skip
+                    help="KernelTuning fields to change, e.g. resident_maxnreg=168")  # fmt: skip
     ap.add_argument("--out", type=Path, default=Path("runs/kernel_sass.json"))
     a = ap.parse_args()
     tuning = parse_tuning(a.tuning)
     shapes = [(32, 8, 128), (64, 8, 128), (8, 8, 64), (8, 4, 256)]
     jobs = [{"kernel": k, "hq": hq, "hkv": hkv, "d": d, "tuning": tuning}
-            for hq, hkv, d in shapes for k in ("attend", "phase1", "resident")]  # fmt: skip
+            for hq, hkv, d in shapes for k in ("phase1", "resident")]  # fmt: skip
     rows = [dict(job, **res) for job, res in zip(jobs, run_jobs(jobs), strict=True)]
     for r in rows:
         if "missing" in r:

@@ -10,8 +10,9 @@ It builds the synthetic cache of ``bench_decode`` at ``batch × context`` and la
 the launchers' defaults (the first launch compiles, so profile the second: ``--launch-skip 1``). For
 ``attend`` it runs two whole certified calls instead; each launches the attend kernel twice (the main pass, then
 the exact re-run, empty when nothing escalated), so the second call's main pass is ``--launch-skip 2``
-(``regex:_attend_gluon``). ``--dialect triton`` launches phase 1's Triton kernel instead of the Gluon one
-(``regex:_phase1_mma_kernel``).
+(``regex:attend_kernel``: the CUDA kernel, ``certvllm::attend_kernel<...>``). ``--dialect triton`` launches the
+Triton kernels instead: phase 1's (``regex:_phase1_mma_kernel``) and the attend pass's (``_attend_kernel``, which
+the same ``regex:attend_kernel`` matches).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--kernel", choices=("phase1", "attend"), default="phase1")
     ap.add_argument("--point", default="8x131072", help="batch x context, e.g. 1x8192")
-    ap.add_argument("--dialect", choices=("auto", "triton"), default="auto", help="phase 1: KernelTuning.dialect")
+    ap.add_argument("--dialect", choices=("auto", "triton"), default="auto", help="KernelTuning.dialect")
     a = ap.parse_args()
     batch, ctx = (int(x) for x in a.point.lower().split("x"))
     if not torch.cuda.is_available():

@@ -1,7 +1,7 @@
 """Where the time of one certified decode-attention layer call goes, kernel by kernel (CUDA only).
 
 Usage: python benchmarks/profile_decode.py [--points 1x8192 8x131072] [--presets naive default]
-                                           [--tunings "" attend_kernel=cuda] [--out runs/profile.json]
+                                           [--tunings "" attend_warps=8] [--out runs/profile.json]
 
 For each point (batch × context, the synthetic K/V of ``bench_decode``) and preset it times CUDA-graph
 replays of the call (what the table of ``bench_decode`` reports), then profiles eager calls with
@@ -123,7 +123,7 @@ def main() -> None:
     ap.add_argument("--points", nargs="+", default=["1x8192", "1x131072", "8x131072"])
     ap.add_argument("--presets", nargs="+", default=["naive", "default"])
     ap.add_argument("--tunings", nargs="+", default=[""],
-                    help='KernelTuning overrides per run, e.g. "" attend_kernel=cuda')  # fmt: skip
+                    help='KernelTuning overrides per run, e.g. "" attend_warps=8')  # fmt: skip
     ap.add_argument("--calls", type=int, default=5)
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--out", type=Path, default=Path("runs/profile.json"))

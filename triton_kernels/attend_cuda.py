@@ -5,8 +5,8 @@ The kernel computes what ``phase2._attend_kernel`` computes, with the same float
 accumulation (docs/certification.md §5.1), so the certificate is unchanged; it differs in how the bytes move:
 independent warps stream their pages through a ring of ``cp.async`` stages instead of waiting on each load. It is
 compiled by torch's extension tools (``certvllm.kernels.jit``, nvcc) the first time a CUDA process asks for it
-(the server's warm-up does); where that fails, :data:`ATTEND_CUDA_GATE` warns once, that call runs the Triton kernel
-and later ones the Gluon kernel (``phase2.attend``).
+(the server's warm-up does); where that fails, :data:`ATTEND_CUDA_GATE` warns once and that call and later ones run the
+Triton kernel (``phase2.attend``).
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """The resident decode pass in Gluon (Triton's explicit-layout dialect): the outputs and the arithmetic of
-``fused._fused_kernel`` with the register layouts of the two Gluon kernels it combines.
+``fused._fused_kernel`` with register layouts chosen by hand: one for the keys, then a compact one for the weights and
+one for the values.
 
 One program per (row, KV head, split); its ``BLK`` warps take one 16-token block each per iteration:
 
@@ -9,10 +10,13 @@ One program per (row, KV head, split); its ``BLK`` warps take one 16-token block
    INT8 scores, ℓ⁸_b, max |s̃⁸|, Δ_b and R_b of every head (Δ_b, R_b with the heads on the token lanes), and,
    on blocks of F, the exact scores from the pool's or the shadow's keys with the canary. Each head's final
    scores go to shared memory, ``[GP, BLK, 16]``.
-2. **Weights** in the attend pass's compact layout ``LC`` over ``[BLK, GP, TN, SN]`` (``attend_gluon``): the
+2. **Weights** in a compact layout ``LC`` over ``[BLK, GP, TN, SN]`` (block, query head, token = TN·SN + s: the
+   weights computed once per (head, token), not on every lane whose value channels they multiply): the
    scores read back, the running maximum per head (float64 rescaling of the accumulators when it grows, as
    the Triton kernel), w = expf(s − m) (libdevice), den_b, and the weights to shared memory.
-3. **Values** in the attend pass's ``LA`` layout, token by token (FMA chains over each lane's SN tokens,
+3. **Values** in the layout ``LA`` over ``[BLK, GP, TN, QC, VB]`` (``VB`` consecutive value bytes per lane and token,
+   the ``QC`` chunks of a token over ``TQ`` lanes, the tokens over ``TN`` lanes, all query heads in registers), token
+   by token (FMA chains over each lane's SN tokens,
    float32 partial sums over ≤ 16 tokens of one block converted exactly to float64), INT4 v̂ = z + c·s, or the
    originals (pool or shadow) on blocks whose values are read exactly.
 
@@ -36,7 +40,7 @@ from .shape_class import JIT_OPTIONS
 
 _HASH_MUL = gl.constexpr(HASH_MUL)
 VB = 2
-"""Value bytes per lane and token (the attend pass's ``attend_chunk_bytes``)."""
+"""Value bytes per lane and token in the value layout ``LA``."""
 VEC = 16
 """Key-code bytes per thread and token in the key layout ``L``."""
 
@@ -237,7 +241,7 @@ def _fused_gluon_kernel(
 
     rk, split, r, h, jb, n2, nv, dv, nf, qrow = _setup(qs, nfull, H, G, D, BLK, VEC)
     key_bits = (1 << G) - 1
-    # ---- index tensors of the value layouts (attend_gluon)
+    # ---- index tensors of the value layouts
     tv = gl.arange(0, TN, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, LV))))
     tv = gl.expand_dims(gl.expand_dims(gl.expand_dims(tv, 0), 2), 3)  # [1, TN, 1, 1]
     qv = gl.arange(0, QC, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, LV))))

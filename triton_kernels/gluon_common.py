@@ -1,4 +1,4 @@
-"""Helpers shared by the Gluon kernels (``phase1_mma_gluon``, ``attend_gluon``, ``fused_gluon``).
+"""Helpers shared by the Gluon kernels (``phase1_mma_gluon``, ``fused_gluon``).
 
 Imported only where Triton has Gluon (``jit_cache.GLUON_MODULES`` lists the modules that need it)."""
 

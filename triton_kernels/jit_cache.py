@@ -20,7 +20,6 @@ LAUNCHED: dict[str, tuple[str, ...]] = {
     "phase1_mma_gluon": ("_phase1_mma_gluon_kernel",),
     "phase2": ("_promote_kernel", "_attend_kernel"),
     "phase2_glue": ("_global_max_kernel", "_rerun_inputs_kernel", "_promotion_counts_kernel"),
-    "attend_gluon": ("_attend_gluon_kernel",),
     "prepare": ("_prepare_kernel",),
     "select": ("_select_kernel",),
     "finalize": ("_finalize_kernel", "_combine_exact_kernel"),
@@ -45,7 +44,7 @@ LAUNCHED: dict[str, tuple[str, ...]] = {
     "report_tally": ("_tally_kernel",),
 }
 """Every kernel the launchers launch, by module of this package."""
-GLUON_MODULES = ("phase1_mma_gluon", "attend_gluon", "fused_gluon")
+GLUON_MODULES = ("phase1_mma_gluon", "fused_gluon")
 """Modules that import only where Triton has Gluon."""
 
 

@@ -31,11 +31,6 @@ from dataclasses import dataclass, field
 
 import triton
 
-ATTEND_POINTERS = {
-    "scores": "*fp32", "mmax": "*fp32", "shadow": "*fp16", "pages_u8": "*u8", "pages_f16": "*fp16",
-    "pages_f32": "*fp32", "tables": "*i64", "nfull": "*i64", "bits": "*i32", "active": "*i32", "acc": "*fp64",
-    "den": "*fp64", "aval": "*fp64", "atail": "*fp64", "exact_lm": "*fp32",
-}  # fmt: skip
 PHASE1_POINTERS = {
     "qs": "*fp32", "pages_u8": "*u8", "pages_i8": "*i8", "pages_f16": "*fp16", "pages_f32": "*fp32",
     "pages_i32": "*i32", "tables": "*i64", "nfull": "*i64", "lut": "*fp32", "bad": "*i32",
@@ -209,7 +204,7 @@ def run_jobs(jobs: list[dict], timeout: float = 1200.0) -> list[dict]:
     ``stack``, ``loop_instructions`` and ``loop_top`` (the 12 most frequent opcodes of the loop), or
     ``missing`` (why this Triton cannot compile offline).
 
-    A job: ``{"kernel": "attend" | "phase1" | "resident", "hq", "hkv", "d", "tuning": {KernelTuning field:
+    A job: ``{"kernel": "phase1" | "resident", "hq", "hkv", "d", "tuning": {KernelTuning field:
     value}, "flags": {fused_gluon.launch_constants flag: value}}`` (``tuning`` optional: the launchers'
     ``DEFAULT_TUNING`` with these fields replaced; ``flags`` for ``resident`` only: the resident pass of a warm
     pool with value pages and the canary by default). The child inherits
@@ -225,9 +220,8 @@ def run_jobs(jobs: list[dict], timeout: float = 1200.0) -> list[dict]:
 def _run_job(spec: dict) -> dict:
     from certvllm.formats.layout import PageLayout
 
-    from . import attend_gluon, fused_gluon, phase1_mma_gluon
+    from . import fused_gluon, phase1_mma_gluon
     from .fused import CANARY_SLACK, FusedGeometry
-    from .phase2 import Phase2Geometry
     from .tuning import KernelTuning
 
     tuning = KernelTuning(**spec.get("tuning", {}))
@@ -241,13 +235,11 @@ def _run_job(spec: dict) -> dict:
             consts = fused_gluon.launch_constants(geo, tuning.resident_warps, CANARY_SLACK, **flags)
             if tuning.resident_maxnreg:
                 consts["maxnreg"] = tuning.resident_maxnreg
-        elif spec["kernel"] == "attend":
-            geo = Phase2Geometry(PageLayout(d), hkv, hq // hkv, 1, 1024, 4, 64, tuning=tuning)
-            kernel, pointers = attend_gluon._attend_gluon_kernel, ATTEND_POINTERS
-            consts = attend_gluon.launch_constants(geo, tuning.attend_warps)
-        else:
+        elif spec["kernel"] == "phase1":
             kernel, pointers = phase1_mma_gluon._phase1_mma_gluon_kernel, PHASE1_POINTERS
             consts = phase1_mma_gluon.launch_constants(PageLayout(d), hkv, hq // hkv, 1, tuning.phase1_warps)
+        else:
+            raise ValueError(f"job kernel {spec['kernel']!r}: it must be 'phase1' or 'resident'")
         c = compile_gluon(kernel, pointers, consts)
         return {"registers": c.registers, "stack": c.stack, "loop_instructions": c.loop_instructions,
                 "common_path_instructions": sum(c.common.values()), "loop_top": dict(c.loop.most_common(12))}  # fmt: skip

@@ -22,8 +22,8 @@ groups only, and reads back only those.
 
 The promotion pass scans the bitmasks ``PB`` blocks at a time and then visits the tile's needed blocks only,
 taken in ascending order from the tile's registers. The attend pass takes ``BLK`` blocks per iteration ([BLK, 16, ·] tiles, the tokens of a
-block in registers); on CUDA its Gluon version (``attend_gluon``: hand-chosen layout, weights computed once
-per (head, token), FMA chains, the same bounds) runs when it supports the shape.
+block in registers); on CUDA Hopper its CUDA C++ version (``attend_cuda``: ``cp.async`` page streaming, the same
+sums and bounds) runs where it builds and supports the shape, otherwise this Triton kernel.
 """
 
 from __future__ import annotations
@@ -37,10 +37,8 @@ import triton.language as tl
 from certvllm.formats.layout import PageLayout
 
 from .common import (
-    GluonGate,
     device_arg,
     exp_f32,
-    interpreting,
     launch_device_ok,
     next_pow2,
     page_base,
@@ -277,7 +275,7 @@ def _attend_kernel(
 @dataclass
 class Phase2Geometry:
     """Static launch parameters shared by both phase-2 kernels; ``tuning`` holds the attend pass's tile,
-    warps, Gluon parameters and the kernel dialect (``tuning.KernelTuning``)."""
+    warps and the kernel dialect (``tuning.KernelTuning``)."""
 
     layout: PageLayout
     num_kv_heads: int
@@ -290,34 +288,15 @@ class Phase2Geometry:
     tuning: KernelTuning = DEFAULT_TUNING
 
 
-ATTEND_GLUON_GATE = GluonGate("attend")
-
-
 def use_cuda_attend(geo: Phase2Geometry, device: torch.device) -> bool:
     """Whether :func:`attend` runs the CUDA kernel (``attend_cuda``): ``geo.tuning`` allows it (dialect not
-    ``"triton"``, ``attend_kernel`` ``"cuda"``) and the kernel takes the shape on ``device``."""
+    ``"triton"``) and the kernel takes the shape on ``device``."""
     tun = geo.tuning
-    if tun.dialect == "triton" or tun.attend_kernel != "cuda":
+    if tun.dialect == "triton":
         return False
     from . import attend_cuda
 
     return attend_cuda.supported(geo.layout, geo.group, tun.attend_warps, device)
-
-
-def use_gluon_attend(geo: Phase2Geometry) -> bool:
-    """Whether :func:`attend` runs the Gluon kernel (``attend_gluon``): compiled (not the interpreter),
-    ``geo.tuning.dialect`` not ``"triton"``, Gluon importable and compiling (``ATTEND_GLUON_GATE``) and a
-    supported shape."""
-    tun = geo.tuning
-    if interpreting() or tun.dialect == "triton" or ATTEND_GLUON_GATE.failure is not None:
-        return False
-    try:
-        from . import attend_gluon
-    except ImportError:  # a Triton without Gluon
-        return False
-    lay = geo.layout
-    return attend_gluon.supported(lay.head_dim, geo.group, tun.attend_warps, tun.attend_warps, lay.value_group,
-                                  tun.attend_parts, tun.attend_chunk_bytes)  # fmt: skip
 
 
 def promote(
@@ -427,14 +406,6 @@ def attend(
         attend_cuda.ATTEND_CUDA_GATE.run(
             lambda: attend_cuda.launch(out, geo, scores, mmax, shadow, pages, tables, nfull, bits, active, exact_lm,
                                        geo.tuning.attend_warps),
-            launch_triton,
-        )  # fmt: skip
-    elif use_gluon_attend(geo):
-        from . import attend_gluon
-
-        ATTEND_GLUON_GATE.run(
-            lambda: attend_gluon.launch(out, geo, scores, mmax, shadow, pages, tables, nfull, bits, active,
-                                        exact_lm, geo.tuning.attend_warps),
             launch_triton,
         )  # fmt: skip
     else:

@@ -1,19 +1,15 @@
 """The tuning knobs of the kernel layer, in one validated, immutable object.
 
 Every launch-time choice that is not part of the certificate (tile sizes, warps, split plan, staging grid,
-and whether the Gluon kernels may run) is a field of :class:`KernelTuning`; the launchers take one as the
+and whether the Gluon and CUDA kernels may run) is a field of :class:`KernelTuning`; the launchers take one as the
 keyword argument ``tuning`` (default :data:`DEFAULT_TUNING`). None of them changes what is certified: each
 configuration computes the same certified quantities (``tests/triton_kernels/test_gpu.py`` compares them).
 
 * ``programs_per_sm``: the split-K plan's programs per multiprocessor (``common.split_plan``).
 * ``phase1_blk``, ``phase1_warps``: blocks per loop iteration and warps per program of phase 1 (the Gluon
   phase-1 kernel takes one block per warp, the Triton one ``phase1_blk`` blocks in one batched dot).
-* ``attend_blk``, ``attend_warps``: the same for the attend pass (the Gluon attend kernel: one block per
-  warp); ``attend_parts``: Gluon attend programs per (row, KV head, split), each taking a part of the
-  value channels; ``attend_chunk_bytes``: Gluon attend value bytes per lane and token;
-  ``attend_maxnreg``: Gluon attend registers per thread at most, applied at G ≤ 4 only (0, the default: no
-  cap; at G = 4, D = 128 the kernel then takes 168, 3 programs per SM, and was faster on the H200 than
-  capped at 128 with spills, docs/performance.md; at G = 8 a cap would spill hundreds of bytes).
+* ``attend_blk``, ``attend_warps``: blocks per loop iteration of the Triton attend kernel, and warps per CUDA
+  block of the CUDA attend kernel (``attend_cuda``: 2, 4 or 8) / per program of the Triton one.
 * ``resident_maxnreg``: registers per thread of the Gluon resident pass at most (0: no cap). Uncapped it takes ~254
   (2 four-warp programs per SM); 168 or 128 admit 3 or 4 programs and spill 336 / 520 bytes (Triton 3.6, offline):
   which wins is the H200's to say (``benchmarks/probe_resident.py --tuning resident_maxnreg=168``).
@@ -22,12 +18,9 @@ configuration computes the same certified quantities (``tests/triton_kernels/tes
   iteration, its best layout at D = 128 (``docs/performance.md``).
 * ``prefetch_programs``, ``prefetch_unroll``: the step prefetch's staging gather: its programs and the
   pages each has in flight (``prefetch.stage_pages``).
-* ``attend_kernel``: ``"cuda"`` (the default): the attend pass runs the CUDA kernel (``attend_cuda``) where it builds
-  and takes the shape, else the Gluon one where that does, else Triton; ``"gluon"``: never the CUDA kernel (the
-  A/B of ``benchmarks/bench_attend.py`` until the Gluon attend kernel is deleted).
-* ``dialect``: ``"auto"`` runs the Gluon kernels where they compile (CUDA, a supported shape) and the
-  Triton kernels otherwise (the interpreter included); ``"triton"`` always runs the Triton kernels (what
-  tests and benchmarks that compare the two pass).
+* ``dialect``: ``"auto"`` runs the Gluon kernels and the CUDA attend kernel where they compile (CUDA, a supported
+  shape) and the Triton kernels otherwise (the interpreter included); ``"triton"`` always runs the Triton kernels
+  (what tests and benchmarks that compare them pass).
 """
 
 from __future__ import annotations
@@ -36,7 +29,6 @@ from dataclasses import dataclass, fields
 from typing import Literal
 
 DIALECTS = ("auto", "triton")
-ATTEND_KERNELS = ("cuda", "gluon")
 
 
 def _pow2(x: int) -> bool:
@@ -50,9 +42,6 @@ _RULES = {
     "phase1_warps": (lambda x: _pow2(x) and x <= 32, "a power of two in [1, 32]"),
     "attend_blk": (lambda x: _pow2(x) and x <= 64, "a power of two in [1, 64]"),
     "attend_warps": (lambda x: _pow2(x) and x <= 32, "a power of two in [1, 32]"),
-    "attend_parts": (lambda x: _pow2(x) and x <= 64, "a power of two in [1, 64]"),
-    "attend_chunk_bytes": (lambda x: _pow2(x) and x <= 16, "a power of two in [1, 16]"),
-    "attend_maxnreg": (lambda x: x == 0 or 16 <= x <= 255, "0 (no cap) or an integer in [16, 255]"),
     "resident_warps": (lambda x: _pow2(x) and x <= 16, "a power of two in [1, 16]"),
     "resident_maxnreg": (lambda x: x == 0 or 24 <= x <= 255, "0 (no cap) or an integer in [24, 255]"),
     "prefetch_programs": (lambda x: 1 <= x <= 1024, "an integer in [1, 1024]"),
@@ -69,14 +58,10 @@ class KernelTuning:
     phase1_warps: int = 4
     attend_blk: int = 4
     attend_warps: int = 4
-    attend_parts: int = 1
-    attend_chunk_bytes: int = 2
-    attend_maxnreg: int = 0
     resident_warps: int = 4
     resident_maxnreg: int = 0
     prefetch_programs: int = 8
     prefetch_unroll: int = 4
-    attend_kernel: Literal["cuda", "gluon"] = "cuda"
     dialect: Literal["auto", "triton"] = "auto"
 
     def __post_init__(self) -> None:
@@ -88,11 +73,6 @@ class KernelTuning:
                     f"KernelTuning.{name}={value!r} is out of range: it must be {allowed}; pass e.g. "
                     f"KernelTuning({name}={defaults[name]!r}) (the default)"
                 )
-        if self.attend_kernel not in ATTEND_KERNELS:
-            raise ValueError(
-                f"KernelTuning.attend_kernel={self.attend_kernel!r} is not an attend kernel: it must be one of "
-                f"{', '.join(map(repr, ATTEND_KERNELS))}; pass KernelTuning(attend_kernel='cuda') (the default)"
-            )
         if self.dialect not in DIALECTS:
             raise ValueError(
                 f"KernelTuning.dialect={self.dialect!r} is not a kernel dialect: it must be one of "

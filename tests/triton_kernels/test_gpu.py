@@ -17,15 +17,15 @@ device fallback, canary): float64 ``exact_attention`` over the originals, float3
 certified CUDA path: the float64 evaluation of the call's own selection (``run_with_exact``: exact
 dequantization, exact attention on rung 3/4 heads), against the torch reference path
 (``backend="reference"``) on the heads both certify with selections of the same float64 evaluation; the
-Gluon kernels against the Triton kernels, likewise; the glue kernels against the torch glue at 128K, whose
+Gluon and CUDA kernels against the Triton kernels, likewise; the glue kernels against the torch glue at 128K, whose
 selections must evaluate to the same float64 answer on every head. The fixed tolerances these comparisons had
 stay too, so nothing is looser than before: 1e-5·max|v| for the device recompute (rtol 1e-5 on top in the
-canary), 1e-3·max|v| against the CPU path and 1e-4·max|v| between the Gluon and Triton kernels on every head
+canary), 1e-3·max|v| against the CPU path and 1e-4·max|v| between the Gluon/CUDA and Triton kernels on every head
 both certify (the heads whose selections differ included: there the rule does not apply), rtol = 1e-5,
 atol = 1e-6·max|v| between the glue kernels and the torch glue (elementwise, so tighter than the rule on
 near-zero elements). Not by the rule: bound terms (directed-rounding sums in another order, with no float64
 counterpart: rtol 1e-3, 1e-5 between the glue kernels and the torch glue; the phase-1 kernels are compared in
-``test_phase1_mma.py``) and the Gluon attend configurations against the Triton attend kernel
+``test_phase1_mma.py``) and the CUDA attend kernel's warp counts against the Triton attend kernel
 (``attend_deviation``: float32 rounding allowances for partial sums that have no float64 path).
 """
 
@@ -417,8 +417,8 @@ def test_gpu_canary_catches_corrupted_pages(decode_pass):
 
 
 def test_gluon_kernels_match_the_triton_kernels_end_to_end():
-    """The whole CUDA path with the Gluon phase-1 and attend kernels against the same path with the Triton
-    kernels: equal selections, outputs to float32 rounding, bounds to float32 rounding."""
+    """The whole CUDA path with the Gluon phase-1 kernel and the CUDA attend kernel against the same path with the
+    Triton kernels: equal selections, outputs to float32 rounding, bounds to float32 rounding."""
     from certvllm.triton_kernels.tuning import KernelTuning
 
     from certvllm.attention.gpu import CudaOptions
@@ -444,7 +444,7 @@ def test_gluon_kernels_match_the_triton_kernels_end_to_end():
     same = both.cpu() & (got64 == ref64).all(dim=-1)  # the same computation: FlashAttention's rule
     assert int(same.sum()) >= 0.9 * int(both.sum()), (int(same.sum()), int(both.sum()))
     assert_within_lowp_error(got.out.cpu()[same], got64[same], ref.out.cpu()[same], factor=FACTOR,
-                             atol=ULP * _vmax(cases), what="Gluon kernels vs the Triton kernels")  # fmt: skip
+                             atol=ULP * _vmax(cases), what="Gluon/CUDA kernels vs the Triton kernels")  # fmt: skip
     torch.testing.assert_close(got.report.bound[both], ref.report.bound[both], rtol=1e-3, atol=1e-9 * vmax)
 
 
@@ -562,28 +562,6 @@ def _attend_replay(hq: int, hkv: int, d: int):
 
 
 @pytest.mark.parametrize("hq,hkv,d", ATTEND_SHAPES)
-def test_gluon_attend_configurations_match_the_triton_kernel(hq, hkv, d):
-    """Every supported Gluon attend configuration (value-channel parts × bytes per lane × warps × register
-    cap) against the Triton attend kernel (``_attend_replay``)."""
-    from certvllm.triton_kernels import phase2
-
-    run, check = _attend_replay(hq, hkv, d)
-    tested = 0
-    configs = [(1, 2, 4, 128), (1, 2, 4, 0), (2, 2, 4, 128), (4, 2, 4, 0), (1, 4, 4, 0), (2, 4, 4, 0), (1, 2, 8, 0)]
-    for parts, chunk, warps, maxnreg in configs:
-        kw = dict(attend_kernel="gluon", attend_parts=parts, attend_chunk_bytes=chunk, attend_warps=warps,
-                  attend_blk=warps, attend_maxnreg=maxnreg)  # fmt: skip
-        tuned, got = run(**kw)
-        if not phase2.use_gluon_attend(tuned):
-            continue
-        dev = check(got)
-        assert dev["ok"], (parts, chunk, warps, maxnreg, dev)
-        tested += 1
-    if not tested:
-        pytest.skip("the Gluon attend kernel is not available (no Gluon) or supports none of these configurations")
-
-
-@pytest.mark.parametrize("hq,hkv,d", ATTEND_SHAPES)
 def test_cuda_attend_matches_the_triton_kernel(hq, hkv, d):
     """The CUDA attend kernel (``csrc/cuda/attend_kernel.cuh``) with 2, 4 and 8 warps per CUDA block against the Triton
     attend kernel (``_attend_replay``: value promotions on ~15 % of blocks, GQA 1–8, D = 64/128/256); it must
@@ -593,7 +571,7 @@ def test_cuda_attend_matches_the_triton_kernel(hq, hkv, d):
     attend_cuda.load()  # a build failure fails the test rather than falling back
     run, check = _attend_replay(hq, hkv, d)
     for warps in attend_cuda.WARPS:
-        tuned, got = run(attend_kernel="cuda", attend_warps=warps)
+        tuned, got = run(attend_warps=warps)
         assert phase2.use_cuda_attend(tuned, torch.device("cuda")), (hq, hkv, d, warps)
         dev = check(got)
         assert dev["ok"], (warps, dev)
