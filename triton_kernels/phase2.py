@@ -7,7 +7,7 @@ from the tier-1 page and the phase-1 scores.
 
 * :func:`promote` — for every block of the union it loads the unquantized keys, computes exact scores
   (D-term float32 reductions), runs the canary against the INT8 scores (rung 4), writes the exact scores
-  over the INT8 ones where the head promoted the keys, and reduces per program the maximum phase-2 score
+  over the INT8 ones where the head promoted the keys, and reduces per split the maximum phase-2 score
   and the largest |exact score|.
 * :func:`attend` — with the global maximum m per head, w = exp(s − m) in float32 (libdevice ``expf``),
   per block den_b = Σ w (16 terms, float32) and num_b = Σ w·Ṽ (16-term float32 dot products, INT4 values
@@ -20,10 +20,8 @@ Programs of an (row, KV head) group whose ``active`` flag is 0 do nothing and wr
 are left as allocated): the exact-only re-run used for rungs 3/4 on the device sets it for the escalated
 groups only, and reads back only those.
 
-The promotion pass's S programs per (row, KV head) take interleaved chunks of ``PROMOTE_CHUNK`` consecutive
-blocks (program s: chunks s, s + S, …), scan their bitmasks ``PB`` blocks at a time and then visit the tile's needed
-blocks only, taken in ascending order from the tile's registers: needed blocks come in runs (the most recent blocks,
-the sink), and the programs visit theirs one after another. The attend pass takes ``BLK`` blocks per iteration ([BLK, 16, ·] tiles, the tokens of a
+The promotion pass scans the bitmasks ``PB`` blocks at a time and then visits the tile's needed blocks only,
+taken in ascending order from the tile's registers. The attend pass takes ``BLK`` blocks per iteration ([BLK, 16, ·] tiles, the tokens of a
 block in registers); on CUDA Hopper its CUDA C++ version (``attend_cuda``: ``cp.async`` page streaming, the same
 sums and bounds) runs where it builds and supports the shape, otherwise this Triton kernel.
 """
@@ -52,16 +50,6 @@ from .common import (
 from .shape_class import JIT_OPTIONS
 from .tuning import DEFAULT_TUNING, KernelTuning
 
-PROMOTE_CHUNK = 4
-"""Consecutive blocks per chunk of the promotion pass's interleaved split assignment."""
-
-
-@triton.jit
-def _promote_column(i, split, S, CHUNK: tl.constexpr):
-    """Block column of a promotion program's ``i``-th slot: chunk ``i // CHUNK`` of program ``split`` is chunk
-    ``(i // CHUNK)·S + split`` of the row."""
-    return ((i // CHUNK) * S + split) * CHUNK + i % CHUNK
-
 
 @triton.jit(**JIT_OPTIONS)
 def _promote_kernel(
@@ -76,18 +64,17 @@ def _promote_kernel(
     delta,  # [R, H_kv, G, B] float32 Δ_b
     round1,  # [R, H_kv, G] float32 phase-1 rounding R (canary tolerance)
     canary,  # out [R] int32, set to 1 when a promoted block breaks |s − s̃⁸| ≤ Δ_b + 2R
-    smax,  # out [R, H_kv, G, S] float32 per-program max phase-2 score (program = its interleaved chunks)
-    sabs,  # out [R, H_kv, G, S] float32 per-program max finite |exact score| on key-promoted blocks
+    smax,  # out [R, H_kv, G, S] float32 per-split max phase-2 score
+    sabs,  # out [R, H_kv, G, S] float32 per-split max finite |exact score| on key-promoted blocks
     pool,  # [P, N, D] promotion-cache key pages (device; read when USE_POOL and the slot is ≥ 0)
     kslot,  # [R, H_kv, B] int32 pool slot of each needed key page, −1: read the shadow (USE_POOL only)
     stage,  # [Q, N, D] prefetched key pages (device): slot nslots + i reads stage[i] (USE_POOL only)
     nslots,  # pool slots: kslot values ≥ nslots index the staging pages
-    num_blocks, B, TB_STRIDE, S,  # block count, table width and stride, programs per (row, KV head)
+    num_blocks, B, TB_STRIDE, S, BPS,  # the split-K arguments (``common``)
     H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, M: tl.constexpr,
     CHANNEL_MAJOR: tl.constexpr,  # shadow keys stored [D, m·N] (the CPU layout)
     CANARY: tl.constexpr,  # run the canary (loads keys of value-only promoted blocks too)
     PB: tl.constexpr,  # blocks per tile of the bitmask scan
-    CHUNK: tl.constexpr,  # consecutive blocks per chunk of the interleaved assignment (divides PB)
     USE_POOL: tl.constexpr,  # read key pages from the promotion cache where kslot ≥ 0
 ):  # fmt: skip
     N: tl.constexpr = 16
@@ -98,11 +85,7 @@ def _promote_kernel(
     gm = g < G
     dm = d < D
     act = tl.load(active + rk)
-    # this program's columns: chunks split, split + S, split + 2S, … of CHUNK consecutive blocks (interleaved, so
-    # that a run of needed blocks, such as a recency window, is shared by several programs instead of being
-    # visited one after another by the one whose split holds it); the split maxima are maxima over any partition
-    span = tl.cdiv(tl.cdiv(B, CHUNK), S) * CHUNK
-    n_tiles = tl.where(act != 0, tl.cdiv(span, PB), 0)
+    n_tiles = tl.where(act != 0, tl.cdiv(BPS, PB), 0)
     q = tl.load(qs + (r * (H * G) + h * G + g[:, None]) * D + d[None, :], mask=gm[:, None] & dm[None, :], other=0.0)
     r1 = tl.load(round1 + rk * G + g, mask=gm, other=0.0)
     nf = tl.load(nfull + r)
@@ -110,12 +93,12 @@ def _promote_kernel(
     run_abs = tl.zeros([GP], tl.float32)
     key_bits = (1 << G) - 1
     tl.static_assert(PB <= 64, "PB: a tile's needed blocks are the bits of one int64")
-    tl.static_assert(PB % CHUNK == 0, "CHUNK divides PB")
     jt = tl.arange(0, PB)
     for t in range(0, n_tiles):
         # PB blocks at once: bitmasks and INT8 block maxima (the common case: nothing promoted)
-        bt = _promote_column(t * PB + jt, split, S, CHUNK)
-        vt = (bt < B) & (bt < nf)
+        it = t * PB + jt
+        bt = split * BPS + it
+        vt = (bt < B) & (it < BPS) & (bt < nf)
         bbt = tl.load(bits + rk * B + bt, mask=vt, other=0)  # [PB]
         kbt = (((bbt[None, :] >> g[:, None]) & 1) != 0) & gm[:, None]  # [GP, PB]
         m8t = tl.load(m8 + (rk * G + g[:, None]) * B + bt[None, :], mask=vt[None, :] & gm[:, None], other=float("-inf"))
@@ -134,7 +117,7 @@ def _promote_kernel(
                 low = rem & -rem
                 rem = rem ^ low
                 j = (((low.to(tl.float64).to(tl.int64, bitcast=True) >> 52) & 0x7FF) - 1023).to(tl.int32)
-                b = _promote_column(t * PB + j, split, S, CHUNK)
+                b = split * BPS + t * PB + j
                 bb = tl.load(bits + rk * B + b)
                 kb = (((bb >> g) & 1) != 0) & gm
                 bid = tl.load(tables + r * TB_STRIDE + b)
@@ -358,9 +341,9 @@ def promote(
         stage = pool  # placeholder: no slot reaches past the pool
     _promote_kernel[(R * K, S)](
         qs, device_arg(shadow), tables, nfull, bits, active, scores, m8, delta, round1, canary, smax, sabs,
-        pool, kslot, stage, nslots, geo.num_blocks, B, tables.stride(0), S,
+        pool, kslot, stage, nslots, geo.num_blocks, B, tables.stride(0), S, geo.blocks_per_split,
         H=K, G=G, GP=next_pow2(G), D=D, DP=next_pow2(D), M=geo.sub_blocks, CHANNEL_MAJOR=geo.channel_major,
-        CANARY=run_canary, PB=64, CHUNK=PROMOTE_CHUNK, USE_POOL=use_pool, num_warps=4 if G <= 4 else 8,
+        CANARY=run_canary, PB=64, USE_POOL=use_pool, num_warps=4 if G <= 4 else 8,
     )  # fmt: skip
     return smax, sabs
 

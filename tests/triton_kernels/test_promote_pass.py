@@ -1,10 +1,8 @@
 """The promotion pass (``phase2.promote``) alone against a torch reference, at widths of several bitmask tiles.
 
-Each of the S programs of a (row, KV head) takes interleaved chunks of ``PROMOTE_CHUNK`` consecutive blocks and
-visits only the needed blocks of each ``PB``-slot tile (their slots are the set bits of one int64), so the cases put
-needed blocks at chunk and tile ends (blocks 0, 63, 64, 74, 75, 138, 139, 149), in a run of consecutive blocks
-(a recency window, shared by the programs), on blocks past a row's full blocks (never visited) and on inactive
-groups (nothing written). Exact-key scores are
+The pass visits only the needed blocks of each ``PB``-block tile (their positions are the set bits of one int64), so
+the cases put needed blocks at both ends of tiles (positions 0, 63, 64, 74 of a split), across split boundaries, on
+blocks past a row's full blocks (never visited) and on inactive groups (nothing written). Exact-key scores are
 float32 sums over D in another order than the reference's: each within 2·γ_D·Σ|q·k| of the reference (both within
 γ_D of the real number); the other scores bit for bit; maxima exactly on the pass's own scores; the canary
 exactly. In Triton's interpreter here, compiled on a GPU.
@@ -21,13 +19,13 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
 pytest.importorskip("triton", reason="triton is not installed: the Triton kernels cannot be tested")
 
-from certvllm.triton_kernels.phase2 import PROMOTE_CHUNK, Phase2Geometry, promote  # noqa: E402
+from certvllm.triton_kernels.phase2 import Phase2Geometry, promote  # noqa: E402
 
 from certvllm.formats.layout import PageLayout  # noqa: E402
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 R, K, G, D, N = 2, 2, 2, 64, 16
-B, SPLITS, BPS = 150, 2, 75  # the promotion pass: program s takes chunks s, s + 2, … of PROMOTE_CHUNK blocks
+B, SPLITS, BPS = 150, 2, 75  # split 0: blocks 0–74 (tiles 0–63, 64–74), split 1: 75–149
 NFULL = (150, 140)
 
 
@@ -42,7 +40,6 @@ def _inputs(canary_bad: bool):
     key_all, value0 = (1 << G) - 1, 1 << G
     for b in (0, 63, 64, 74, 75, 75 + 63, 75 + 64, 149):  # tile ends and split boundaries
         bits[:, :, b] = key_all
-    bits[0, :, 120:140] = key_all  # a run of needed blocks (the most recent ones), across both programs
     bits[0, 1, 5] = 1  # keys of query head 0 only
     bits[1, 0, 100] = value0  # values only: keys read for the canary alone
     bits[1, 1, 145] = key_all  # past row 1's 140 full blocks: never visited
@@ -84,7 +81,7 @@ def test_promotion_pass_matches_the_torch_reference(run_canary: bool, canary_bad
     assert torch.equal(scores[~rewritten], s8[~rewritten])  # every other score as it came, bit for bit
     got = scores.permute(0, 1, 3, 2, 4)  # [R, K, G, B, N] the pass's own exact scores
     for split in range(SPLITS):
-        cols = torch.arange(B)[(torch.arange(B) // PROMOTE_CHUNK) % SPLITS == split]  # the program's chunks
+        cols = slice(split * BPS, (split + 1) * BPS)
         kp = keyp[..., cols]
         cand = torch.where(kp[..., None], got[..., cols, :], torch.where(full[:, None, None, cols, None],
                            m8[..., cols, None].expand(-1, -1, -1, -1, N), -torch.inf))  # fmt: skip
