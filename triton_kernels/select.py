@@ -99,66 +99,30 @@ def _at(x, pos, k):
 
 
 @triton.jit
-def _pick_top_bin(b1, above1, count1, b2, above2, count2):
-    """Combine of ``_radix_digit``'s reduction: the larger bin, with what it carries."""
-    first = b1 >= b2
-    return tl.where(first, b1, b2), tl.where(first, above1, above2), tl.where(first, count1, count2)
-
-
-@triton.jit
-def _radix_digit(key, t, need, count, SHIFT: tl.constexpr, WIDTH: tl.constexpr):
-    """One pass of the radix select over the ``count`` candidates: the keys ≥ 0 that agree with ``t`` above bit
-    SHIFT + WIDTH, among which the ``need``-th largest is wanted. Finds the digit of bits [SHIFT, SHIFT + WIDTH)
-    that holds it; returns ``t`` with the digit set, ``need`` less the candidates whose digit is larger (they
-    rank above it) and the candidates of the next pass (those with that digit)."""
-    HI: tl.constexpr = SHIFT + WIDTH
-    BINS: tl.constexpr = 256  # digits of at most 8 bits
-    cand = (key >= 0) & ((key >> HI) == (t >> HI))
-    digit = tl.where(cand, (key >> SHIFT) & ((1 << WIDTH) - 1), 0).to(tl.int32)
-    bins = tl.arange(0, BINS)
-    # the keys that are not candidates were counted in bin 0: take them out again
-    hist = tl.histogram(digit, BINS) - tl.where(bins == 0, key.shape[0] - count, 0)
-    at_or_above = tl.cumsum(hist, 0, reverse=True)
-    d, above, inside = tl.reduce((tl.where(at_or_above >= need, bins, -1), at_or_above - hist, hist), 0,
-                                 _pick_top_bin)  # fmt: skip
-    return t | (d.to(tl.int64) << SHIFT), need - above, inside
-
-
-@triton.jit
-def _top_mask(key, W):
-    """The W largest of the distinct keys ≥ 0 (all of them if fewer), as a mask over ``key``. The high word of a
-    key holds the bits of a non-negative float32 (bits 62…32; bit 63 is 0), the low word BP − 1 − position.
-
-    A radix select in 8-bit digits over the high word (four passes, each a histogram, a scan over its 256 bins and
-    one reduction) finds the W-th largest high word v* and how many keys equal to it are needed; those are the
-    ones at the lowest positions (the largest low words), ranked by one scan in position order: five block-wide
-    steps whatever the table's width, where a bit-by-bit bisection takes one per bit (31 + log₂ BP)."""
-    count = tl.sum((key >= 0).to(tl.int32), 0)
-    valid = key >= 0
+def _kth_key(key, W, LOG2BP: tl.constexpr):
+    """The W-th largest of the distinct keys ≥ 0 (0 if fewer than W), built bit by bit from the top: the
+    high word holds the bits of a non-negative float32 (bit 63 is 0), the low word is < 2^LOG2BP."""
     t = tl.max(key, 0) * 0
-    need = W + count * 0
-    found = count >= W
-    t, need, count = _radix_digit(key, t, need, count, 55, 8)
-    t, need, count = _radix_digit(key, t, need, count, 47, 8)
-    t, need, count = _radix_digit(key, t, need, count, 39, 8)
-    t, need, count = _radix_digit(key, t, need, count, 32, 7)
-    hi, v_star = key >> 32, t >> 32
-    tie = valid & (hi == v_star)
-    rank = tl.cumsum(tie.to(tl.int32), 0)  # 1, 2, … over the ties in position order
-    top = valid & ((hi > v_star) | (tie & (rank <= need)))
-    return tl.where(found, top, valid)
+    for i in tl.static_range(31):
+        cand = t | (1 << (62 - i))
+        t = tl.where(tl.sum((key >= cand).to(tl.int32), 0) >= W, cand, t)
+    for i in tl.static_range(LOG2BP):
+        cand = t | (1 << (LOG2BP - 1 - i))
+        t = tl.where(tl.sum((key >= cand).to(tl.int32), 0) >= W, cand, t)
+    return t
 
 
 @triton.jit
-def _top_window(x, pos, B, scratch, W: tl.constexpr, BP: tl.constexpr):
+def _top_window(x, pos, B, scratch, W: tl.constexpr, BP: tl.constexpr, LOG2BP: tl.constexpr):
     """The first W entries of the stable descending order of ``x`` (non-negative float32 over positions < B)
-    without sorting all BP: the W largest keys by a radix select (``_top_mask``), compacted through ``scratch``
-    ([W] int64 of this program) and sorted.
+    without sorting all BP: the W-th largest key by bisection (``_kth_key``), the keys at or above it
+    compacted through ``scratch`` ([W] int64 of this program) and sorted.
 
     Returns ``(values [W], block ids [W], selected [BP] bool, count)``: window entries past ``count`` (when
     B < W) are 0 with block id < 0."""
     key = _order_keys(x, pos, B, BP)
-    sel = _top_mask(key, W) & (pos < B)
+    sel = key >= _kth_key(key, W, LOG2BP)
+    sel = sel & (pos < B)
     slot = tl.cumsum(sel.to(tl.int32), 0) - 1
     tl.store(scratch + slot, key, mask=sel)
     tl.debug_barrier()
@@ -207,6 +171,7 @@ def _select_kernel(
     G: tl.constexpr,
     BP: tl.constexpr,
     W: tl.constexpr,  # window of the sorted order (BP ≤ W: sort everything)
+    LOG2BP: tl.constexpr,
     USE_ACTIVE: tl.constexpr,
     PRECISE: tl.constexpr,
 ):
@@ -238,7 +203,7 @@ def _select_kernel(
             dsuf = tl.associative_scan(tl.load(delta + row + order, mask=q < B, other=0.0), 0, _max, reverse=True)
         else:  # only the first W positions can matter: K* ≤ ``policy.k_max_widened`` < W
             q = tl.arange(0, W)
-            smass, order, sel, _ = _top_window(mass, pos, B, scratch + pid * 2 * W, W, BP)
+            smass, order, sel, _ = _top_window(mass, pos, B, scratch + pid * 2 * W, W, BP, LOG2BP)
             rest = tl.sum(tl.where(sel, 0.0, mass).to(tl.float64), 0)
             alpha = (tl.cumsum(smass.to(tl.float64), 0, reverse=True) + rest).to(tl.float32)
             wdelta = tl.load(delta + row + order, mask=order >= 0, other=0.0)
@@ -271,7 +236,7 @@ def _select_kernel(
         if BP <= W:
             _promote_values_full(err, pos, B, nf, vbudget, VKMAX, bits + rk * B, G + g, BP)
         else:
-            serr, vorder, vsel, _ = _top_window(err, pos, B, scratch + (pid * 2 + 1) * W, W, BP)
+            serr, vorder, vsel, _ = _top_window(err, pos, B, scratch + (pid * 2 + 1) * W, W, BP, LOG2BP)
             vrest = tl.sum(tl.where(vsel, 0.0, err).to(tl.float64), 0)
             remaining = (tl.cumsum(serr.to(tl.float64), 0, reverse=True) + vrest).to(tl.float32)
             count = _first((remaining <= vbudget) & (q < B), q, -1, W)
@@ -330,6 +295,6 @@ def select_blocks(
         l8.contiguous(), lse.contiguous(), delta.contiguous(), rounding.contiguous(), nfull, eta.contiguous(),
         value_budget.contiguous(), bits, widened, widened if active is None else active, scratch, B, GAMMA_SLACK, 1.0 - policy.tau_cov, policy.k_min,
         policy.k_max, kmax1, policy.rung1_tail_threshold, policy.key_tol, policy.value_k_max, BUDGET=policy.key_budget,
-        H=K, G=G, BP=bp, W=w, USE_ACTIVE=active is not None, PRECISE=precise(), num_warps=min(16, max(4, bp // 512)),
+        H=K, G=G, BP=bp, W=w, LOG2BP=width_class(B).log2bp, USE_ACTIVE=active is not None, PRECISE=precise(), num_warps=min(16, max(4, bp // 512)),
     )  # fmt: skip
     return bits, widened.bool()

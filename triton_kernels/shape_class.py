@@ -10,7 +10,7 @@ left of the key, once the model's head layout, the page layout, the config and t
 function of the block-table width ``B`` alone, and only through :func:`width_class`:
 
 * ``bp``: the next power of two ≥ B, the ``BP`` of the glue kernels (``prepare``, ``select``, ``finalize``;
-  also ``select``'s warps), or 0 past ``GLUE_MAX_BLOCKS``, where the glue runs as torch code;
+  also ``select``'s ``LOG2BP`` and warps), or 0 past ``GLUE_MAX_BLOCKS``, where the glue runs as torch code;
 * ``item_block``: the ``BLK`` of the per-(row, KV head, block) item kernels (the pool lookup's claims and the
   step prefetch's serve), ``min(256, next power of two ≥ B)``.
 
@@ -68,6 +68,11 @@ class WidthClass:
     def glue(self) -> bool:
         """The glue kernels run (else their torch references)."""
         return self.bp > 0
+
+    @property
+    def log2bp(self) -> int:
+        """``select``'s ``LOG2BP`` (glue classes only)."""
+        return self.bp.bit_length() - 1
 
     def name(self) -> str:
         """A short label: ``BP=512`` or ``torch glue`` (with the item block)."""

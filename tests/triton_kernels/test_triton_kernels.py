@@ -46,7 +46,6 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from certvllm.triton_kernels.common import key_scale_sigma  # noqa: E402
 from certvllm.triton_kernels.encode import encode_pages_triton  # noqa: E402
-from certvllm.triton_kernels.select import _order_keys, _top_mask  # noqa: E402
 
 from certvllm.attention import certified_attention, dense_decode  # noqa: E402
 from certvllm.attention.gpu import CudaOptions  # noqa: E402
@@ -430,40 +429,11 @@ def _selection_cases() -> list:
             for i, shape in enumerate(SELECTION_SHAPES) for j, kind in enumerate(SELECTION_KINDS)]  # fmt: skip
 
 
-@triton.jit
-def _top_mask_probe(x, out, B, W: tl.constexpr, BP: tl.constexpr):
-    pos = tl.arange(0, BP)
-    key = _order_keys(tl.load(x + pos, mask=pos < B, other=0.0), pos, B, BP)
-    tl.store(out + pos, _top_mask(key, W).to(tl.int8))
-
-
-@pytest.mark.parametrize("BP,B,W,kind", [(16, 16, 4, "random"), (256, 200, 64, "ties"), (512, 512, 128, "zeros"),
-                                         (1024, 1000, 512, "random"), (2048, 2048, 512, "ties"),
-                                         (2048, 300, 512, "random"), _gpu_lane(8192, 8000, 512, "ties"),
-                                         _gpu_lane(8192, 8192, 512, "zeros")])  # fmt: skip
-def test_radix_select_keeps_the_w_largest_order_keys(BP, B, W, kind, gen):
-    """``select._top_mask`` (a radix select in 8-bit digits over the float bits, then the ties at the W-th place
-    ranked by position) keeps exactly the W largest order keys ``bits(x) << 32 | (BP − 1 − pos)``, or every valid
-    block when fewer than W are, against a full torch sort; ``ties``/``zeros`` put many equal values (masses that
-    underflowed to 0) across the W-th place, where only the positions decide."""
-    x = torch.rand(B, generator=gen)
-    if kind == "ties":
-        x = torch.randint(0, 3, (B,), generator=gen).float() * 0.25
-    elif kind == "zeros":
-        x[torch.rand(B, generator=gen) < 0.9] = 0.0
-    keys = (x.view(torch.int32).long() << 32) | (BP - 1 - torch.arange(B))
-    want = torch.zeros(BP, dtype=torch.bool)
-    want[:B] = keys >= keys.sort(descending=True).values[W - 1] if B >= W else True
-    out = torch.zeros(BP, dtype=torch.int8, device=DEV)
-    _top_mask_probe[(1,)](x.to(DEV), out, B, W=W, BP=BP)
-    assert torch.equal(out.cpu().bool(), want) and int(want.sum()) == min(W, B)
-
-
 @pytest.mark.parametrize("kind,B,preset,window", _selection_cases())
 def test_selection_kernel_equals_the_torch_reference(kind, B, preset, window, gen):
     """``triton_kernels.select`` makes the decisions of ``select_keys``/``select_values``: the same key and
     value masks and the same rung-1 flags, block for block (K_min/K_max clamps, rung 1, value caps). A
-    window smaller than the table runs the windowed path (radix select of the W largest keys, compaction,
+    window smaller than the table runs the windowed path (bisection for the W-th largest key, compaction,
     and the full order when the value greedy runs past the window: ``flat``/``huge_delta``)."""
     from certvllm.triton_kernels.select import select_blocks
 
