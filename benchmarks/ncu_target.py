@@ -1,4 +1,4 @@
-"""A minimal program for Nsight Compute: one certified layer call's phase-1 or attend kernel at one point.
+"""A minimal program for Nsight Compute: one certified layer call's phase-1, promotion or attend kernel at one point.
 
 Usage (on a CUDA machine with ncu, e.g. the lent H200, where it is ``/usr/local/cuda/bin/ncu``)::
 
@@ -8,9 +8,12 @@ Usage (on a CUDA machine with ncu, e.g. the lent H200, where it is ``/usr/local/
 
 It builds the synthetic cache of ``bench_decode`` at ``batch × context`` and launches the kernel twice with
 the launchers' defaults (the first launch compiles, so profile the second: ``--launch-skip 1``). For
-``attend`` it runs two whole certified calls instead; each launches the attend kernel twice (the main pass, then
-the exact re-run, empty when nothing escalated), so the second call's main pass is ``--launch-skip 2``
-(``regex:attend_kernel``: the CUDA kernel, ``certvllm::attend_kernel<...>``). ``--dialect triton`` launches the
+``attend`` and ``promote`` it runs three whole certified calls instead, with one promotion pool (warm from the
+second call on, as in serving); each call launches both kernels twice (the main pass, then the exact re-run, empty
+when nothing escalated), so the third call's main pass is ``--launch-skip 4 --launch-count 1``
+(``regex:attend_kernel``: the CUDA kernel, ``certvllm::attend_kernel<...>``; ``regex:_promote_kernel``). The
+pool's counters of the last call are printed (pages looked up, hits, fills, and bypasses: pages read over PCIe
+because another page held their slot). ``--dialect triton`` launches the
 Triton kernels instead: phase 1's (``regex:_phase1_mma_kernel``) and the attend pass's (``_attend_kernel``, which
 the same ``regex:attend_kernel`` matches).
 """
@@ -26,7 +29,7 @@ from bench_decode import D, build_cache, synthetic_kv
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--kernel", choices=("phase1", "attend"), default="phase1")
+    ap.add_argument("--kernel", choices=("phase1", "promote", "attend"), default="phase1")
     ap.add_argument("--point", default="8x131072", help="batch x context, e.g. 1x8192")
     ap.add_argument("--dialect", choices=("auto", "triton"), default="auto", help="KernelTuning.dialect")
     a = ap.parse_args()
@@ -53,7 +56,9 @@ def main() -> None:
     lens_t = torch.tensor(lens, device=dev)
     kv_heads = cache.num_kv_heads
     tuning = KernelTuning(dialect=a.dialect)
-    for _ in range(2):
+    cfg = load_config("default")
+    residency = Residency.for_layer(cache, cfg.promotion_cache_fraction)
+    for i in range(2 if a.kernel == "phase1" else 3):
         if a.kernel == "phase1":
             qs = (q.float() * (1 / math.sqrt(D))).contiguous()
             splits, bps = split_plan(tables.shape[1], batch * kv_heads, tuning=tuning)
@@ -61,11 +66,13 @@ def main() -> None:
                          kv_heads, cache.sub_blocks, delta_factor(D), splits, bps,
                          tuning=tuning)  # fmt: skip
         else:
-            cfg = load_config("default")
+            if i == 2 and residency.pool is not None:
+                residency.pool.take_stats()  # the counters from here on are the last call's
             certified_attention(q, cache, tables, lens_t, cfg, 1 / math.sqrt(D), pagein=CudaPageInEngine(dev),
-                                residency=Residency.for_layer(cache, cfg.promotion_cache_fraction),
-                                cuda_options=CudaOptions(tuning=tuning))  # fmt: skip
+                                residency=residency, cuda_options=CudaOptions(tuning=tuning))  # fmt: skip
         torch.cuda.synchronize()
+    if a.kernel != "phase1" and residency.pool is not None:
+        print("promotion pool, last call:", residency.pool.take_stats())
 
 
 if __name__ == "__main__":

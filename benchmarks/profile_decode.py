@@ -8,8 +8,10 @@ replays of the call (what the table of ``bench_decode`` reports), then profiles 
 ``torch.profiler`` and prints, per call: the number of kernels, the sum of their device times, and the
 kernels ranked by device time. The gap between the graph time and the kernel sum is launch and dependency
 latency (one graph node after another); the ranking shows which kernels are worth fusing or speeding up.
-Each preset runs once per ``--tunings`` entry (comma-separated ``KernelTuning`` fields, "" the defaults),
-labelled ``preset[tuning]``, so two kernel choices are compared in one run. Last, the registers and spills per
+With a promotion pool it also records the pool's pages per profiled call (``pool_pages_per_call``: looked up,
+hits, fills, and bypasses, the pages read over PCIe because another page held their slot). Each preset
+runs once per ``--tunings`` entry (comma-separated ``KernelTuning`` fields, "" the defaults), labelled
+``preset[tuning]``, so two kernel choices are compared in one run. Last, the registers and spills per
 thread of every compiled certvllm kernel.
 """
 
@@ -78,6 +80,9 @@ def profile_point(batch: int, ctx: int, presets: list[str], calls: int, top: int
         for _ in range(3):
             call()
         torch.cuda.synchronize()
+        pool = residency.pool if residency is not None else None
+        if pool is not None:
+            pool.take_stats()  # from here on: the profiled calls' page lookups
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(calls):
                 call()
@@ -85,8 +90,11 @@ def profile_point(batch: int, ctx: int, presets: list[str], calls: int, top: int
         rows, count, total_us = _kernel_table(prof, calls)
         out[preset] = {"graph_ms": graph_ms, "kernels_per_call": count, "kernel_us_per_call": total_us,
                        "kernels": rows}  # fmt: skip
+        if pool is not None:  # pages per call: looked up, served from a slot, filled, read over PCIe past the pool
+            out[preset]["pool_pages_per_call"] = {k: v / calls for k, v in pool.take_stats().items()}
         print(f"b={batch} ctx={ctx} {preset}: graph {graph_ms:.3f} ms, {count} kernels/call, "
-              f"kernel sum {total_us / 1e3:.3f} ms", flush=True)  # fmt: skip
+              f"kernel sum {total_us / 1e3:.3f} ms, pool pages per call "
+              f"{out[preset].get('pool_pages_per_call')}", flush=True)  # fmt: skip
         for r in rows[:top]:
             each = " (" + " + ".join(f"{u:.1f}" for u in r["us_per_launch"]) + ")" if "us_per_launch" in r else ""
             print(f"    {r['us_per_call']:9.1f} us  x{r['count_per_call']:5.1f}  {r['kernel']}{each}", flush=True)
