@@ -124,9 +124,15 @@ CMD ["/opt/models/smollm2-135m-instruct", "--host", "0.0.0.0", "--port", "8000",
 FROM ${VLLM_BASE_IMAGE} AS cuda
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 COPY --from=wheel /wheels /tmp/wheels
+# The CUDA attend kernel (csrc/cuda) is compiled here for Hopper (sm_90) into CERTVLLM_EXT_DIR, so that a server
+# imports it at start instead of compiling it for about a minute (nvcc must be in the base image: vLLM's images are
+# CUDA devel images; where it is missing the kernel builds on first use, or the Triton attend kernel serves).
+ENV CERTVLLM_EXT_DIR=/opt/certvllm/extensions
 RUN python3 -m pip install --no-cache-dir --no-deps /tmp/wheels/certvllm-*.whl \
     && rm -rf /tmp/wheels \
     && python3 -c "import certvllm.cli, vllm; print('certvllm on vllm', vllm.__version__)" \
+    && { TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=4 python3 -c "from certvllm.triton_kernels import attend_cuda; attend_cuda.load()" \
+         || echo "certvllm: the CUDA attend kernel was not prebuilt (see the log above); it builds on first use"; } \
     && groupadd --gid 10001 certvllm \
     && useradd --uid 10001 --gid certvllm --create-home --home-dir /home/certvllm \
          --shell /usr/sbin/nologin certvllm \

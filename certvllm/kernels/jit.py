@@ -14,6 +14,7 @@ same bytes, as on every run on the lent GPU machines.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import logging
@@ -133,7 +134,9 @@ class JitExtension:
             spec.loader.exec_module(module)
         except Exception as err:  # a damaged library: build again, as before the marker existed
             logger.warning("certvllm: %s did not import (%s: %s); rebuilding it", library, type(err).__name__, err)
-            (self.build_dir / BUILT_MARKER).unlink(missing_ok=True)
+            # a read-only prebuilt folder (an image's) keeps its marker: the build that follows reports what fails
+            with contextlib.suppress(OSError):
+                (self.build_dir / BUILT_MARKER).unlink(missing_ok=True)
             return None
         return module
 
