@@ -59,7 +59,8 @@ case "$stage" in
     ;;
   save-caches)
     # the compile caches a fresh machine rebuilds at every engine start (certvllm's Triton kernels: ~50 s at a
-    # max_model_len of 9216, ~120 s at 131072; vLLM's torch.compile and Triton caches), packed into $OUT/caches
+    # max_model_len of 9216, ~120 s at 131072; its CUDA attend extension, ~57 s; vLLM's torch.compile and Triton
+    # caches), packed into $OUT/caches
     # as parts that come back from the device (at most 8 files of 16 MiB each); carried to the next machine like
     # a model's parts (`model .device/h200-caches/part-00N`), they are unpacked into $HOME. FlashInfer's JIT cache
     # (its sampling kernels, built at a fresh machine's first engine) is left out when the whole does not fit 4
@@ -68,6 +69,13 @@ case "$stage" in
     pack() {
       rm -rf "$stage_dir" && mkdir -p "$stage_dir/.cache/certvllm"
       [ -d "$HOME/.cache/certvllm/triton" ] && cp -a "$HOME/.cache/certvllm/triton" "$stage_dir/.cache/certvllm/"
+      # the CUDA attend extension's finished builds: the library and its `built` marker (imported directly on the
+      # next machine of the same torch build; the object files stay behind)
+      for built in "$HOME"/.cache/certvllm/extensions/*/built; do
+        [ -f "$built" ] || continue
+        ext=$(dirname "$built") && dst="$stage_dir/.cache/certvllm/extensions/$(basename "$ext")"
+        mkdir -p "$dst" && cp -a "$built" "$ext"/*.so "$dst/"
+      done
       if [ "$1" != certvllm ]; then
         [ -d "$HOME/.cache/vllm" ] && cp -a "$HOME/.cache/vllm" "$stage_dir/.cache/"
         [ -d "$HOME/.triton/cache" ] && mkdir -p "$stage_dir/.triton" && cp -a "$HOME/.triton/cache" "$stage_dir/.triton/"
