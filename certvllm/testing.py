@@ -199,28 +199,35 @@ def check_soundness(cases: list[Case], config, scale: float | None = None, backe
     return SoundnessResult(error, bound, res.report.rung, violations, mismatch, res.report)
 
 
-def capture_attend_args(call) -> tuple:
-    """Run ``call()`` (a CUDA certified call) and return copies of the arguments of its first attend pass
-    (``triton_kernels.phase2.attend``: geometry, scores, m, shadow, pages, tables, nfull, bits, active,
-    exact_lm), for replaying the pass alone in other kernel configurations."""
+def capture_pass_args(name: str, call) -> tuple:
+    """Run ``call()`` (a CUDA certified call) and return copies of the arguments of its first call of the phase-2
+    launcher ``name`` (``"attend"`` or ``"promote"`` of ``triton_kernels.phase2``, as ``attention.gpu`` calls
+    them), for replaying that pass alone in other kernel configurations. The pinned host shadow (gigabytes at
+    long contexts) is passed through, not copied."""
     import certvllm.attention.gpu as gpu_mod
 
     seen: list[tuple] = []
-    orig = gpu_mod.attend
+    orig = getattr(gpu_mod, name)
 
     def spy(*args):
-        if not seen:  # copies of everything but the pinned host shadow (gigabytes at long contexts)
+        if not seen:
             seen.append(tuple(a.clone() if isinstance(a, torch.Tensor) and not a.is_pinned() else a for a in args))
         return orig(*args)
 
-    gpu_mod.attend = spy
+    setattr(gpu_mod, name, spy)
     try:
         call()
     finally:
-        gpu_mod.attend = orig
+        setattr(gpu_mod, name, orig)
     if not seen:
-        raise RuntimeError("the call ran no attend pass (every group escalated before phase 2?)")
+        raise RuntimeError(f"the call ran no {name} pass (every group escalated before phase 2?)")
     return seen[0]
+
+
+def capture_attend_args(call) -> tuple:
+    """:func:`capture_pass_args` of the attend pass: (geometry, scores, m, shadow, pages, tables, nfull, bits,
+    active, exact_lm)."""
+    return capture_pass_args("attend", call)
 
 
 def attend_deviation(out, lm: torch.Tensor, ref, ref_lm: torch.Tensor, vabs_max: float) -> dict:

@@ -96,3 +96,34 @@ def test_promotion_pass_matches_the_torch_reference(run_canary: bool, canary_bad
     want_canary = (viol & visited).any(-1).any(-1).to(torch.int32) if run_canary else torch.zeros(R, dtype=torch.int32)
     assert torch.equal(canary, want_canary)
     assert bool(want_canary[0]) == (run_canary and canary_bad)  # the planted violation, and no other
+
+
+def test_the_promotion_benchmark_counts_the_work_and_replays_its_variants() -> None:
+    """``benchmarks/bench_promote.py`` (a GPU benchmark) on the inputs above: its workload counts are the torch
+    counts of needed blocks, and each variant replays ``promote`` with the argument it names changed (the bitmask
+    cleared: no score rewritten; no canary: the canary untouched; keys only: value-only blocks not visited)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import bench_promote
+
+    qs, shadow, tables, nfull, bits, active, s8, m8, delta, round1, _ = _inputs(canary_bad=True)
+    geo = Phase2Geometry(PageLayout(D), K, G, 1, shadow.shape[0], SPLITS, BPS)
+    canary = torch.zeros(R, dtype=torch.int32)
+    args = (geo, qs, shadow, tables, nfull, bits, active, s8.clone(), m8, delta, round1, canary, True, None, None,
+            None)  # fmt: skip
+    full = torch.arange(B)[None, :] < nfull[:, None]
+    need = (bits != 0) & full[:, None, :] & (active[..., None] != 0)
+    work = bench_promote.workload(args)
+    assert work["needed_total"] == int(need.sum()) and "needed_over_pcie" not in work
+    assert work["needed_max_per_program"] == int(need.view(R, K, SPLITS, BPS).sum(-1).max())
+    got = {}
+    for name, v in bench_promote.variants(args).items():
+        scores, flag = v[7].clone(), torch.zeros(R, dtype=torch.int32)
+        promote(*v[:7], scores, *v[8:11], flag, *v[12:])
+        got[name] = (scores, flag)
+    assert torch.equal(got["nothing_needed"][0], s8) and int(got["nothing_needed"][1].sum()) == 0
+    assert int(got["no_canary"][1].sum()) == 0 and int(got["as_called"][1][0]) == 1  # the planted violation
+    assert torch.equal(got["keys_only"][0], got["as_called"][0])  # value bits never rewrite scores
+    assert torch.equal(got["shadow_keys"][0], got["as_called"][0])  # no pool here: the same reads
