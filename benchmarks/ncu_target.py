@@ -57,7 +57,8 @@ def main() -> None:
     kv_heads = cache.num_kv_heads
     tuning = KernelTuning(dialect=a.dialect)
     cfg = load_config("default")
-    residency = Residency.for_layer(cache, cfg.promotion_cache_fraction)
+    # the certified calls' pool (none for phase 1 alone)
+    residency = Residency() if a.kernel == "phase1" else Residency.for_layer(cache, cfg.promotion_cache_fraction)
     for i in range(2 if a.kernel == "phase1" else 3):
         if a.kernel == "phase1":
             qs = (q.float() * (1 / math.sqrt(D))).contiguous()

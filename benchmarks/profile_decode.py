@@ -80,7 +80,7 @@ def profile_point(batch: int, ctx: int, presets: list[str], calls: int, top: int
         for _ in range(3):
             call()
         torch.cuda.synchronize()
-        pool = residency.pool if residency is not None else None
+        pool = residency.pool
         if pool is not None:
             pool.take_stats()  # from here on: the profiled calls' page lookups
         with profile(activities=[ProfilerActivity.CUDA]) as prof:

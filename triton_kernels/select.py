@@ -293,9 +293,7 @@ def _select_kernel(
         kmin = tl.minimum(nf, KMIN)
         kmax = tl.minimum(nf, KMAX)
         kmax1 = tl.minimum(nf, KMAX1)
-        abar = tail_mass_upper(alpha, delta_all, rr, GS, PRECISE)
-        growth = expm1_f32(dsuf, PRECISE) + expm1_f32(2.0 * dsuf, PRECISE)
-        est = tl.where(abar > 0, abar * growth, 0.0)
+        est = _key_estimate(alpha, dsuf, delta_all, rr, GS, PRECISE)
         ok = (est <= KEY_TOL) & (q <= kmax1) & (q < B)
         if BUDGET:  # the fewest blocks (≥ K_min) whose estimated E_key fits key_tol
             base = _first((est <= KEY_TOL) & (q >= kmin) & (q < B), q, kmax, BP + W)
