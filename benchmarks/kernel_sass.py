@@ -29,7 +29,7 @@ def parse_tuning(items: list[str]) -> dict:
             name, sep, value = item.partition("=")
             if not sep:
                 raise ValueError(f"{item!r}: write FIELD=VALUE, e.g. resident_maxnreg=168")
-            out[name] = value if name in ("dialect", "select_method") else int(value)
+            out[name] = value if name == "dialect" else int(value)
         KernelTuning(**out)
     except (TypeError, ValueError) as err:
         raise SystemExit(f"--tuning: {err}") from err

@@ -21,7 +21,7 @@ LAUNCHED: dict[str, tuple[str, ...]] = {
     "phase2": ("_promote_kernel", "_attend_kernel"),
     "phase2_glue": ("_global_max_kernel", "_rerun_inputs_kernel", "_promotion_counts_kernel"),
     "prepare": ("_prepare_kernel",),
-    "select": ("_select_kernel", "_select_pick_kernel"),
+    "select": ("_select_kernel",),
     "finalize": ("_finalize_kernel", "_combine_exact_kernel"),
     "fused": ("_fused_kernel",),
     "fused_gluon": ("_fused_gluon_kernel",),

@@ -41,15 +41,11 @@ from .common import (
     tail_mass_upper,
 )
 from .shape_class import JIT_OPTIONS, width_class
-from .tuning import DEFAULT_TUNING, KernelTuning
 
 MAX_BLOCKS = GLUE_MAX_BLOCKS
 
 WINDOW = 512
 """Positions of the sorted orders the kernel materialises when the table is wider (see ``_top_window``)."""
-PICK_CAP = 48
-"""Most blocks ``_select_pick_kernel`` picks per head and order (keys, values) before it hands the group to
-``_select_kernel``."""
 
 
 def supported(num_blocks: int) -> bool:
@@ -178,65 +174,6 @@ def _key_estimate(alpha, dsuf, delta_all, rr, GS, PRECISE: tl.constexpr):
 
 
 @triton.jit(**JIT_OPTIONS)
-def _select_pick_kernel(
-    l8, lse, delta, rounding, nfull, eta, budget, bits, widened, active, fallback,  # as ``_select_kernel``'s
-    B, GS, KMIN, KMAX, KMAX1, KEY_TOL, VKMAX,
-    H: tl.constexpr, G: tl.constexpr, BP: tl.constexpr, PICKS: tl.constexpr, USE_ACTIVE: tl.constexpr,
-    PRECISE: tl.constexpr,
-):  # fmt: skip
-    """The key-error budget rule and rung 2 by picking: the largest remaining block, one reduction at a time, until
-    the estimated E_key fits ``key_tol`` (at least K_min blocks, at most the widened K_max) and, for values, until
-    the remaining Σ ρ̄·η fits the budget (at most ``VKMAX``). These are the decisions of the sorted order's prefix
-    (ties to the lower block, as the stable sort), so the same bits as ``_select_kernel``; α̂ is the float64 total
-    less the picked masses, where the sort sums the suffix (the same real number). A head that would need more than
-    ``PICKS`` picks sets ``fallback[r, h]`` and writes no bits: ``_select_kernel`` then selects for its group."""
-    pid, rk, g, r = head_program(G, H)
-    n_go = 1
-    if USE_ACTIVE:
-        n_go = tl.load(active + rk)
-    for _ in range(0, n_go):
-        pos, nf, valid, mass, dl, rr, delta_all, err = _head_inputs(l8, lse, delta, rounding, nfull, eta, pid, rk, r,
-                                                                    B, GS, BP, PRECISE)  # fmt: skip
-        kmin = tl.minimum(nf, KMIN)
-        kmax = tl.minimum(nf, KMAX)
-        kmax1 = tl.minimum(nf, KMAX1)
-        # ---- keys: K* = the first K ≥ K_min whose estimate fits key_tol, at most the widened K_max
-        picked = pos < 0
-        total = tl.sum(mass.to(tl.float64), 0)
-        taken = total * 0.0
-        k = nf * 0
-        est = _key_estimate(total.to(tl.float32), delta_all, delta_all, rr, GS, PRECISE)
-        done = ((k >= kmin) & (est <= KEY_TOL)) | (k >= kmax1)
-        while (~done) & (k < PICKS):
-            top, j = tl.max(tl.where(picked, -1.0, mass), 0, return_indices=True, return_indices_tie_break_left=True)
-            picked = picked | (pos == j)
-            taken += top.to(tl.float64)
-            k += 1
-            dsuf = tl.max(tl.where(picked, 0.0, dl), 0)
-            est = _key_estimate((total - taken).to(tl.float32), dsuf, delta_all, rr, GS, PRECISE)
-            done = ((k >= kmin) & (est <= KEY_TOL)) | (k >= kmax1)
-        # ---- values: the fewest largest ρ̄·η whose remaining sum fits the budget (rung 2)
-        vpicked = pos < 0
-        vtotal = tl.sum(err.to(tl.float64), 0)
-        vtaken = vtotal * 0.0
-        c = nf * 0
-        vbudget = tl.load(budget + rk)
-        vdone = (vtotal.to(tl.float32) <= vbudget) | ((VKMAX >= 0) & (c >= VKMAX))
-        while (~vdone) & (c < PICKS):
-            top, j = tl.max(tl.where(vpicked, -1.0, err), 0, return_indices=True, return_indices_tie_break_left=True)
-            vpicked = vpicked | (pos == j)
-            vtaken += top.to(tl.float64)
-            c += 1
-            vdone = ((vtotal - vtaken).to(tl.float32) <= vbudget) | ((VKMAX >= 0) & (c >= VKMAX))
-        tl.store(widened + pid, (done & (k > kmax)).to(tl.int8))
-        if done & vdone:
-            tl.atomic_or(bits + rk * B + pos, ((pos * 0 + 1) << G) - 1, mask=picked & valid)
-            tl.atomic_or(bits + rk * B + pos, (pos * 0 + 1) << (G + g), mask=vpicked & valid)
-        else:
-            tl.atomic_max(fallback + rk, 1)
-
-
-@triton.jit(**JIT_OPTIONS)
 def _select_kernel(
     l8,  # [R, H, G, B] float32 block log-mass ℓ⁸_b (−inf past the last full block)
     lse,  # [R, H, G] float32 log of the total INT8 mass (full blocks and the partial one)
@@ -339,7 +276,6 @@ def select_blocks(
     policy: LadderPolicy,
     window: int = WINDOW,
     active: torch.Tensor | None = None,
-    tuning: KernelTuning = DEFAULT_TUNING,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rungs 0–2 selection for a layer call.
 
@@ -355,8 +291,6 @@ def select_blocks(
             power of two above ``policy.k_max_widened``); the greedy value promotion falls back to the
             full order inside the kernel if it needs more.
         active: ``[R, K]`` int32: the groups to select for (the others get no bits and no rung 1), or None (all).
-        tuning: ``select_method`` ``"pick"`` runs ``_select_pick_kernel`` first under the budget rule (the groups it
-            hands back, and every group under the coverage rule, go through ``_select_kernel``).
 
     Returns:
         ``bits`` ``[R, K, B]`` int32 (bit g: keys of block b promoted for query head g; bit G + g: its
@@ -377,14 +311,6 @@ def select_blocks(
     l8, lse, delta, rounding = l8.contiguous(), lse.contiguous(), delta.contiguous(), rounding.contiguous()
     eta, value_budget = eta.contiguous(), value_budget.contiguous()
     warps = min(16, max(4, bp // 512))
-    if tuning.select_method == "pick" and policy.key_budget:
-        fallback = torch.zeros(R, K, dtype=torch.int32, device=l8.device)
-        _select_pick_kernel[(R * K * G,)](
-            l8, lse, delta, rounding, nfull, eta, value_budget, bits, widened, widened if active is None else active,
-            fallback, B, GAMMA_SLACK, policy.k_min, policy.k_max, kmax1, policy.key_tol, policy.value_k_max,
-            H=K, G=G, BP=bp, PICKS=PICK_CAP, USE_ACTIVE=active is not None, PRECISE=precise(), num_warps=warps,
-        )  # fmt: skip
-        active = fallback  # the groups a head of which needed more picks than PICK_CAP
     _select_kernel[(R * K * G,)](
         l8, lse, delta, rounding, nfull, eta, value_budget, bits, widened, widened if active is None else active,
         scratch, B, GAMMA_SLACK, 1.0 - policy.tau_cov, policy.k_min, policy.k_max, kmax1, policy.rung1_tail_threshold,

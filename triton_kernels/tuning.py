@@ -18,10 +18,6 @@ configuration computes the same certified quantities (``tests/triton_kernels/tes
   iteration, its best layout at D = 128 (``docs/performance.md``).
 * ``prefetch_programs``, ``prefetch_unroll``: the step prefetch's staging gather: its programs and the
   pages each has in flight (``prefetch.stage_pages``).
-* ``select_method``: ``"sort"`` (the default): selection orders every block (``select._select_kernel``);
-  ``"pick"``: under the key-error budget rule, the largest remaining block is picked one reduction at a time
-  (``select._select_pick_kernel``: the same decisions, ~K* + 1 reductions instead of a 42-step bisection and a
-  sort), for the A/B of ``benchmarks/profile_decode.py --tunings "" select_method=pick``; the loser goes.
 * ``dialect``: ``"auto"`` runs the Gluon kernels and the CUDA attend kernel where they compile (CUDA, a supported
   shape) and the Triton kernels otherwise (the interpreter included); ``"triton"`` always runs the Triton kernels
   (what tests and benchmarks that compare them pass).
@@ -33,7 +29,6 @@ from dataclasses import dataclass, fields
 from typing import Literal
 
 DIALECTS = ("auto", "triton")
-SELECT_METHODS = ("sort", "pick")
 
 
 def _pow2(x: int) -> bool:
@@ -67,7 +62,6 @@ class KernelTuning:
     resident_maxnreg: int = 0
     prefetch_programs: int = 8
     prefetch_unroll: int = 4
-    select_method: Literal["sort", "pick"] = "sort"
     dialect: Literal["auto", "triton"] = "auto"
 
     def __post_init__(self) -> None:
@@ -79,11 +73,6 @@ class KernelTuning:
                     f"KernelTuning.{name}={value!r} is out of range: it must be {allowed}; pass e.g. "
                     f"KernelTuning({name}={defaults[name]!r}) (the default)"
                 )
-        if self.select_method not in SELECT_METHODS:
-            raise ValueError(
-                f"KernelTuning.select_method={self.select_method!r} is not a selection method: it must be one of "
-                f"{', '.join(map(repr, SELECT_METHODS))}; pass KernelTuning(select_method='sort') (the default)"
-            )
         if self.dialect not in DIALECTS:
             raise ValueError(
                 f"KernelTuning.dialect={self.dialect!r} is not a kernel dialect: it must be one of "

@@ -41,7 +41,6 @@ from certvllm.triton_kernels.finalize import Finalized, combine_exact, finalize
 from certvllm.triton_kernels.fused import FusedGeometry, FusedOut, fused_pass
 from certvllm.triton_kernels.prepare import prepare
 from certvllm.triton_kernels.select import select_blocks
-from certvllm.triton_kernels.tuning import DEFAULT_TUNING, KernelTuning
 
 
 def _pool_args(pool: PromotionCache | None):
@@ -107,7 +106,7 @@ def resident_rows(
     mark(timings, "certify")
     fbits, paged = None, torch.zeros((), dtype=torch.int64, device=dev)
     if need is not None:
-        fbits, paged = _top_up(state, first, done, need, layer_call.generator, options.tuning)
+        fbits, paged = _top_up(state, first, done, need, layer_call.generator)
         mark(timings, "top_up")
     else:
         fbits = _read_exactly(first.fbits, None, None)
@@ -120,12 +119,7 @@ def resident_rows(
 
 
 def _top_up(
-    state: _Pass,
-    first: FusedOut,
-    done: Finalized,
-    need: torch.Tensor,
-    generator: torch.Generator | None,
-    tuning: KernelTuning = DEFAULT_TUNING,
+    state: _Pass, first: FusedOut, done: Finalized, need: torch.Tensor, generator: torch.Generator | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Step 2 of the module docstring for the groups ``need`` ``[R, K]`` int32 marks (kernels exit at once for the
     others): their results are written over the first pass's in ``done``.
@@ -137,7 +131,7 @@ def _top_up(
     dev = call.qs.device
     budget = (cfg.v_tol * s.v_max.squeeze(-1)) / VALUE_BUDGET_MARGIN
     bits, widened = select_blocks(first.l8, s.lse, first.delta, s.round1, call.nfull, first.eta, budget, cfg.ladder,
-                                  active=need, tuning=tuning)  # fmt: skip
+                                  active=need)  # fmt: skip
     if cfg.exploration_rate > 0:
         gen = generator if generator is not None and generator.device.type == dev.type else None
         draw = torch.rand((R, K, G, B), generator=gen, device=dev)

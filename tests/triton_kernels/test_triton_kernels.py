@@ -429,21 +429,13 @@ def _selection_cases() -> list:
             for i, shape in enumerate(SELECTION_SHAPES) for j, kind in enumerate(SELECTION_KINDS)]  # fmt: skip
 
 
-@pytest.mark.parametrize("method", ["sort", "pick", "pick_cap1"])
 @pytest.mark.parametrize("kind,B,preset,window", _selection_cases())
-def test_selection_kernel_equals_the_torch_reference(kind, B, preset, window, method, gen, monkeypatch):
+def test_selection_kernel_equals_the_torch_reference(kind, B, preset, window, gen):
     """``triton_kernels.select`` makes the decisions of ``select_keys``/``select_values``: the same key and
     value masks and the same rung-1 flags, block for block (K_min/K_max clamps, rung 1, value caps). A
     window smaller than the table runs the windowed path (bisection for the W-th largest key, compaction,
-    and the full order when the value greedy runs past the window: ``flat``/``huge_delta``). ``pick``: the
-    budget rule's picking kernel first (``select_method="pick"``); ``pick_cap1``: the same with one pick allowed
-    per head, so that most groups are handed back to the sorting kernel after the picking kernel ran."""
-    from certvllm.triton_kernels import select
+    and the full order when the value greedy runs past the window: ``flat``/``huge_delta``)."""
     from certvllm.triton_kernels.select import select_blocks
-    from certvllm.triton_kernels.tuning import KernelTuning
-
-    if method == "pick_cap1":
-        monkeypatch.setattr(select, "PICK_CAP", 1)
 
     from certvllm.attention.selection import VALUE_BUDGET_MARGIN, select_keys, select_values
 
@@ -457,8 +449,7 @@ def test_selection_kernel_equals_the_torch_reference(kind, B, preset, window, me
     budget = (cfg.v_tol * ph1.v_max.squeeze(-1)) / VALUE_BUDGET_MARGIN
     bits, widened_k = select_blocks(ph1.log_mass.to(DEV), lse.squeeze(-1).to(DEV), ph1.delta.to(DEV),
                                     ph1.rounding.to(DEV), nfull.to(DEV), ph1.eta.squeeze(2).to(DEV),
-                                    budget.to(DEV), cfg.ladder, window=window,
-                                    tuning=KernelTuning(select_method=method.removesuffix("_cap1")))  # fmt: skip
+                                    budget.to(DEV), cfg.ladder, window=window)  # fmt: skip
     shifts = torch.arange(G).view(1, 1, G, 1)
     bits = bits.cpu().unsqueeze(2)
     assert torch.equal(((bits >> shifts) & 1).bool(), key_mask)
