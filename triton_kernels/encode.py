@@ -74,6 +74,10 @@ def _encode_pages_kernel(
     H_KV: tl.constexpr = 1,  # FROM_SLOTS: KV heads
     M_SUB: tl.constexpr = 1,  # FROM_SLOTS: 16-token blocks per engine block
     BUMP: tl.constexpr = False,  # FROM_SLOTS: add 1 to each encoded block's generation
+    pool_k=None,  # WRITE_POOL: [blocks·H_KV, N, D] the direct-mapped promotion pool's key pages (slot = page)
+    pool_tag=None,  # WRITE_POOL: [blocks·H_KV] int64 page id of each slot
+    pool_gen=None,  # WRITE_POOL: [blocks·H_KV] int64 write generation of each slot's copy
+    WRITE_POOL: tl.constexpr = False,  # FROM_SLOTS and BUMP: copy each encoded block's keys into its pool slot
 ):
     N: tl.constexpr = 16
     HALF: tl.constexpr = GRP // 2
@@ -90,7 +94,11 @@ def _encode_pages_kernel(
         voff = koff + run
         dst = ((block // M_SUB * H_KV + head) * M_SUB + block % M_SUB) * PAGE_BYTES
         if BUMP:  # once per block (head 0): its pages changed, copies taken before are stale
-            tl.atomic_add(gen + block, 1, mask=head == 0)
+            old = tl.atomic_add(gen + block, 1, mask=head == 0)
+            if WRITE_POOL:  # head 0 tags every head's slot of the block with the generation it just made
+                for hh in tl.static_range(H_KV):
+                    tl.store(pool_tag + block * H_KV + hh, block * H_KV + hh, mask=head == 0)
+                    tl.store(pool_gen + block * H_KV + hh, old + 1, mask=head == 0)
     else:
         koff = tl.load(k_off + pid)
         voff = tl.load(v_off + pid)
@@ -102,7 +110,10 @@ def _encode_pages_kernel(
     dm = d < D
 
     # ---------------- keys: per-channel offset and log-coded scale, INT8 codes
-    k = tl.load(k_ptr + koff + t[:, None] * K_ST + d[None, :] * K_SC, mask=dm[None, :], other=0.0).to(tl.float32)
+    k_raw = tl.load(k_ptr + koff + t[:, None] * K_ST + d[None, :] * K_SC, mask=dm[None, :], other=0.0)
+    if WRITE_POOL:  # the shadow's bytes of this (block, head), token-major, into the page's own slot
+        tl.store(pool_k + (block * H_KV + head) * (N * D) + t[:, None] * D + d[None, :], k_raw, mask=dm[None, :])
+    k = k_raw.to(tl.float32)
     k_nan = tl.max(tl.where(k != k, 1, 0), axis=0) > 0  # [DP]
     lo = tl.min(tl.where(dm[None, :], k, float("inf")), axis=0)
     hi = tl.max(tl.where(dm[None, :], k, float("-inf")), axis=0)
@@ -273,7 +284,8 @@ def _layout_args(layout: PageLayout) -> dict:
 
 
 def encode_completed_blocks(pages: torch.Tensor, shadow: torch.Tensor, slots: torch.Tensor, layout: PageLayout,
-                            num_kv_heads: int, sub_blocks: int, generation: torch.Tensor | None = None) -> None:  # fmt: skip
+                            num_kv_heads: int, sub_blocks: int, generation: torch.Tensor | None = None,
+                            pool: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:  # fmt: skip
     """Encode the blocks a write completes, in one launch: for every token slot at the last offset of its 16-token
     block, that block's page of every KV head, from the token-major shadow (what :func:`encode_into` does for a
     list of blocks, with the same bytes; the offsets are formed in the kernel, so the caller runs no glue).
@@ -285,17 +297,34 @@ def encode_completed_blocks(pages: torch.Tensor, shadow: torch.Tensor, slots: to
             negative: padding.
         num_kv_heads, sub_blocks: ``H_kv`` and ``M`` (16-token blocks per engine block).
         generation: ``[blocks]`` int64 write generations, each encoded block's bumped by 1 (None: not counted).
+        pool: a direct-mapped promotion pool's ``(keys [blocks·H_kv, 16, D], tag [blocks·H_kv] int64,
+            tag_gen [blocks·H_kv] int64)``, slot = page ``block·H_kv + head``: each encoded (block, head) copies
+            its keys from the shadow into its slot, tagged with the block's new generation, so the promotion pass
+            finds them in VRAM instead of reading them over PCIe at their first promotion
+            (``kv.promotion_cache.PromotionCache.write_through``). Needs ``generation``.
     """
     t = slots.numel()
     if t == 0:
         return
     launch_device_ok(pages)
     bump = generation is not None
+    extra = {}
+    if pool is not None:
+        keys, tag, tag_gen = pool
+        blocks = pages.shape[0] * sub_blocks
+        if not bump or keys.shape != (blocks * num_kv_heads, 16, layout.head_dim) or tag.numel() != keys.shape[0]:
+            raise ValueError(
+                f"encode_completed_blocks: a write-through pool needs the write generations and one slot per "
+                f"(16-token block, KV head) page ({blocks} x {num_kv_heads} pages of [16, {layout.head_dim}]), "
+                f"got generation={'set' if bump else None} and pool keys {tuple(keys.shape)}; pass pool=None for "
+                "a hashed pool (PromotionCache.write_through is False)"
+            )
+        extra = dict(pool_k=keys, pool_tag=tag, pool_gen=tag_gen, WRITE_POOL=True)
     _encode_pages_kernel[(t * num_kv_heads,)](
         device_arg(shadow), device_arg(shadow), slots, slots, slots, generation if bump else slots,
         pages, pages.view(torch.float16), pages.view(torch.float32), _lut64(pages.device),
         K_ST=layout.head_dim, K_SC=1, **_layout_args(layout), FROM_SLOTS=True, H_KV=num_kv_heads,
-        M_SUB=sub_blocks, BUMP=bump, num_warps=4,
+        M_SUB=sub_blocks, BUMP=bump, num_warps=4, **extra,
     )  # fmt: skip
 
 

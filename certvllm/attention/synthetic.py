@@ -21,6 +21,7 @@ from certvllm.formats.layout import BLOCK_SIZE, PageLayout
 from certvllm.kv.cache import LayerKVCache
 from certvllm.kv.cuda_pagein import CudaPageInEngine, write_tokens_on_device
 from certvllm.kv.prefetch import StepPrefetcher
+from certvllm.kv.promotion_cache import PromotionCache
 from certvllm.kv.residency import Residency, pool_values
 
 
@@ -119,12 +120,18 @@ class SyntheticLayer:
         return torch.randn(*shape, generator=self.gen).to(self.dtype)
 
     def _fill(self) -> None:
-        """Every block full of random keys and values, written as the vLLM backend's CUDA write path does."""
+        """Every block full of random keys and values, written as the vLLM backend's CUDA write path does: the first
+        half plain, the second through a write-through pool (``PromotionCache.write_through``, made for the write
+        and dropped), so that both variants of the write kernel are compiled whichever pool the server's layers get."""
         cache = self.cache
         tokens = cache.num_blocks * BLOCK_SIZE
         k = self._randn(tokens, cache.num_kv_heads, cache.layout.head_dim).to(self.device)
         v = self._randn(tokens, cache.num_kv_heads, cache.layout.head_dim).to(self.device)
-        write_tokens_on_device(cache, k, v, torch.arange(tokens, device=self.device))
+        slots = torch.arange(tokens, device=self.device)
+        half = max(1, cache.num_blocks // 2) * BLOCK_SIZE
+        write_tokens_on_device(cache, k[:half], v[:half], slots[:half])
+        direct = PromotionCache(cache, cache.num_blocks * cache.num_kv_heads)
+        write_tokens_on_device(cache, k[half:], v[half:], slots[half:], direct)
 
     def tables(self, rows: int, width: int) -> torch.Tensor:
         """``[rows, width]`` int64 block ids on the device: every row walks the cache's blocks from its own

@@ -30,6 +30,7 @@ from certvllm.kv.pagein import PageInEngine, PageInStats
 
 if TYPE_CHECKING:
     from certvllm.kv.cache import LayerKVCache
+    from certvllm.kv.promotion_cache import PromotionCache
 
 logger = logging.getLogger("certvllm")
 
@@ -222,7 +223,9 @@ class CudaPageInEngine(PageInEngine):
         return DeferredStats(host, ("key_blocks", "value_blocks", "bytes"), read)
 
 
-def write_tokens_on_device(cache: LayerKVCache, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
+def write_tokens_on_device(
+    cache: LayerKVCache, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor, pool: PromotionCache | None = None
+) -> None:
     """The CUDA write path with no host synchronisation and two launches: this step's tokens go into the shadow
     by device stores, each bumping its block's write generation (``triton_kernels.shadow_write``), then every
     block a token completes (its offset is the last of the block) is encoded into its pages and its generation
@@ -234,6 +237,8 @@ def write_tokens_on_device(cache: LayerKVCache, key: torch.Tensor, value: torch.
         cache: the layer's cache (token-major shadow, pages on the device).
         key, value: ``[T, H_kv, D]`` in the shadow's dtype, on the pages' device.
         slots: ``[T]`` token slots (16-token block · 16 + offset) on the device; negative: padding, skipped.
+        pool: the layer's promotion pool; when it is write-through (``PromotionCache.write_through``) the
+            completed blocks' keys go into their slots too.
     """
     from certvllm.triton_kernels.encode import encode_completed_blocks
     from certvllm.triton_kernels.shadow_write import scatter_into_shadow
@@ -246,7 +251,7 @@ def write_tokens_on_device(cache: LayerKVCache, key: torch.Tensor, value: torch.
     slots = slots.to(cache.pages.device, torch.int64)
     scatter_into_shadow(shadow, key, value, slots, cache.sub_blocks, 16, cache.generation)
     encode_completed_blocks(cache.pages, shadow, slots, cache.layout, cache.num_kv_heads, cache.sub_blocks,
-                            cache.generation)  # fmt: skip
+                            cache.generation, None if pool is None else pool.write_through_tensors())  # fmt: skip
 
 
 def encode_blocks_from_shadow(cache: LayerKVCache, block_ids: torch.Tensor) -> None:

@@ -32,6 +32,12 @@ result bit for bit and is what the tests compare the kernels with:
    (e, the block's generation);
 4. pages that lost their slot (conflicts within the step) keep reading the shadow directly (``slot = -1``).
 
+**Write-through** (:attr:`PromotionCache.write_through`): when the pool has one slot per page (a cache whose
+host tier capped it below the blocks the device budget planned: ``pool_slots`` gives the unallocated pages'
+memory to the pool), the device write path copies each completed block's keys, read from the shadow to encode
+its pages, into the block's own slots and tags them (e, the generation the encode made): the same bytes and
+the same tag rule as a fill, with no PCIe read at the block's first promotion.
+
 All of this is stream-ordered: the lookup reads the generations after every write queued before the call,
 the fill runs before the promotion kernel, and the next call's lookup after this call's fill. A host write
 to the shadow happens after a synchronisation (``write_shadow`` copies its tokens to the host) and its
@@ -114,6 +120,21 @@ class PromotionCache:
         # cumulative, on the device: pages looked up, hits, slots filled, pages read from the shadow (bypass)
         self.counts = torch.zeros(4, dtype=torch.int64, device=dev)
         self.nbytes = self.slots * bytes_per_slot(cache, values)
+        self.pages = cache.num_blocks * cache.num_kv_heads
+
+    @property
+    def write_through(self) -> bool:
+        """Whether the write path fills this pool (:meth:`write_through_tensors`): a keys-only pool with one slot per
+        (block, KV head) page of the cache. Then ``e mod slots = e`` and no page ever conflicts with another, so the
+        write of a block can copy its keys into the block's own slots without evicting anything, and a page is
+        found in VRAM from its first promotion on. A hashed pool (fewer slots than pages) is filled only by
+        lookups."""
+        return self.values is None and self.slots == self.pages
+
+    def write_through_tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """``(keys, tag, tag_gen)`` for ``triton_kernels.encode.encode_completed_blocks`` when :attr:`write_through`,
+        else None."""
+        return (self.pool, self.tag, self.tag_gen) if self.write_through else None
 
     # -- the per-call lookup -------------------------------------------------------------------------
     def slots_of(self, page: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

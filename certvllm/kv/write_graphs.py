@@ -25,12 +25,16 @@ from __future__ import annotations
 
 from collections.abc import Hashable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from certvllm.kv.cache import LayerKVCache
 from certvllm.kv.cuda_pagein import write_tokens_on_device
 from certvllm.kv.graph_capture import GraphStore
+
+if TYPE_CHECKING:
+    from certvllm.kv.promotion_cache import PromotionCache
 
 MAX_WRITE_GRAPHS = 1024
 """Write graphs a worker keeps (they allocate nothing: each is two kernel nodes)."""
@@ -81,7 +85,7 @@ class WriteGraphs(GraphStore[_WriteGraph, _WriteInputs]):
         self.max_tokens = int(max_tokens)
 
     def write(self, layer: Hashable, cache: LayerKVCache, key: torch.Tensor, value: torch.Tensor,
-              slots: torch.Tensor) -> None:  # fmt: skip
+              slots: torch.Tensor, pool: PromotionCache | None = None) -> None:  # fmt: skip
         """Store ``key``/``value`` ``[T, H_kv, D]`` at ``slots`` ``[T]`` (as ``write_tokens_on_device``): replayed
         from this layer's graph of the token bucket, captured at the first write of that key, or run eagerly
         (more than ``max_tokens`` tokens, a stream being captured by someone else, or captures disabled).
@@ -90,11 +94,12 @@ class WriteGraphs(GraphStore[_WriteGraph, _WriteInputs]):
             layer: the layer's identity (its cache is fixed per key).
             cache: the layer's cache (token-major shadow, pages on this device).
             key, value: the tokens in the shadow's dtype, on this device; slots: int64 on this device.
+            pool: the layer's promotion pool (fixed per ``layer``), filled by the write where it is write-through.
         """
         t = slots.shape[0]
         if (t < 1 or t > self.max_tokens or self.disabled is not None
                 or torch.cuda.is_current_stream_capturing()):  # fmt: skip
-            write_tokens_on_device(cache, key, value, slots)
+            write_tokens_on_device(cache, key, value, slots, pool)
             return
         bucket = token_bucket(t)
         graph_key = (layer, key.dtype, bucket)
@@ -111,7 +116,7 @@ class WriteGraphs(GraphStore[_WriteGraph, _WriteInputs]):
         inputs.load(key, value, slots)
 
         def call() -> None:
-            write_tokens_on_device(cache, inputs.key, inputs.value, inputs.slots)
+            write_tokens_on_device(cache, inputs.key, inputs.value, inputs.slots, pool)
 
         call()  # this write (the capture below records it without running it)
         captured = self._capture(call)

@@ -258,18 +258,19 @@ class WorkerRuntime:
     # -- per step -----------------------------------------------------------------------------------
     def write_on_device(self, state: LayerState, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
         """One layer's new tokens by the device write path (``write_tokens_on_device``: the shadow scatter and the
-        encoding of the blocks they complete), replayed from the layer's write graph where this worker graphs its
-        writes (``CertConfig.cuda_graphs``, at most ``max_decode_rows`` tokens: decode steps),
+        encoding of the blocks they complete, whose keys also fill the layer's pool where it is write-through),
+        replayed from the layer's write graph where this worker graphs its writes (``CertConfig.cuda_graphs``, at
+        most ``max_decode_rows`` tokens: decode steps),
         else launched directly. ``key``/``value`` ``[T, H_kv, D]`` in the shadow's dtype and ``slots`` ``[T]``
         on the device."""
         writes = self._device_write_graphs(key.device)
         if writes is None:
             from certvllm.kv.cuda_pagein import write_tokens_on_device
 
-            write_tokens_on_device(state.cache, key, value, slots)
+            write_tokens_on_device(state.cache, key, value, slots, state.residency.pool)
         else:
             writes.write((state.name, state.cache.pages.data_ptr()), state.cache, key, value,
-                         slots.to(torch.int64))  # fmt: skip
+                         slots.to(torch.int64), state.residency.pool)  # fmt: skip
 
     def certified(self, state: LayerState, q: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, scale: float,
                   generator: torch.Generator | None, exact_rows: Any = None, slots: torch.Tensor | None = None,

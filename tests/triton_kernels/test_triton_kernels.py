@@ -240,6 +240,59 @@ def test_device_write_path_equals_the_host_write_path(sub, gen):
     assert int(host.generation.sum()) > 0
 
 
+@pytest.mark.parametrize("sub", [1, _gpu_lane(2)])
+def test_write_through_pool_holds_the_written_keys_under_their_generation(sub, gen):
+    """A write-through pool (one slot per page) filled by ``write_tokens_on_device``: after each write, exactly the
+    completed blocks' slots are tagged, each with its own page id and its block's current write generation, and
+    hold that page's keys bit for bit as in the shadow; the write leaves the same shadow, pages and generations as
+    without the pool; a lookup then finds every completed page without a fill; a block re-encoded later (its
+    generation bumped) is not served from its old copy. A pool with fewer slots than pages is not write-through
+    and the write leaves it untouched."""
+    from certvllm.kv.cuda_pagein import write_tokens_on_device
+    from certvllm.kv.promotion_cache import PromotionCache
+
+    lay, heads, d = PageLayout(64), 3, 64
+    caches = []
+    for _ in range(2):
+        pages = torch.zeros(8, heads, sub * lay.page_bytes, dtype=torch.uint8, device=DEV)
+        shadow = torch.zeros(8, heads, 2, sub * BLOCK_SIZE, d, dtype=torch.bfloat16)
+        caches.append(LayerKVCache(pages, shadow, lay))
+    plain, cache = caches
+    plain.enable_generations()
+    pool = PromotionCache(cache, cache.num_blocks * heads)
+    hashed = PromotionCache(plain, cache.num_blocks * heads - 1)
+    assert pool.write_through and not hashed.write_through
+    steps = [list(range(16, 16 + 40)), [-1, 3 * 16 + 5, -1, 70], [71, 100, 16 + 47, 3 * 16 + 6, -1]]
+    completed: set[int] = set()
+    for slots in steps:
+        kv = torch.randn(len(slots), heads, 2 * d, generator=gen).bfloat16().to(DEV)
+        key, value = kv[..., :d], kv[..., d:]
+        slot_t = torch.tensor(slots, dtype=torch.int64).to(DEV)
+        write_tokens_on_device(plain, key, value, slot_t, hashed)
+        write_tokens_on_device(cache, key, value, slot_t, pool)
+        completed |= {s // BLOCK_SIZE for s in slots if s >= 0 and s % BLOCK_SIZE == BLOCK_SIZE - 1}
+        tagged = {int(e) // heads for e in (pool.tag >= 0).nonzero().flatten().cpu()}
+        assert tagged == completed
+        for name in ("shadow", "pages", "generation"):
+            assert torch.equal(getattr(cache, name), getattr(plain, name)), name
+    assert completed == {1, 2, 3}
+    assert bool((hashed.tag == -1).all()) and not bool(hashed.pool.any()), "a hashed pool is filled by lookups only"
+    filled = (pool.tag >= 0).cpu()
+    page_ids = filled.nonzero().flatten()
+    assert torch.equal(pool.tag.cpu()[filled], page_ids)
+    assert torch.equal(pool.tag_gen.cpu()[filled], cache.generation.cpu()[page_ids // heads])
+    assert torch.equal(pool.pool.cpu()[filled], cache.shadow_pages(page_ids // heads, page_ids % heads)[:, 0])
+    # a lookup of every completed page: all hits, nothing to fill
+    tables = torch.tensor([[1, 2, 3, 0]]).to(DEV)
+    need = torch.ones(1, heads, 4, dtype=torch.bool, device=DEV)
+    need[..., 3] = False
+    slot_map, claim, hit = pool.resolve(tables, need, cache.num_blocks)
+    assert torch.equal(hit, need) and not bool(((claim >= 0) & (claim < 2**62)).any())
+    encode_blocks_from_shadow(cache, torch.tensor([2]).to(DEV))  # block 2 rewritten: its old copies are stale
+    slot_map, claim, hit = pool.resolve(tables, need, cache.num_blocks)
+    assert not bool(hit[..., 1].any()) and bool(hit[..., 0].all()) and bool(hit[..., 2].all())
+
+
 @pytest.mark.parametrize(
     "family,preset",
     [("random", "default"), ("sink_and_recency", "strict"), _gpu_lane("retrieval_peaks", "fast"),
@@ -675,6 +728,48 @@ def test_promotion_cache_hits_are_bit_identical_to_no_cache(fraction, gen):
             assert st["bypass"] == 0 and (step > 0 or st["hits"] == st["lookups"])
         else:
             assert st["bypass"] > 0  # 3 slots for 54 pages: conflicts, served from the shadow
+
+
+@_cuda_only
+def test_write_through_pool_serves_first_promotions_from_vram(gen):
+    """Two caches written token by token through the device write path, one with a write-through pool (one slot
+    per page), one without: the same pages, and a first certified call that reads every promoted key page from
+    the pool (no fill, no bypass: no key page over PCIe) with outputs and reports bit-identical to the call
+    without a pool."""
+    from certvllm.kv.cuda_pagein import write_tokens_on_device
+
+    cfg = load_config("default", promotion_cache_fraction=1.0)
+    off = cfg.model_copy(update={"promotion_cache_fraction": 0.0})
+    cases = [make_case("sink_and_recency", t, 8, 2, 64, torch.float16, gen) for t in (130, 261)]
+    batch, tables, lens = paged_batch(cases)
+    E, H, m = batch.shadow.shape[0], batch.num_kv_heads, batch.sub_blocks
+    keys, values, slots = [], [], []
+    for r, n in enumerate(lens.tolist()):
+        for j in range(-(-n // BLOCK_SIZE)):
+            b = int(tables[r, j])
+            kv = batch.shadow_pages(torch.full((H,), b), torch.arange(H))  # [H, 2, 16, D]
+            t = min(BLOCK_SIZE, n - j * BLOCK_SIZE)
+            keys.append(kv[:, 0, :t].transpose(0, 1))
+            values.append(kv[:, 1, :t].transpose(0, 1))
+            slots.append(b * BLOCK_SIZE + torch.arange(t))
+    caches, residencies = [], []
+    for fraction in (cfg.promotion_cache_fraction, 0.0):
+        shadow = torch.zeros(E, H, 2, m * BLOCK_SIZE, batch.layout.head_dim, dtype=batch.shadow.dtype)
+        cache = LayerKVCache(torch.zeros_like(batch.pages, device=DEV), shadow, batch.layout)
+        res = Residency.for_layer(cache, fraction)
+        write_tokens_on_device(cache, torch.cat(keys).to(DEV), torch.cat(values).to(DEV), torch.cat(slots).to(DEV),
+                               res.pool)  # fmt: skip
+        caches.append(cache)
+        residencies.append(res)
+    (pooled, bare), res = caches, residencies[0]
+    assert res.pool.write_through and residencies[1].pool is None
+    assert torch.equal(pooled.pages, bare.pages) and torch.equal(pooled.shadow, bare.shadow)
+    tables, lens = tables.to(DEV), lens.to(DEV)
+    q = torch.stack([c.q for c in cases]).to(DEV)
+    out = _call(pooled, q, tables, lens, cfg, res)
+    st = res.pool.take_stats()
+    assert st["lookups"] > 0 and st["hits"] == st["lookups"] and st["fills"] == 0 and st["bypass"] == 0
+    _assert_identical(out, _call(bare, q, tables, lens, off))
 
 
 @_cuda_only
