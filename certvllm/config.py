@@ -131,6 +131,14 @@ class CertConfig(BaseModel):
         "from inside a call, which a per-layer graph cannot hold, so it is off while this is on. The CPU path "
         "ignores it.",
     )
+    warmup_workers: int | None = Field(
+        None,
+        ge=0,
+        description="CUDA path only: child processes that compile the startup warm-up's shape classes in parallel "
+        "into the Triton disk cache before the serial warm-up loads them (certvllm.attention.precompile). None: one "
+        "per two CPUs, at most 8, fewer when free device memory is short (2 GiB each); 0 or 1: the serial warm-up "
+        "alone. A child that fails costs only its time: the serial pass compiles what it did not.",
+    )
     dense_backend: Literal["auto", "sdpa", "xformers"] = Field(
         "auto",
         description="Kernel of the exact dense recompute on the reference and CPU paths (rungs 3/4, dense mode): "

@@ -17,7 +17,9 @@ tensors, so one row per class is enough.
 On the CPU there is nothing to compile per shape: the certified CPU path is the C++ kernel built ahead of
 time (``python -m certvllm.kernels.cpu``) or torch, so :func:`warm_up` returns at once with an empty report.
 
-Failures raise :class:`WarmupError` naming the class; there are no threads and no asynchronous compiles.
+On a CUDA device the classes are first compiled in parallel child processes into the same disk cache
+(``certvllm.attention.precompile``, ``CertConfig.warmup_workers``); the serial pass then loads them, and compiles
+whatever a failed child left. Failures of the serial pass raise :class:`WarmupError` naming the class.
 """
 
 from __future__ import annotations
@@ -25,10 +27,11 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
+from certvllm.attention.precompile import LayerSpec, PrecompileReport, plan_workers, precompile
 from certvllm.attention.synthetic import SyntheticLayer, engine_sub_blocks, table_width
 from certvllm.config import CertConfig
 from certvllm.env import triton_cache_scope
@@ -122,6 +125,7 @@ class WarmupReport:
         total_seconds: the whole warm-up, the synthetic layer's setup included.
         total_compilations: kernel variants made by the whole warm-up (the write kernel's and the gather's too).
         note: why nothing ran, when nothing did.
+        precompile: the parallel compile that ran first (``total_seconds`` includes it), or None.
     """
 
     device: str
@@ -131,16 +135,18 @@ class WarmupReport:
     total_seconds: float = 0.0
     total_compilations: int = 0
     note: str = ""
+    precompile: PrecompileReport | None = None
 
     def summary(self) -> str:
         """One log line."""
         if not self.classes:
             return f"certvllm warm-up on {self.device}: nothing to compile ({self.note})"
         slowest = max(range(len(self.classes)), key=lambda i: self.seconds[i])
+        parallel = "" if self.precompile is None else f"{self.precompile.summary()}, then "
         return (
             f"certvllm warm-up on {self.device}: {len(self.classes)} shape classes, {self.total_compilations} "
-            f"kernel variants compiled in {self.total_seconds:.1f} s (slowest: {self.classes[slowest].name()}, "
-            f"{self.seconds[slowest]:.1f} s)"
+            f"kernel variants compiled in {self.total_seconds:.1f} s ({parallel}slowest class of the serial pass: "
+            f"{self.classes[slowest].name()}, {self.seconds[slowest]:.1f} s)"
         )
 
     def lines(self) -> list[str]:
@@ -192,13 +198,23 @@ def warm_up(
         return WarmupReport(str(dev), note="mode dense makes no certified call")
     if dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
+    pre = None
+    workers = plan_workers(config, len(classes), dev)
+    if workers:
+        spec = LayerSpec(num_q_heads, num_kv_heads, head_dim, str(dtype).removeprefix("torch."), max_model_len,
+                         max_num_seqs, config.model_dump(mode="json"), str(dev), block_size_tokens, scale)  # fmt: skip
+        with triton_cache_scope():  # the children inherit certvllm's cache folder
+            pre = precompile(spec, [max(c.width.bp, c.hi) for c in classes], workers)
     rng = torch.cuda.get_rng_state(dev)  # exploration draws use the device's default generator: leave no trace
     try:
-        return run_classes(classes, max_model_len, _describe(num_q_heads, num_kv_heads, head_dim, dtype),
-                           lambda: SyntheticLayer(num_q_heads, num_kv_heads, head_dim, dtype, config, dev,
-                                                  block_size_tokens=block_size_tokens, scale=scale))  # fmt: skip
+        report = run_classes(classes, max_model_len, _describe(num_q_heads, num_kv_heads, head_dim, dtype),
+                             lambda: SyntheticLayer(num_q_heads, num_kv_heads, head_dim, dtype, config, dev,
+                                                    block_size_tokens=block_size_tokens, scale=scale))  # fmt: skip
     finally:
         torch.cuda.set_rng_state(rng, dev)
+    if pre is None:
+        return report
+    return replace(report, precompile=pre, total_seconds=report.total_seconds + pre.seconds)
 
 
 def _describe(num_q_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> str:

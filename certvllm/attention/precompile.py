@@ -1,0 +1,178 @@
+"""The warm-up's compiles spread over child processes: each compiles some shape classes into the shared disk cache.
+
+Triton compiles a kernel variant on one CPU core (the front end, LLVM and ``ptxas``), and the warm-up of a
+128K server meets about a hundred variants (``certvllm.attention.warmup``: 116 s on a fresh H200 machine). The
+variants of different shape classes are independent, so :func:`precompile` starts ``n`` child processes
+(``python -m certvllm.attention.precompile``), each building the warm-up's synthetic layer on the same device and
+running its share of the classes (:func:`partition`, widest classes first: a class's compile time grows with its
+``BP``). They compile into certvllm's Triton disk cache (``certvllm.env.triton_cache_scope``, inherited through
+``TRITON_CACHE_DIR``); the serial warm-up that follows in the server's process then loads every variant from that
+cache (0.7 s for 71 variants on the H200) and stays the one that vouches for the compile: a child that fails, is
+killed or times out costs only its time, and whatever it did not compile the serial pass compiles.
+
+Children are plain subprocesses (not ``multiprocessing``), so that a daemonic vLLM worker process can start them;
+the job goes in on stdin and the result comes back as one JSON line on stdout.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from certvllm.config import CertConfig
+
+logger = logging.getLogger("vllm.certvllm")
+
+MAX_WORKERS = 8
+"""Most child processes :func:`plan_workers` picks by itself."""
+WORKER_DEVICE_BYTES = 2 << 30
+"""Free device memory asked of each child (its CUDA context, the synthetic layer and the kernels' workspaces)."""
+TIMEOUT_S = 900.0
+"""The children's deadline: past it they are killed and the serial pass compiles what they did not."""
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """What a child needs to build the warm-up's synthetic layer and enumerate the server's shape classes
+    (``warmup.warm_up``'s arguments), as JSON."""
+
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str  # "float16" | "bfloat16"
+    max_model_len: int
+    max_num_seqs: int
+    config: dict[str, Any]  # CertConfig.model_dump(mode="json")
+    device: str
+    block_size_tokens: int
+    scale: float | None
+
+
+@dataclass(frozen=True)
+class PrecompileReport:
+    """What :func:`precompile` did: ``workers`` children, ``seconds`` of wall time, ``compilations`` they made
+    (the sum of their counts), ``note``: why some or all of them failed (empty when none did)."""
+
+    workers: int = 0
+    seconds: float = 0.0
+    compilations: int = 0
+    note: str = ""
+
+    def summary(self) -> str:
+        """A clause of the warm-up's log line."""
+        text = f"{self.workers} processes compiled {self.compilations} variants in {self.seconds:.1f} s"
+        return text + (f" ({self.note})" if self.note else "")
+
+
+def _cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def plan_workers(config: CertConfig, num_classes: int, device: torch.device) -> int:
+    """Children for :func:`precompile`: ``config.warmup_workers`` when set, else one per two CPUs this process may
+    run on, at most :data:`MAX_WORKERS`; never more than the classes, nor than free device memory allows
+    (:data:`WORKER_DEVICE_BYTES` each). 0 when fewer than 2 would run (the serial warm-up alone)."""
+    n = config.warmup_workers if config.warmup_workers is not None else min(MAX_WORKERS, _cpus() // 2)
+    n = min(n, num_classes)
+    if device.type == "cuda" and n >= 2:
+        free, _ = torch.cuda.mem_get_info(device)
+        n = min(n, free // WORKER_DEVICE_BYTES)
+    return int(n) if n >= 2 else 0
+
+
+def partition(costs: list[int], n: int) -> list[list[int]]:
+    """Indices of ``costs`` in ``n`` non-empty groups of near-equal total cost: the largest first, each to the group
+    with the least so far (ties to the lower group). ``n`` ≤ ``len(costs)``."""
+    if not 1 <= n <= len(costs):
+        raise ValueError(f"partition: {n} groups of {len(costs)} items; pass 1 ≤ n ≤ {len(costs)}")
+    groups: list[list[int]] = [[] for _ in range(n)]
+    totals = [0] * n
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        g = min(range(n), key=lambda g: (totals[g], g))
+        groups[g].append(i)
+        totals[g] += costs[i]
+    return groups
+
+
+def _command() -> list[str]:
+    """This interpreter, with ``-P`` when this process runs with it (a repository root on ``sys.path`` would put
+    its top-level ``triton_kernels/`` before vLLM's)."""
+    return [sys.executable, *(["-P"] if sys.flags.safe_path else []), "-m", "certvllm.attention.precompile"]
+
+
+def precompile(spec: LayerSpec, class_costs: list[int], n: int, timeout: float = TIMEOUT_S) -> PrecompileReport:
+    """Compile the shape classes (indices into ``warmup.shape_classes`` of ``spec``, costed by ``class_costs``) in
+    ``n`` ≥ 2 children, into the disk cache of the calling environment. Never raises: failures are in the report's
+    note (the serial warm-up compiles whatever is missing)."""
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="certvllm-precompile-") as tmp:
+        procs = []
+        for k, group in enumerate(partition(class_costs, n)):
+            files = [Path(tmp, f"{k}.{name}") for name in ("job", "out", "err")]
+            files[0].write_text(json.dumps({"spec": asdict(spec), "classes": group}))
+            with files[0].open() as job, files[1].open("w") as out, files[2].open("w") as err:
+                procs.append((subprocess.Popen(_command(), stdin=job, stdout=out, stderr=err), files))
+        compilations, failures = 0, []
+        for k, (proc, (_, out, err)) in enumerate(procs):
+            try:
+                proc.wait(timeout=max(0.1, timeout - (time.perf_counter() - start)))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+                failures.append(f"process {k} killed after {timeout:g} s")
+                continue
+            lines = out.read_text().strip().splitlines()
+            if proc.returncode != 0 or not lines:
+                reason = (err.read_text().strip().splitlines() or [f"exit code {proc.returncode}"])[-1]
+                failures.append(f"process {k}: {reason}")
+                continue
+            compilations += int(json.loads(lines[-1])["compilations"])
+    note = ""
+    if failures:
+        note = f"{len(failures)} of {n} failed, the serial pass compiles their classes: " + "; ".join(failures)
+        logger.warning("certvllm warm-up: %s", note)
+    return PrecompileReport(n, time.perf_counter() - start, compilations, note)
+
+
+def _run(job: dict[str, Any]) -> dict[str, Any]:
+    """A child's work: the synthetic layer of ``job['spec']`` and the warm-up's calls of its classes."""
+    from certvllm.attention.synthetic import SyntheticLayer
+    from certvllm.attention.warmup import _describe, run_classes, shape_classes
+
+    spec = LayerSpec(**job["spec"])
+    config = CertConfig.model_validate(spec.config)
+    dtype = getattr(torch, spec.dtype)
+    device = torch.device(spec.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    classes = shape_classes(spec.num_q_heads, spec.num_kv_heads, spec.head_dim, spec.max_model_len,
+                            spec.max_num_seqs, config, block_size_tokens=spec.block_size_tokens)  # fmt: skip
+    mine = [classes[i] for i in job["classes"]]
+    report = run_classes(mine, spec.max_model_len, _describe(spec.num_q_heads, spec.num_kv_heads, spec.head_dim, dtype),
+                         lambda: SyntheticLayer(spec.num_q_heads, spec.num_kv_heads, spec.head_dim, dtype, config,
+                                                device, block_size_tokens=spec.block_size_tokens,
+                                                scale=spec.scale))  # fmt: skip
+    return {"compilations": report.total_compilations, "seconds": report.total_seconds}
+
+
+def main() -> None:
+    """Entry point of a child: the job as JSON on stdin, the result as one JSON line on stdout."""
+    result = _run(json.loads(sys.stdin.read()))
+    print(json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,126 @@
+"""The warm-up's parallel compile (``certvllm.attention.precompile``): how many children, how the classes are
+shared, and that children run the warm-up's calls and report back, or fail without failing the warm-up.
+
+CPU: the children run the CUDA path's calls under Triton's interpreter (nothing is compiled there, so they
+report 0 compilations); a child that cannot start its device, or outlives the deadline, ends up in the report's
+note. GPU (``pytest -m gpu``): at LLaMA-3.1-8B shapes the serial pass after the children compiles nothing new,
+and the warm-up as a whole takes less time than the serial one did.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported (the children inherit it)
+pytest.importorskip("triton", reason="triton is not installed: the Triton kernels cannot be tested")
+
+from certvllm.attention import precompile as pc  # noqa: E402
+from certvllm.attention.precompile import LayerSpec, partition, plan_workers, precompile  # noqa: E402
+from certvllm.attention.warmup import WarmupReport, shape_classes  # noqa: E402
+from certvllm.config import load_config  # noqa: E402
+
+
+def test_partition_balances_and_keeps_every_class_once():
+    costs = [4096, 2048, 1024, 512, 256, 128, 64, 32, 16, 8, 4, 2, 1]
+    groups = partition(costs, 4)
+    assert sorted(i for g in groups for i in g) == list(range(len(costs)))
+    assert all(groups)
+    totals = sorted(sum(costs[i] for i in g) for g in groups)
+    assert totals[-1] == 4096  # the widest class alone; the others share the rest
+    assert groups == partition(costs, 4)  # deterministic
+    assert partition([5, 5, 5], 3) == [[0], [1], [2]]
+    with pytest.raises(ValueError, match="1 ≤ n ≤ 3"):
+        partition([1, 2, 3], 4)
+
+
+def test_plan_workers(monkeypatch):
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(pc, "_cpus", lambda: 16)
+    assert plan_workers(load_config("default"), 13, cpu) == 8  # one per two CPUs, at most 8
+    assert plan_workers(load_config("default"), 5, cpu) == 5  # no more than the classes
+    assert plan_workers(load_config("default", warmup_workers=3), 13, cpu) == 3
+    assert plan_workers(load_config("default", warmup_workers=1), 13, cpu) == 0  # serial
+    assert plan_workers(load_config("default", warmup_workers=0), 13, cpu) == 0
+    monkeypatch.setattr(pc, "_cpus", lambda: 2)
+    assert plan_workers(load_config("default"), 13, cpu) == 0  # one child would only add its start-up
+    monkeypatch.setattr(pc, "_cpus", lambda: 16)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (5 * 2**30, 80 * 2**30))
+    assert plan_workers(load_config("default"), 13, torch.device("cuda", 0)) == 2  # 2 GiB each
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (3 * 2**30, 80 * 2**30))
+    assert plan_workers(load_config("default"), 13, torch.device("cuda", 0)) == 0
+
+
+def _spec(device: str, **config) -> tuple[LayerSpec, list[int]]:
+    cfg = load_config("default", **config)
+    hq, hkv, d, max_len = 4, 2, 64, 40  # three classes: 1, 2 and 3 columns
+    classes = shape_classes(hq, hkv, d, max_len, 4, cfg)
+    spec = LayerSpec(hq, hkv, d, "float16", max_len, 4, cfg.model_dump(mode="json"), device, 16, None)
+    return spec, [max(c.width.bp, c.hi) for c in classes]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's run; the GPU's is below")
+def test_children_run_the_warm_up_calls_of_their_classes():
+    spec, costs = _spec("cpu")
+    assert len(costs) == 3
+    report = precompile(spec, costs, 2)
+    assert report.workers == 2 and report.note == "", report.note
+    assert report.compilations == 0  # the interpreter compiles nothing
+    assert "2 processes compiled 0 variants" in report.summary()
+
+
+def test_a_failing_child_is_reported_not_raised():
+    spec, costs = _spec("cuda:97")  # no such device anywhere: each child fails at startup
+    report = precompile(spec, costs, 2)
+    assert report.workers == 2 and report.note.startswith("2 of 2 failed"), report.note
+    assert "process 0:" in report.note and "process 1:" in report.note
+
+
+def test_children_past_the_deadline_are_killed():
+    spec, costs = _spec("cpu")
+    start = time.perf_counter()
+    report = precompile(spec, costs, 2, timeout=0.5)
+    assert "killed after" in report.note
+    assert time.perf_counter() - start < 30
+
+
+def test_the_warm_up_line_names_the_parallel_compile():
+    spec, costs = _spec("cpu")
+    classes = shape_classes(4, 2, 64, 40, 4, load_config("default"))
+    report = WarmupReport("cuda:0", tuple(classes), tuple(0.1 for _ in classes), tuple(2 for _ in classes), 31.0,
+                          2 * len(classes), precompile=pc.PrecompileReport(8, 30.0, 107))  # fmt: skip
+    line = report.summary()
+    assert "8 processes compiled 107 variants in 30.0 s, then slowest class of the serial pass" in line
+    assert "compiled in 31.0 s" in line
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_children_compile_what_the_serial_pass_then_loads(tmp_path, monkeypatch):
+    """At LLaMA-3.1-8B shapes up to 8K tokens, into an empty cache: four children compile the warm-up's variants,
+    and the serial pass that follows in this process adds nothing to the cache (it loaded every variant)."""
+    from certvllm import env
+    from certvllm.attention.synthetic import SyntheticLayer
+    from certvllm.attention.warmup import run_classes
+
+    monkeypatch.setenv("CERTVLLM_TRITON_CACHE", str(tmp_path / "triton"))
+    env.environment.cache_clear()
+    try:
+        cfg = load_config("default")
+        hq, hkv, d, max_len = 32, 8, 128, 8192
+        classes = shape_classes(hq, hkv, d, max_len, 16, cfg)
+        spec = LayerSpec(hq, hkv, d, "bfloat16", max_len, 16, cfg.model_dump(mode="json"), "cuda:0", 16, None)
+        with env.triton_cache_scope() as folder:
+            report = precompile(spec, [max(c.width.bp, c.hi) for c in classes], 4)
+            print(report.summary())
+            assert report.note == "" and report.compilations > 0, report.summary()
+            before = set(folder.iterdir())
+        serial = run_classes(classes, max_len, "LLaMA", lambda: SyntheticLayer(hq, hkv, d, torch.bfloat16, cfg, "cuda"))
+        print(serial.summary())
+        assert set(folder.iterdir()) == before, "the serial pass compiled variants the children had not"
+    finally:
+        env.environment.cache_clear()
