@@ -50,9 +50,13 @@ def global_max(smax: torch.Tensor, s_tail: torch.Tensor) -> torch.Tensor:
 
 @triton.jit(**JIT_OPTIONS)
 def _rerun_inputs_kernel(exact, nfull, bits, active, canary, B, G: tl.constexpr, GP: tl.constexpr,
-                         H: tl.constexpr, FULL: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+                         H: tl.constexpr, FULL: tl.constexpr, BLOCK: tl.constexpr,
+                         tables=None, TB_STRIDE=0, num_blocks=1, tag=None, tag_gen=None, gen=None, kslot=None,
+                         DIRECT: tl.constexpr = False):  # fmt: skip
     """One program per (row, KV head): active = any escalated head of the group; bits = FULL (every promotion
-    bit) on the row's full blocks where active, else 0; program (r, 0) zeroes canary[r]."""
+    bit) on the row's full blocks where active, else 0; program (r, 0) zeroes canary[r]. ``DIRECT``: also the
+    slot map of a write-through pool (slot = page ``block·H + head``): the page where the slot's tag is (page,
+    the block's current generation) on an active group's full block, else −1 (read from the shadow)."""
     pid = tl.program_id(0).to(tl.int64)
     r = pid // H
     g = tl.arange(0, GP)
@@ -65,12 +69,25 @@ def _rerun_inputs_kernel(exact, nfull, bits, active, canary, B, G: tl.constexpr,
     for start in range(0, B, BLOCK):
         b = start + tl.arange(0, BLOCK)
         tl.store(bits + pid * B + b, tl.where(b < nf, word, 0), mask=b < B)
+        if DIRECT:
+            take = (b < nf) & ((b * 0 + act) != 0)
+            bid = tl.load(tables + r * TB_STRIDE + b, mask=take, other=0)
+            bid = tl.minimum(tl.maximum(bid, 0), num_blocks - 1)
+            page = bid * H + pid % H
+            held = (tl.load(tag + page, mask=take, other=-1) == page) & (
+                tl.load(tag_gen + page, mask=take, other=-1) == tl.load(gen + bid, mask=take, other=-2)
+            )
+            tl.store(kslot + pid * B + b, tl.where(take & held, page, -1).to(tl.int32), mask=b < B)
 
 
-def rerun_inputs(exact: torch.Tensor, nfull: torch.Tensor, num_kv_heads: int,
-                 num_blocks: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+def rerun_inputs(exact: torch.Tensor, nfull: torch.Tensor, num_kv_heads: int, num_blocks: int,
+                 direct: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:  # fmt: skip
     """``[R, H_q]`` bool escalation mask, ``[R]`` int64 full blocks per row → ``(bits [R, K, B] int32,
-    active [R, K] int32, canary [R] int32 zeros)`` of the exact re-run, as ``DeviceRerun``'s torch lines."""
+    active [R, K] int32, canary [R] int32 zeros, kslot)`` of the exact re-run, as ``DeviceRerun``'s torch lines.
+
+    ``direct``: a write-through pool's ``(tables [R, ≥B] int64, tag, tag_gen, generation, cache blocks)``
+    (``kv.promotion_cache.PromotionCache.write_through``); ``kslot`` is then the ``[R, K, B]`` int32 slot map
+    of the re-run's promotion pass (the pages the pool holds under their current generation), else None."""
     launch_device_ok(nfull)
     R, Hq = exact.shape
     K, B = num_kv_heads, num_blocks
@@ -81,10 +98,16 @@ def rerun_inputs(exact: torch.Tensor, nfull: torch.Tensor, num_kv_heads: int,
     bits = torch.empty(R, K, B, dtype=torch.int32, device=dev)
     active = torch.empty(R, K, dtype=torch.int32, device=dev)
     canary = torch.empty(R, dtype=torch.int32, device=dev)
+    kslot, extra = None, {}
+    if direct is not None:
+        tables, tag, tag_gen, generation, cache_blocks = direct
+        kslot = torch.empty(R, K, B, dtype=torch.int32, device=dev)
+        extra = dict(tables=tables, TB_STRIDE=tables.stride(0), num_blocks=cache_blocks, tag=tag, tag_gen=tag_gen,
+                     gen=generation, kslot=kslot, DIRECT=True)  # fmt: skip
     _rerun_inputs_kernel[(R * K,)](exact.contiguous().view(torch.int8), nfull, bits, active, canary, B, G=G,
                                    GP=next_pow2(G), H=K, FULL=full, BLOCK=min(RERUN_BLOCK, next_pow2(B)),
-                                   num_warps=4)  # fmt: skip
-    return bits, active, canary
+                                   num_warps=4, **extra)  # fmt: skip
+    return bits, active, canary, kslot
 
 
 @triton.jit(**JIT_OPTIONS)

@@ -140,14 +140,21 @@ class DeviceRerun:
     geo: Phase2Geometry
     p1: Phase1Out
     summary: Phase1Summary
+    pool: PromotionCache | None = None
 
     def apply(self, exact: torch.Tensor, rung: torch.Tensor, out: torch.Tensor) -> None:
         """Overwrite ``out`` ``[R, H_q, D]`` on the heads where ``exact`` ``[R, H_q]`` is set with exact attention
-        over the originals. When none escalated the kernels exit at once (no host synchronisation)."""
+        over the originals. When none escalated the kernels exit at once (no host synchronisation). With a
+        write-through pool (``PromotionCache.write_through``) the keys it holds under their current generation
+        are read from it, the shadow's bytes in VRAM, and only the rest over PCIe."""
         c, s = self.call, self.summary
         R, K, G, B, D = c.shape
+        kslot = None
         if c.glue_kernels:
-            bits, active_i, canary = rerun_inputs(exact, c.nfull, K, B)
+            direct = None
+            if self.pool is not None and self.pool.write_through:
+                direct = (c.tables, self.pool.tag, self.pool.tag_gen, self.pool.generation, c.cache.num_blocks)
+            bits, active_i, canary, kslot = rerun_inputs(exact, c.nfull, K, B, direct)
         else:
             active = exact.view(R, K, G).any(dim=-1)
             full = (1 << (2 * G)) - 1
@@ -155,7 +162,8 @@ class DeviceRerun:
             active_i = active.to(torch.int32).contiguous()
             canary = torch.zeros(R, dtype=torch.int32, device=c.qs.device)
         smax, _ = promote(self.geo, c.qs, c.cache.shadow, c.tables, c.nfull, bits, active_i, self.p1.scores,
-                          self.p1.m8, self.p1.delta, s.round1.contiguous(), canary, False)  # fmt: skip
+                          self.p1.m8, self.p1.delta, s.round1.contiguous(), canary, False,
+                          None if kslot is None else self.pool.pool, kslot)  # fmt: skip
         m = _global_max(c, smax, s.s_tail)
         exact_lm = torch.empty(R, K, G, c.tables.shape[1], dtype=torch.float32, device=c.qs.device)
         parts = attend(self.geo, self.p1.scores, m, c.cache.shadow, c.cache.pages, c.tables, c.nfull, bits,
@@ -224,7 +232,7 @@ def certified_rows(
     parts, m, sabs, exact_lm, canary = _phase2(call, geo, p1, summary, bits, pagein, pool, prefetch, timings)
     out, report = _finish(call, p1, summary, parts, m, sabs, exact_lm, bits, widened, canary)
     mark(timings, "bounds")
-    return out, report, DeviceRerun(call, geo, p1, summary)
+    return out, report, DeviceRerun(call, geo, p1, summary, pool)
 
 
 def _select(

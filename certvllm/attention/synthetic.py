@@ -121,8 +121,9 @@ class SyntheticLayer:
 
     def _fill(self) -> None:
         """Every block full of random keys and values, written as the vLLM backend's CUDA write path does: the first
-        half plain, the second through a write-through pool (``PromotionCache.write_through``, made for the write
-        and dropped), so that both variants of the write kernel are compiled whichever pool the server's layers get."""
+        half plain, the second through a write-through pool (``PromotionCache.write_through``: one slot per page,
+        kept as :attr:`direct`), so that both variants of the write kernel are compiled whichever pool the server's
+        layers get."""
         cache = self.cache
         tokens = cache.num_blocks * BLOCK_SIZE
         k = self._randn(tokens, cache.num_kv_heads, cache.layout.head_dim).to(self.device)
@@ -130,8 +131,8 @@ class SyntheticLayer:
         slots = torch.arange(tokens, device=self.device)
         half = max(1, cache.num_blocks // 2) * BLOCK_SIZE
         write_tokens_on_device(cache, k[:half], v[:half], slots[:half])
-        direct = PromotionCache(cache, cache.num_blocks * cache.num_kv_heads)
-        write_tokens_on_device(cache, k[half:], v[half:], slots[half:], direct)
+        self.direct = Residency(pool=PromotionCache(cache, cache.num_blocks * cache.num_kv_heads))
+        write_tokens_on_device(cache, k[half:], v[half:], slots[half:], self.direct.pool)
 
     def tables(self, rows: int, width: int) -> torch.Tensor:
         """``[rows, width]`` int64 block ids on the device: every row walks the cache's blocks from its own
@@ -140,14 +141,16 @@ class SyntheticLayer:
         start = torch.arange(rows, dtype=torch.int64).unsqueeze(1) * 7
         return ((cols.unsqueeze(0) + start) % self.cache.num_blocks).to(self.device)
 
-    def call(self, lens: Sequence[int], layer: int = 0, *, begin_step: bool = False) -> CertifiedOutput:
+    def call(self, lens: Sequence[int], layer: int = 0, *, begin_step: bool = False,
+             write_through: bool = False) -> CertifiedOutput:  # fmt: skip
         """One certified decode call of ``len(lens)`` rows with these context lengths, through the public op
         as the vLLM backend makes it (its table cut to the longest row, rungs 3/4 on the device, the layer's
         residency). ``begin_step``: first start the step prefetch's stagings, as the metadata builder does
-        once per step."""
+        once per step. ``write_through``: with :attr:`direct`'s write-through pool instead of the layer's (the
+        pool a server gets when its host tier caps the cache)."""
         if begin_step and self.prefetcher is not None:
             self.prefetcher.begin_step()
-        return self._op(*self._inputs(lens), layer, None)
+        return self._op(*self._inputs(lens), layer, None, self.direct if write_through else None)
 
     def audited_call(self, lens: Sequence[int]) -> int:
         """:meth:`call` with every head-step audited (``certvllm.attention.audit`` at rate 1: on CUDA the device
@@ -158,7 +161,7 @@ class SyntheticLayer:
         auditor = Auditor(self.config.model_copy(update={"audit_rate": 1.0, "audit_policy": "log"}))
         auditor.device_reference = True  # the CUDA path's checks, as the calls (the interpreter on the CPU)
         auditor.run(
-            0, q, self.cache, tables, seq_lens, self.scale, lambda force: self._op(q, tables, seq_lens, 0, force)
+            0, q, self.cache, tables, seq_lens, self.scale, lambda force: self._op(q, tables, seq_lens, 0, force, None)
         )
         auditor.resolve(wait=True)
         return auditor.violations
@@ -171,7 +174,8 @@ class SyntheticLayer:
         return q, tables, seq_lens
 
     def _op(self, q: torch.Tensor, tables: torch.Tensor, seq_lens: torch.Tensor, layer: int,
-            force_exact: torch.Tensor | None) -> CertifiedOutput:  # fmt: skip
+            force_exact: torch.Tensor | None, residency: Residency | None) -> CertifiedOutput:  # fmt: skip
+        residency = self.residencies[layer] if residency is None else residency
         return certified_attention(q, self.cache, tables, seq_lens, self.config, self.scale, pagein=self.pagein,
-                                   generator=self.generator, residency=self.residencies[layer], backend="cuda",
+                                   generator=self.generator, residency=residency, backend="cuda",
                                    force_exact=force_exact)  # fmt: skip

@@ -273,11 +273,14 @@ def _run_classes(
 def warm_class(layer: SyntheticLayer, cls: ShapeClass, max_model_len: int) -> None:
     """The calls of one class: one row at the class's widest table; with a step prefetch once more after a
     step start, so that its serve kernel runs both without a staging (the first call of a layer or a new
-    grid) and with one (every later step), and its snapshot and staging kernels run."""
+    grid) and with one (every later step), and its snapshot and staging kernels run; once more with a
+    write-through pool (its re-run reads the pool's keys through another variant), where the config has a pool."""
     lens = [cls.warm_length(max_model_len)]
     layer.call(lens)
     if layer.prefetcher is not None:
         layer.call(lens, begin_step=True)
+    if layer.config.promotion_cache_fraction > 0 and layer.config.decode_pass == "two_pass":
+        layer.call(lens, write_through=True)
 
 
 def _sync(device: torch.device) -> None:

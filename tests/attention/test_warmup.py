@@ -96,8 +96,9 @@ def test_a_failure_names_its_class():
     class Broken:  # a synthetic layer whose calls fail past 200 tokens
         device = torch.device("cpu")
         prefetcher = None
+        config = load_config("default")
 
-        def call(self, lens, layer=0, *, begin_step=False):
+        def call(self, lens, layer=0, *, begin_step=False, write_through=False):
             if max(lens) > 200:
                 raise RuntimeError("out of resources")
 
@@ -118,7 +119,7 @@ def test_kernels_compile_into_certvllm_s_own_triton_cache(tmp_path, monkeypatch)
         prefetcher = None
         config = load_config("default")  # audits on: one audited call compiles their checks
 
-        def call(self, lens, layer=0, *, begin_step=False):
+        def call(self, lens, layer=0, *, begin_step=False, write_through=False):
             seen.append(os.environ.get("TRITON_CACHE_DIR"))
 
         def audited_call(self, lens):
@@ -133,7 +134,8 @@ def test_kernels_compile_into_certvllm_s_own_triton_cache(tmp_path, monkeypatch)
         run_classes(classes, 1000, "H_q=8, H_kv=2, D=64, float16", Recording)
     finally:
         env.environment.cache_clear()
-    assert seen == [str(tmp_path / "ours")] * (len(classes) + 1) and (tmp_path / "ours").is_dir()
+    # per class a call and one with a write-through pool, then the audited call
+    assert seen == [str(tmp_path / "ours")] * (2 * len(classes) + 1) and (tmp_path / "ours").is_dir()
     assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "vllm-per-config")
 
 

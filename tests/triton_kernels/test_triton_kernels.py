@@ -730,17 +730,39 @@ def test_promotion_cache_hits_are_bit_identical_to_no_cache(fraction, gen):
             assert st["bypass"] > 0  # 3 slots for 54 pages: conflicts, served from the shadow
 
 
-@_cuda_only
-def test_write_through_pool_serves_first_promotions_from_vram(gen):
-    """Two caches written token by token through the device write path, one with a write-through pool (one slot
-    per page), one without: the same pages, and a first certified call that reads every promoted key page from
-    the pool (no fill, no bypass: no key page over PCIe) with outputs and reports bit-identical to the call
-    without a pool."""
+def test_rerun_slot_map_holds_exactly_the_current_copies(gen):
+    """``rerun_inputs`` with a write-through pool: the re-run's slot map is the page id where the group is active,
+    the block full and the slot's tag (page, generation) equal to (page, the block's current generation), else −1;
+    its bits, active flags and canary are those of the call without a pool."""
+    from certvllm.triton_kernels.phase2_glue import rerun_inputs
+
+    R, K, B, NB = 3, 2, 7, 11  # G = 2 query heads per KV head (the four columns of exact)
+    exact = torch.tensor([[True, False, False, False], [False] * 4, [True] * 4]).to(DEV)  # row 1: no group active
+    nfull = torch.tensor([7, 3, 0]).to(DEV)
+    tables = torch.randint(0, NB, (R, B), generator=gen).to(DEV)
+    generation = torch.randint(0, 3, (NB,), generator=gen).to(DEV)
+    pages = torch.arange(NB * K).to(DEV)
+    tag = torch.where(torch.rand(NB * K, generator=gen).to(DEV) < 0.8, pages, -1)
+    tag_gen = torch.where(torch.rand(NB * K, generator=gen).to(DEV) < 0.7, generation.repeat_interleave(K),
+                          generation.repeat_interleave(K) - 1)  # fmt: skip
+    bits, active, canary, kslot = rerun_inputs(exact, nfull, K, B, (tables, tag, tag_gen, generation, NB))
+    plain = rerun_inputs(exact, nfull, K, B)
+    assert plain[3] is None and all(torch.equal(a, b) for a, b in zip(plain[:3], (bits, active, canary), strict=True))
+    page = tables.unsqueeze(1) * K + torch.arange(K, device=DEV).view(1, K, 1)  # [R, K, B]
+    held = (tag[page] == page) & (tag_gen[page] == generation[tables].unsqueeze(1))
+    live = (torch.arange(B, device=DEV) < nfull.view(R, 1, 1)) & (active.view(R, K, 1) != 0)
+    want = torch.where(live & held, page, -1).to(torch.int32)
+    assert torch.equal(kslot, want)
+    assert bool((want >= 0).any()) and bool(((want < 0) & live).any())  # both cases occur
+    assert bool((held[1] & (torch.arange(B, device=DEV) < nfull[1])).any())  # and held pages of inactive groups
+
+
+def _written_twice(cases, cfg):
+    """The batch of ``cases`` written token by token through the device write path into two fresh caches: one with
+    a write-through pool (``cfg``'s fraction, 1.0: one slot per page) and one without. Returns
+    ``(pooled, its residency, bare, tables, lens)``."""
     from certvllm.kv.cuda_pagein import write_tokens_on_device
 
-    cfg = load_config("default", promotion_cache_fraction=1.0)
-    off = cfg.model_copy(update={"promotion_cache_fraction": 0.0})
-    cases = [make_case("sink_and_recency", t, 8, 2, 64, torch.float16, gen) for t in (130, 261)]
     batch, tables, lens = paged_batch(cases)
     E, H, m = batch.shadow.shape[0], batch.num_kv_heads, batch.sub_blocks
     keys, values, slots = [], [], []
@@ -761,15 +783,55 @@ def test_write_through_pool_serves_first_promotions_from_vram(gen):
                                res.pool)  # fmt: skip
         caches.append(cache)
         residencies.append(res)
-    (pooled, bare), res = caches, residencies[0]
-    assert res.pool.write_through and residencies[1].pool is None
-    assert torch.equal(pooled.pages, bare.pages) and torch.equal(pooled.shadow, bare.shadow)
-    tables, lens = tables.to(DEV), lens.to(DEV)
+    assert residencies[0].pool.write_through and residencies[1].pool is None
+    assert torch.equal(caches[0].pages, caches[1].pages) and torch.equal(caches[0].shadow, caches[1].shadow)
+    return caches[0], residencies[0], caches[1], tables.to(DEV), lens.to(DEV)
+
+
+@_cuda_only
+def test_write_through_pool_serves_first_promotions_from_vram(gen):
+    """Two caches written token by token through the device write path, one with a write-through pool (one slot
+    per page), one without: the same pages, and a first certified call that reads every promoted key page from
+    the pool (no fill, no bypass: no key page over PCIe) with outputs and reports bit-identical to the call
+    without a pool."""
+    cfg = load_config("default", promotion_cache_fraction=1.0)
+    off = cfg.model_copy(update={"promotion_cache_fraction": 0.0})
+    cases = [make_case("sink_and_recency", t, 8, 2, 64, torch.float16, gen) for t in (130, 261)]
+    pooled, res, bare, tables, lens = _written_twice(cases, cfg)
     q = torch.stack([c.q for c in cases]).to(DEV)
     out = _call(pooled, q, tables, lens, cfg, res)
     st = res.pool.take_stats()
     assert st["lookups"] > 0 and st["hits"] == st["lookups"] and st["fills"] == 0 and st["bypass"] == 0
     _assert_identical(out, _call(bare, q, tables, lens, off))
+
+
+@_cuda_only
+def test_exact_rerun_reads_a_write_through_pool(gen, monkeypatch):
+    """A row forced exact (rung 4) over a cache written through a write-through pool: the re-run's promotion pass
+    gets a slot map that holds every full block of that row (its keys read in VRAM) and none of the other row's,
+    and the outputs equal the call without a pool bit for bit."""
+    from certvllm.attention import gpu as gpu_path
+
+    cfg = load_config("default", promotion_cache_fraction=1.0)
+    off = cfg.model_copy(update={"promotion_cache_fraction": 0.0})
+    cases = [make_case("sink_and_recency", t, 8, 2, 64, torch.float16, gen) for t in (130, 261)]
+    pooled, res, bare, tables, lens = _written_twice(cases, cfg)
+    q = torch.stack([c.q for c in cases]).to(DEV)
+    slot_maps, promote = [], gpu_path.promote
+
+    def spy(*args):
+        slot_maps.append(args[14] if len(args) > 14 else None)
+        return promote(*args)
+
+    monkeypatch.setattr(gpu_path, "promote", spy)
+    force = torch.tensor([False, True], device=DEV)
+    out = _call(pooled, q, tables, lens, cfg, res, force_exact=force)
+    rerun = slot_maps[-1]  # the main pass's first, then the re-run's
+    assert len(slot_maps) == 2 and rerun is not None
+    nfull = int(lens[1]) // BLOCK_SIZE
+    assert bool((rerun[1, :, :nfull] >= 0).all()) and bool((rerun[1, :, nfull:] == -1).all())
+    assert bool((rerun[0] == -1).all())
+    _assert_identical(out, _call(bare, q, tables, lens, off, force_exact=force))
 
 
 @_cuda_only
