@@ -43,7 +43,8 @@ def test_rerun_inputs_are_the_torch_lines(group: int, width: int) -> None:
     exact[0] = False  # a row with nothing escalated
     exact[1, :group] = True
     nfull = torch.tensor([width, width - 3, 0])
-    bits, active, canary = rerun_inputs(exact.to(DEV), nfull.to(DEV), K, width)
+    bits, active, canary, kslot = rerun_inputs(exact.to(DEV), nfull.to(DEV), K, width)
+    assert kslot is None  # no write-through pool: no slot map
     want_active = exact.view(R, K, group).any(dim=-1)
     bvalid = torch.arange(width) < nfull.unsqueeze(1)
     full = (1 << (2 * group)) - 1
