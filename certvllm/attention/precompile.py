@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from certvllm.attention.synthetic import SyntheticLayer
 from certvllm.config import CertConfig
 
 logger = logging.getLogger("vllm.certvllm")
@@ -56,6 +57,15 @@ class LayerSpec:
     device: str
     block_size_tokens: int
     scale: float | None
+
+    def describe(self) -> str:
+        """The head layout as error messages name it: ``H_q=32, H_kv=8, D=128, bfloat16``."""
+        return f"H_q={self.num_q_heads}, H_kv={self.num_kv_heads}, D={self.head_dim}, {self.dtype}"
+
+    def make_layer(self, config: CertConfig) -> SyntheticLayer:
+        """The warm-up's synthetic layer of this layout on this device."""
+        return SyntheticLayer(self.num_q_heads, self.num_kv_heads, self.head_dim, getattr(torch, self.dtype), config,
+                              self.device, block_size_tokens=self.block_size_tokens, scale=self.scale)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -149,22 +159,17 @@ def precompile(spec: LayerSpec, class_costs: list[int], n: int, timeout: float =
 
 def _run(job: dict[str, Any]) -> dict[str, Any]:
     """A child's work: the synthetic layer of ``job['spec']`` and the warm-up's calls of its classes."""
-    from certvllm.attention.synthetic import SyntheticLayer
-    from certvllm.attention.warmup import _describe, run_classes, shape_classes
+    from certvllm.attention.warmup import run_classes, shape_classes
 
     spec = LayerSpec(**job["spec"])
     config = CertConfig.model_validate(spec.config)
-    dtype = getattr(torch, spec.dtype)
     device = torch.device(spec.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     classes = shape_classes(spec.num_q_heads, spec.num_kv_heads, spec.head_dim, spec.max_model_len,
                             spec.max_num_seqs, config, block_size_tokens=spec.block_size_tokens)  # fmt: skip
     mine = [classes[i] for i in job["classes"]]
-    report = run_classes(mine, spec.max_model_len, _describe(spec.num_q_heads, spec.num_kv_heads, spec.head_dim, dtype),
-                         lambda: SyntheticLayer(spec.num_q_heads, spec.num_kv_heads, spec.head_dim, dtype, config,
-                                                device, block_size_tokens=spec.block_size_tokens,
-                                                scale=spec.scale))  # fmt: skip
+    report = run_classes(mine, spec.max_model_len, spec.describe(), lambda: spec.make_layer(config))
     return {"compilations": report.total_compilations, "seconds": report.total_seconds}
 
 

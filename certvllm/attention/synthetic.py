@@ -120,18 +120,24 @@ class SyntheticLayer:
         return torch.randn(*shape, generator=self.gen).to(self.dtype)
 
     def _fill(self) -> None:
-        """Every block full of random keys and values, written as the vLLM backend's CUDA write path does: the first
-        half plain, the second through a write-through pool (``PromotionCache.write_through``: one slot per page,
-        kept as :attr:`direct`), so that both variants of the write kernel are compiled whichever pool the server's
-        layers get."""
+        """Every block full of random keys and values, written as the vLLM backend's CUDA write path does. Where the
+        config gives the two-pass path a pool, the first half is written plain and the second through a
+        write-through pool (``PromotionCache.write_through``: one slot per page, kept as :attr:`direct`, else
+        None), so that both variants of the write kernel are compiled whichever pool the server's layers get."""
         cache = self.cache
         tokens = cache.num_blocks * BLOCK_SIZE
         k = self._randn(tokens, cache.num_kv_heads, cache.layout.head_dim).to(self.device)
         v = self._randn(tokens, cache.num_kv_heads, cache.layout.head_dim).to(self.device)
         slots = torch.arange(tokens, device=self.device)
+        cfg = self.config
+        self.direct: Residency | None = None
+        if cfg.promotion_cache_fraction > 0 and not pool_values(cfg.decode_pass):
+            self.direct = Residency(pool=PromotionCache(cache, cache.num_blocks * cache.num_kv_heads))
+        if self.direct is None:
+            write_tokens_on_device(cache, k, v, slots)
+            return
         half = max(1, cache.num_blocks // 2) * BLOCK_SIZE
         write_tokens_on_device(cache, k[:half], v[:half], slots[:half])
-        self.direct = Residency(pool=PromotionCache(cache, cache.num_blocks * cache.num_kv_heads))
         write_tokens_on_device(cache, k[half:], v[half:], slots[half:], self.direct.pool)
 
     def tables(self, rows: int, width: int) -> torch.Tensor:
@@ -147,7 +153,7 @@ class SyntheticLayer:
         as the vLLM backend makes it (its table cut to the longest row, rungs 3/4 on the device, the layer's
         residency). ``begin_step``: first start the step prefetch's stagings, as the metadata builder does
         once per step. ``write_through``: with :attr:`direct`'s write-through pool instead of the layer's (the
-        pool a server gets when its host tier caps the cache)."""
+        pool a server gets when its host tier caps the cache; there must be one)."""
         if begin_step and self.prefetcher is not None:
             self.prefetcher.begin_step()
         return self._op(*self._inputs(lens), layer, None, self.direct if write_through else None)

@@ -198,27 +198,21 @@ def warm_up(
         return WarmupReport(str(dev), note="mode dense makes no certified call")
     if dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
+    spec = LayerSpec(num_q_heads, num_kv_heads, head_dim, str(dtype).removeprefix("torch."), max_model_len,
+                     max_num_seqs, config.model_dump(mode="json"), str(dev), block_size_tokens, scale)  # fmt: skip
     pre = None
     workers = plan_workers(config, len(classes), dev)
     if workers:
-        spec = LayerSpec(num_q_heads, num_kv_heads, head_dim, str(dtype).removeprefix("torch."), max_model_len,
-                         max_num_seqs, config.model_dump(mode="json"), str(dev), block_size_tokens, scale)  # fmt: skip
         with triton_cache_scope():  # the children inherit certvllm's cache folder
             pre = precompile(spec, [max(c.width.bp, c.hi) for c in classes], workers)
     rng = torch.cuda.get_rng_state(dev)  # exploration draws use the device's default generator: leave no trace
     try:
-        report = run_classes(classes, max_model_len, _describe(num_q_heads, num_kv_heads, head_dim, dtype),
-                             lambda: SyntheticLayer(num_q_heads, num_kv_heads, head_dim, dtype, config, dev,
-                                                    block_size_tokens=block_size_tokens, scale=scale))  # fmt: skip
+        report = run_classes(classes, max_model_len, spec.describe(), lambda: spec.make_layer(config))
     finally:
         torch.cuda.set_rng_state(rng, dev)
     if pre is None:
         return report
     return replace(report, precompile=pre, total_seconds=report.total_seconds + pre.seconds)
-
-
-def _describe(num_q_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> str:
-    return f"H_q={num_q_heads}, H_kv={num_kv_heads}, D={head_dim}, {str(dtype).removeprefix('torch.')}"
 
 
 def run_classes(
@@ -279,7 +273,7 @@ def warm_class(layer: SyntheticLayer, cls: ShapeClass, max_model_len: int) -> No
     layer.call(lens)
     if layer.prefetcher is not None:
         layer.call(lens, begin_step=True)
-    if layer.config.promotion_cache_fraction > 0 and layer.config.decode_pass == "two_pass":
+    if layer.direct is not None:
         layer.call(lens, write_through=True)
 
 

@@ -96,6 +96,7 @@ def test_a_failure_names_its_class():
     class Broken:  # a synthetic layer whose calls fail past 200 tokens
         device = torch.device("cpu")
         prefetcher = None
+        direct = None
         config = load_config("default")
 
         def call(self, lens, layer=0, *, begin_step=False, write_through=False):
@@ -118,6 +119,7 @@ def test_kernels_compile_into_certvllm_s_own_triton_cache(tmp_path, monkeypatch)
         device = torch.device("cpu")
         prefetcher = None
         config = load_config("default")  # audits on: one audited call compiles their checks
+        direct = object()  # the default config's pool: each class once more with a write-through pool
 
         def call(self, lens, layer=0, *, begin_step=False, write_through=False):
             seen.append(os.environ.get("TRITON_CACHE_DIR"))
