@@ -79,3 +79,23 @@ def variants_by_kernel() -> dict[str, int]:
 def compilations() -> int:
     """Compiled variants of all of certvllm's kernels in this process (compare two reads)."""
     return sum(variants_by_kernel().values())
+
+
+Variant = tuple[str, str, str]
+"""``(module.kernel, in-memory compile key, compile hash)`` of one compiled variant: the key is Triton's
+specialisation and options as a string, the hash names the variant's entry in Triton's disk cache."""
+
+
+def variant_keys() -> set[Variant]:
+    """Every compiled variant of certvllm's kernels in this process (empty under the interpreter). Two processes
+    that compiled the same variant list the same key and hash; the same key with another hash means the kernel's
+    source, Triton's cache-relevant environment or the target differ between them."""
+    found: set[Variant] = set()
+    for name, kernel in kernels().items():
+        caches = getattr(kernel, "device_caches", None)
+        if not isinstance(caches, dict):
+            continue
+        for entry in list(caches.values()):
+            for key, compiled in list(entry[0].items()):
+                found.add((name, str(key), str(getattr(compiled, "hash", ""))))
+    return found

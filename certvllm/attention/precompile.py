@@ -31,6 +31,7 @@ import torch
 
 from certvllm.attention.synthetic import SyntheticLayer
 from certvllm.config import CertConfig
+from certvllm.triton_kernels.jit_cache import Variant
 
 logger = logging.getLogger("vllm.certvllm")
 
@@ -71,12 +72,14 @@ class LayerSpec:
 @dataclass(frozen=True)
 class PrecompileReport:
     """What :func:`precompile` did: ``workers`` children, ``seconds`` of wall time, ``compilations`` they made
-    (the sum of their counts), ``note``: why some or all of them failed (empty when none did)."""
+    (the sum of their counts), ``note``: why some or all of them failed (empty when none did), ``variants``: the
+    variants the children hold (``jit_cache.variant_keys`` of each; empty under the interpreter)."""
 
     workers: int = 0
     seconds: float = 0.0
     compilations: int = 0
     note: str = ""
+    variants: frozenset[Variant] = frozenset()
 
     def summary(self) -> str:
         """A clause of the warm-up's log line."""
@@ -135,7 +138,7 @@ def precompile(spec: LayerSpec, class_costs: list[int], n: int, timeout: float =
             files[0].write_text(json.dumps({"spec": asdict(spec), "classes": group}))
             with files[0].open() as job, files[1].open("w") as out, files[2].open("w") as err:
                 procs.append((subprocess.Popen(_command(), stdin=job, stdout=out, stderr=err), files))
-        compilations, failures = 0, []
+        compilations, failures, variants = 0, [], set()
         for k, (proc, (_, out, err)) in enumerate(procs):
             try:
                 proc.wait(timeout=max(0.1, timeout - (time.perf_counter() - start)))
@@ -149,17 +152,53 @@ def precompile(spec: LayerSpec, class_costs: list[int], n: int, timeout: float =
                 reason = (err.read_text().strip().splitlines() or [f"exit code {proc.returncode}"])[-1]
                 failures.append(f"process {k}: {reason}")
                 continue
-            compilations += int(json.loads(lines[-1])["compilations"])
+            result = json.loads(lines[-1])
+            compilations += int(result["compilations"])
+            variants.update(tuple(v) for v in result.get("variants", ()))
     note = ""
     if failures:
         note = f"{len(failures)} of {n} failed, the serial pass compiles their classes: " + "; ".join(failures)
         logger.warning("certvllm warm-up: %s", note)
-    return PrecompileReport(n, time.perf_counter() - start, compilations, note)
+    return PrecompileReport(n, time.perf_counter() - start, compilations, note, frozenset(variants))
+
+
+def serial_misses(made: set[Variant], children: frozenset[Variant]) -> str:
+    """Why the serial pass compiled variants itself: ``made`` are the variants it added, ``children`` the children's;
+    empty when the children had compiled every one of them (same key, same hash: a disk-cache load). Otherwise a
+    sentence for the log: how many missed and, for the first few, whether a child compiled the same specialisation
+    under another hash (the kernel's source, Triton's environment or the target differ between the processes) or
+    no child met that specialisation (then the nearest child key of the kernel and where the two first differ)."""
+    hashes = {h for _, _, h in children}
+    missed = sorted(v for v in made if v[2] not in hashes)
+    if not missed:
+        return ""
+    by_key = {(name, key): h for name, key, h in children}
+    details = []
+    for name, key, h in missed[:3]:
+        if (name, key) in by_key:
+            theirs_hash = by_key[name, key][:12]
+            details.append(f"{name}: the same key under hash {h[:12]} here, {theirs_hash} in a child (the kernel's "
+                           "source, Triton's environment or the target differ)")  # fmt: skip
+            continue
+        theirs = [k for n, k, _ in children if n == name]
+        if not theirs:
+            details.append(f"{name}: no child compiled this kernel")
+            continue
+        near = max(theirs, key=lambda k: _common_prefix(k, key))
+        at = _common_prefix(near, key)
+        details.append(f"{name}: keys differ at character {at}: this process ...{key[max(0, at - 40):at + 40]}... a "
+                       f"child ...{near[max(0, at - 40):at + 40]}...")  # fmt: skip
+    return f"{len(missed)} of {len(made)} variants were compiled again after the children: " + "; ".join(details)
+
+
+def _common_prefix(a: str, b: str) -> int:
+    return len(os.path.commonprefix([a, b]))
 
 
 def _run(job: dict[str, Any]) -> dict[str, Any]:
     """A child's work: the synthetic layer of ``job['spec']`` and the warm-up's calls of its classes."""
     from certvllm.attention.warmup import run_classes, shape_classes
+    from certvllm.triton_kernels import jit_cache
 
     spec = LayerSpec(**job["spec"])
     config = CertConfig.model_validate(spec.config)
@@ -170,7 +209,8 @@ def _run(job: dict[str, Any]) -> dict[str, Any]:
                             spec.max_num_seqs, config, block_size_tokens=spec.block_size_tokens)  # fmt: skip
     mine = [classes[i] for i in job["classes"]]
     report = run_classes(mine, spec.max_model_len, spec.describe(), lambda: spec.make_layer(config))
-    return {"compilations": report.total_compilations, "seconds": report.total_seconds}
+    return {"compilations": report.total_compilations, "seconds": report.total_seconds,
+            "variants": sorted(jit_cache.variant_keys())}  # fmt: skip
 
 
 def main() -> None:

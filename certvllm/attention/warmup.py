@@ -31,7 +31,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from certvllm.attention.precompile import LayerSpec, PrecompileReport, plan_workers, precompile
+from certvllm.attention.precompile import LayerSpec, PrecompileReport, plan_workers, precompile, serial_misses
 from certvllm.attention.synthetic import SyntheticLayer, engine_sub_blocks, table_width
 from certvllm.config import CertConfig
 from certvllm.env import triton_cache_scope
@@ -126,6 +126,8 @@ class WarmupReport:
         total_compilations: kernel variants made by the whole warm-up (the write kernel's and the gather's too).
         note: why nothing ran, when nothing did.
         precompile: the parallel compile that ran first (``total_seconds`` includes it), or None.
+        misses: after a parallel compile, the variants the serial pass compiled although a child should have left
+            them in the disk cache (``precompile.serial_misses``; empty when it only loaded).
     """
 
     device: str
@@ -136,6 +138,7 @@ class WarmupReport:
     total_compilations: int = 0
     note: str = ""
     precompile: PrecompileReport | None = None
+    misses: str = ""
 
     def summary(self) -> str:
         """One log line."""
@@ -206,13 +209,17 @@ def warm_up(
         with triton_cache_scope():  # the children inherit certvllm's cache folder
             pre = precompile(spec, [max(c.width.bp, c.hi) for c in classes], workers)
     rng = torch.cuda.get_rng_state(dev)  # exploration draws use the device's default generator: leave no trace
+    before = jit_cache.variant_keys()
     try:
         report = run_classes(classes, max_model_len, spec.describe(), lambda: spec.make_layer(config))
     finally:
         torch.cuda.set_rng_state(rng, dev)
     if pre is None:
         return report
-    return replace(report, precompile=pre, total_seconds=report.total_seconds + pre.seconds)
+    misses = serial_misses(jit_cache.variant_keys() - before, pre.variants) if pre.variants else ""
+    if misses:
+        logger.warning("certvllm warm-up: %s", misses)
+    return replace(report, precompile=pre, total_seconds=report.total_seconds + pre.seconds, misses=misses)
 
 
 def run_classes(

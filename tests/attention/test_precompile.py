@@ -70,6 +70,7 @@ def test_children_run_the_warm_up_calls_of_their_classes():
     report = precompile(spec, costs, 2)
     assert report.workers == 2 and report.note == "", report.note
     assert report.compilations == 0  # the interpreter compiles nothing
+    assert report.variants == frozenset()
     assert "2 processes compiled 0 variants" in report.summary()
 
 
@@ -98,11 +99,32 @@ def test_the_warm_up_line_names_the_parallel_compile():
     assert "compiled in 31.0 s" in line
 
 
+def test_serial_misses_names_what_the_children_did_not_leave():
+    kid = frozenset({("phase2._promote_kernel", "(('*fp32', 'D'), 16)[num_warps=4]", "aa11"),
+                     ("select._select_kernel", "(('i64', ''), 4096)[num_warps=8]", "bb22")})  # fmt: skip
+    assert pc.serial_misses(set(kid), kid) == ""  # every variant loaded from the children's cache
+    assert pc.serial_misses(set(), kid) == ""
+    # the same specialisation under another hash: the processes compile different code
+    rehashed = {("phase2._promote_kernel", "(('*fp32', 'D'), 16)[num_warps=4]", "cc33")}
+    text = pc.serial_misses(rehashed, kid)
+    assert text.startswith("1 of 1 variants were compiled again after the children")
+    assert "the same key under hash cc33 here, aa11 in a child" in text
+    # another specialisation: the nearest child key and where they part
+    other = {("select._select_kernel", "(('i64', ''), 4096)[num_warps=4]", "dd44")}
+    text = pc.serial_misses(other, kid)
+    assert "select._select_kernel: keys differ at character" in text
+    assert "num_warps=4" in text and "num_warps=8" in text
+    unknown = {("encode._encode_pages_kernel", "()", "ee55")}
+    assert "encode._encode_pages_kernel: no child compiled this kernel" in pc.serial_misses(unknown, kid)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_children_compile_what_the_serial_pass_then_loads(tmp_path, monkeypatch):
     """At LLaMA-3.1-8B shapes up to 8K tokens, into an empty cache: four children compile the warm-up's variants,
     and the serial pass that follows in this process adds nothing to the cache (it loaded every variant)."""
+    from certvllm.triton_kernels import jit_cache
+
     from certvllm import env
     from certvllm.attention.synthetic import SyntheticLayer
     from certvllm.attention.warmup import run_classes
@@ -118,9 +140,12 @@ def test_children_compile_what_the_serial_pass_then_loads(tmp_path, monkeypatch)
             report = precompile(spec, [max(c.width.bp, c.hi) for c in classes], 4)
             print(report.summary())
             assert report.note == "" and report.compilations > 0, report.summary()
+            assert report.variants, "the children list the variants they compiled"
             before = set(folder.iterdir())
+        mine = jit_cache.variant_keys()
         serial = run_classes(classes, max_len, "LLaMA", lambda: SyntheticLayer(hq, hkv, d, torch.bfloat16, cfg, "cuda"))
         print(serial.summary())
+        assert pc.serial_misses(jit_cache.variant_keys() - mine, report.variants) == ""
         assert set(folder.iterdir()) == before, "the serial pass compiled variants the children had not"
     finally:
         env.environment.cache_clear()
