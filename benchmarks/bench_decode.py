@@ -19,6 +19,13 @@ at random positions; query q_g = √D·(u + 0.5·ε_g) with a per-head unit ε_g
 scores has standard deviation ≈ 1.1 and the heads of a group disagree on it. The offsets are solved so that
 a fraction ``diffuse_mass`` (default 2 %) of the attention stays on the diffuse tokens and the rest splits
 50/30/20 over sink, recency and peaks. Values are N(0, 1).
+
+``--score-std σ`` draws the other workload instead, the one the served 8B-shaped benchmarks meet
+(``--load-format certvllm-peaked-dummy``): no structure, keys and values N(0, I) and each query head a random
+direction of norm σ·√D, so every score q·k/√D is N(0, σ²). At σ = 6 the softmax mass sits on a few hundred
+tokens scattered over the whole context, and the default preset promotes the keys of about a third of the blocks
+(K* ≈ 640 of 2,048 at 32K, the vLLM run's ``cert_promoted_key_blocks_total`` per head-step), against ~15 for the
+structured workload.
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ HQ, HKV, D = 32, 8, 128
 PRESETS = ("naive", "paper", "coverage", "default", "default+resident")
 """Methods: a preset name, ``+resident`` for ``decode_pass: resident`` (certvllm.attention.resident)."""
 MULTISTEP = ("coverage", "default", "default+resident")
+SCORE_STD_HELP = "the unstructured workload (module docstring): scores N(0, σ²); 6 as the served peaked-dummy model"
 
 
 def method_config(name: str):
@@ -92,9 +100,17 @@ def synthetic_kv(
     dtype: torch.dtype = torch.float16,
     device: str | torch.device = "cuda",
     seed: int = 0,
+    score_std: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Queries ``[batch, hq, d]`` and keys/values ``[batch, t, hkv, d]`` (see the module docstring)."""
+    """Queries ``[batch, hq, d]`` and keys/values ``[batch, t, hkv, d]`` (see the module docstring): the
+    structured workload, or with ``score_std`` the unstructured one whose scores are N(0, score_std²)."""
     g = torch.Generator(device=device).manual_seed(seed)
+    if score_std is not None:
+        q = torch.randn(batch, hq, d, generator=g, device=device)
+        q = q * (score_std * math.sqrt(d) / q.norm(dim=-1, keepdim=True))
+        k = torch.randn(batch, t, hkv, d, generator=g, device=device)
+        v = torch.randn(batch, t, hkv, d, generator=g, device=device)
+        return q.to(dtype), k.to(dtype), v.to(dtype)
     group = hq // hkv
     u = torch.randn(batch, hkv, d, generator=g, device=device)
     u = u / u.norm(dim=-1, keepdim=True)
@@ -244,7 +260,7 @@ def run_point(batch: int, ctx: int, args, results: list[dict]) -> None:
 
     dev = torch.device("cuda")
     t0 = time.time()
-    q, k, v = synthetic_kv(batch, ctx, diffuse_mass=args.diffuse_mass, seed=ctx + batch)
+    q, k, v = synthetic_kv(batch, ctx, diffuse_mass=args.diffuse_mass, seed=ctx + batch, score_std=args.score_std)
     lens = [ctx - 7] * batch  # a 9-token partial block at the end of every row
     cache, tables = build_cache(k, v, lens)
     seq_lens = torch.tensor(lens, device=dev)
@@ -557,6 +573,7 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--diffuse-mass", type=float, default=0.02)
+    ap.add_argument("--score-std", type=float, default=None, help=SCORE_STD_HELP)
     ap.add_argument("--steps", type=int, default=16, help="multi-step case: decode steps per regime (0: skip)")
     ap.add_argument("--layers", type=int, default=8, help="whole-step case: layers per step (0: skip)")
     ap.add_argument("--methods", nargs="+", default=list(PRESETS), choices=PRESETS)
@@ -580,6 +597,7 @@ def main() -> None:
     meta = {
         "device": torch.cuda.get_device_name(), "torch": torch.__version__, "python": platform.python_version(),
         "shapes": {"H_q": HQ, "H_kv": HKV, "D": D}, "iters": args.iters, "diffuse_mass": args.diffuse_mass,
+        "score_std": args.score_std,
         "wall_s": round(time.time() - t0, 1),
         "programs_per_sm": _tuning().programs_per_sm,
     }  # fmt: skip

@@ -27,10 +27,10 @@ import math
 from pathlib import Path
 
 import torch
-from bench_decode import build_cache, median_ms, release_cache, synthetic_kv
+from bench_decode import SCORE_STD_HELP, build_cache, median_ms, release_cache, synthetic_kv
 
 
-def capture(batch: int, ctx: int, preset: str) -> tuple[tuple, object]:
+def capture(batch: int, ctx: int, preset: str, score_std: float | None = None) -> tuple[tuple, object]:
     """The synthetic cache, two warm-up calls, then the arguments of a third call's main promotion pass."""
     from certvllm.attention import certified_attention
     from certvllm.config import load_config
@@ -38,7 +38,7 @@ def capture(batch: int, ctx: int, preset: str) -> tuple[tuple, object]:
     from certvllm.kv.residency import Residency
     from certvllm.testing import capture_pass_args
 
-    q, k, v = synthetic_kv(batch, ctx, seed=ctx + batch)
+    q, k, v = synthetic_kv(batch, ctx, seed=ctx + batch, score_std=score_std)
     lens = [ctx - 7] * batch
     cache, tables = build_cache(k, v, lens)
     del k, v
@@ -100,6 +100,7 @@ def main() -> None:
     ap.add_argument("--points", nargs="+", default=["8x32768", "8x131072"])
     ap.add_argument("--preset", default="default")
     ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--score-std", type=float, default=None, help=SCORE_STD_HELP)
     ap.add_argument("--out", type=Path, default=Path("runs/promote.json"))
     a = ap.parse_args()
     if not torch.cuda.is_available():
@@ -109,7 +110,7 @@ def main() -> None:
     results = []
     for point in a.points:
         batch, ctx = (int(x) for x in point.split("x"))
-        args, cache = capture(batch, ctx, a.preset)
+        args, cache = capture(batch, ctx, a.preset, a.score_std)
         work = workload(args)
         print(f"{point}: {work}", flush=True)
         row = {"point": point, "workload": work, "ms": {}}

@@ -24,7 +24,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
-from bench_decode import D, build_cache, release_cache, synthetic_kv, time_graph
+from bench_decode import SCORE_STD_HELP, D, build_cache, release_cache, synthetic_kv, time_graph
 from kernel_sass import parse_tuning
 from torch.profiler import ProfilerActivity, profile
 
@@ -48,7 +48,8 @@ def _kernel_table(prof, calls: int) -> tuple[list[dict], int, float]:
     return rows, count, total
 
 
-def profile_point(batch: int, ctx: int, presets: list[str], calls: int, top: int, tunings: list[str]) -> dict:
+def profile_point(batch: int, ctx: int, presets: list[str], calls: int, top: int, tunings: list[str],
+                  score_std: float | None = None) -> dict:  # fmt: skip
     from certvllm.triton_kernels.tuning import KernelTuning
 
     from certvllm.attention import certified_attention
@@ -58,12 +59,12 @@ def profile_point(batch: int, ctx: int, presets: list[str], calls: int, top: int
     from certvllm.kv.residency import Residency
 
     dev = torch.device("cuda")
-    q, k, v = synthetic_kv(batch, ctx, seed=ctx + batch)
+    q, k, v = synthetic_kv(batch, ctx, seed=ctx + batch, score_std=score_std)
     lens = [ctx - 7] * batch
     cache, tables = build_cache(k, v, lens)
     seq_lens = torch.tensor(lens, device=dev)
     scale = 1.0 / math.sqrt(D)
-    out: dict = {"batch": batch, "context": ctx}
+    out: dict = {"batch": batch, "context": ctx, "score_std": score_std}
     for preset, tuning in [(p, t) for p in presets for t in tunings]:
         cfg = load_config(preset)
         eng = CudaPageInEngine(dev)
@@ -133,13 +134,14 @@ def main() -> None:
     ap.add_argument("--tunings", nargs="+", default=[""],
                     help='KernelTuning overrides per run, e.g. "" attend_warps=8')  # fmt: skip
     ap.add_argument("--calls", type=int, default=5)
+    ap.add_argument("--score-std", type=float, default=None, help=SCORE_STD_HELP)
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--out", type=Path, default=Path("runs/profile.json"))
     args = ap.parse_args()
     results = []
     for p in args.points:
         b, c = (int(x) for x in p.split("x"))
-        results.append(profile_point(b, c, args.presets, args.calls, args.top, args.tunings))
+        results.append(profile_point(b, c, args.presets, args.calls, args.top, args.tunings, args.score_std))
     resources = compiled_kernel_resources()
     for r in resources:
         print(f"    {r['kernel']:32s} {r['registers']:4d} registers/thread, {r['spill_bytes']} bytes spilled")
