@@ -58,13 +58,27 @@ def variant(entry: str, cert: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     return dtype, {**cert, **parse_key_values(extra.split(","), "--dtypes")}
 
 
+def phase_names(kernels: int) -> tuple[str, ...]:
+    """The phases of one batch size: :data:`PHASES`, and with ``--kernels`` a last one, ``prefill``: new prompts
+    of the same length, one output token each, their kernels recorded (what a step with prefill costs)."""
+    return PHASES + (("prefill",) if kernels else ())
+
+
 def spec_for(args: argparse.Namespace, dtype: str, engine_args: dict[str, Any], cert: dict[str, Any]) -> dict:
-    """The harness spec of one engine: per batch size, three phases over the same requests, the last one profiled."""
+    """The harness spec of one engine: per batch size, three phases over the same requests, the last one profiled
+    (with ``--kernels``, its device kernels recorded too), then with ``--kernels`` the ``prefill`` phase."""
     phases = []
     for batch in args.batch:
         requests = [{"prompt_token_ids": ids, "max_tokens": args.max_tokens, "ignore_eos": True, "detokenize": False}
                     for ids in prompts(args.model, batch, args.context, seed=batch)]  # fmt: skip
-        phases += [{"requests": requests}, {"requests": requests}, {"requests": requests, "profile": args.top}]
+        profiled: dict[str, Any] = {"requests": requests, "profile": args.top}
+        if args.kernels:
+            profiled["kernels"] = args.kernels
+        phases += [{"requests": requests}, {"requests": requests}, profiled]
+        if args.kernels:
+            fresh = [{"prompt_token_ids": ids, "max_tokens": 1, "ignore_eos": True, "detokenize": False}
+                     for ids in prompts(args.model, batch, args.context, seed=batch + 1000)]  # fmt: skip
+            phases.append({"requests": fresh, "kernels": args.kernels})
     length = -(-(args.context + args.max_tokens + 16) // 1024) * 1024
     engine = {"enforce_eager": False, "max_model_len": length, "dtype": args.dtype, **engine_args}
     spec: dict[str, Any] = {"model": args.model, "kv_cache_dtype": dtype, "engine": engine, "phases": phases}
@@ -74,14 +88,22 @@ def spec_for(args: argparse.Namespace, dtype: str, engine_args: dict[str, Any], 
 
 
 def summarize(dtype: str, batch: int, result: dict[str, Any], phases: list[dict], max_tokens: int) -> dict[str, Any]:
-    """One engine's figures at one batch size (its three ``phases``): ms per decode step of each phase, the
-    profile and the certified counters of the profiled phase."""
-    step_ms = {name: 1e3 * sum(p["seconds"]) / max_tokens for name, p in zip(PHASES, phases, strict=True)}
-    delta = metric_delta(phases[-1])
+    """One engine's figures at one batch size (its phases, :func:`phase_names`): ms per decode step of the first
+    three, the profile and the certified counters of the profiled phase, and with ``--kernels`` the recorded kernels
+    of the profiled phase (per decode step) and of the prefill phase (with its wall seconds)."""
+    step_ms = {name: 1e3 * sum(p["seconds"]) / max_tokens for name, p in zip(PHASES, phases, strict=False)}
+    profiled = phases[len(PHASES) - 1]
+    delta = metric_delta(profiled)
     cert = {k: v for k, v in delta.items() if k.startswith("vllm:cert_") and v and not k.endswith("_created")}
-    return {"dtype": dtype, "batch": batch, "init_seconds": result["init_seconds"], "step_ms": step_ms,
-            "kv_cache_tokens": result.get("kv_cache_tokens"), "engine_config": result.get("engine_config"),
-            "profile": phases[-1]["profile"], "cert_counters": cert, "log_tail": result["log"][-20000:]}  # fmt: skip
+    out = {"dtype": dtype, "batch": batch, "init_seconds": result["init_seconds"], "step_ms": step_ms,
+           "kv_cache_tokens": result.get("kv_cache_tokens"), "engine_config": result.get("engine_config"),
+           "profile": profiled["profile"], "cert_counters": cert, "log_tail": result["log"][-20000:]}  # fmt: skip
+    if "kernels" in profiled:
+        out["decode_kernels"] = {**profiled["kernels"], "steps": max_tokens}
+    if len(phases) > len(PHASES):
+        prefill = phases[len(PHASES)]
+        out["prefill_kernels"] = {**prefill["kernels"], "seconds": sum(prefill["seconds"])}
+    return out
 
 
 def print_summary(s: dict[str, Any], rows: int) -> None:
@@ -92,6 +114,15 @@ def print_summary(s: dict[str, Any], rows: int) -> None:
         print(f"-- by {key} (s over the profiled phase)")
         for r in s["profile"][key][:rows]:
             print(f"{r[key]:9.3f} {r['calls']:9d}  {r['function'][:130]}")
+    for key, per, unit in (("decode_kernels", s.get("decode_kernels", {}).get("steps", 1), "per decode step"),
+                           ("prefill_kernels", 1, "over the prefill phase")):  # fmt: skip
+        k = s.get(key)
+        if not k:
+            continue
+        extra = f", {k['seconds']:.3f} s wall" if "seconds" in k else ""
+        print(f"-- {key}: {k['total_us'] / per / 1e3:.2f} ms of kernels {unit} ({k['launches']} launches{extra})")
+        for r in k["kernels"][:rows]:
+            print(f"{r['total_us'] / per / 1e3:9.3f} ms {r['launches'] / per:9.1f}  {r['kernel'][:110]}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -104,6 +135,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--top", type=int, default=60, help="functions kept per table")
     p.add_argument("--print-rows", type=int, default=40)
+    p.add_argument("--kernels", type=int, default=0,
+                   help="record the device kernels (torch.profiler) of the profiled phase and of a prefill phase of "
+                        "new prompts; keep this many kernels of each (0: off)")  # fmt: skip
     p.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--cert", action="append", default=[], metavar="KEY=VALUE", help="certvllm settings")
     p.add_argument("--timeout", type=float, default=580.0, help="seconds per engine")
@@ -121,8 +155,9 @@ def main(argv: list[str] | None = None) -> int:
     for label, dtype, settings in variants:
         result = run_engine(spec_for(args, dtype, engine_args, settings), timeout=args.timeout,
                             env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})  # fmt: skip
+        n = len(phase_names(args.kernels))
         for i, batch in enumerate(args.batch):
-            summary = summarize(label, batch, result, result["phases"][3 * i : 3 * i + 3], args.max_tokens)
+            summary = summarize(label, batch, result, result["phases"][n * i : n * i + n], args.max_tokens)
             report["engines"].append(summary)
             print_summary(summary, args.print_rows)
         args.out.write_text(json.dumps(report, indent=1))  # engine by engine: a cut run keeps what it finished

@@ -19,7 +19,9 @@ exact reference (needs ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` in the engine's e
 as a function); its phase record then also holds ``"workers"``: each worker's ``{"audited", "threads"}``.
 A group's ``"profile": n`` serves it under cProfile and adds ``"profile"`` to its record: the ``n`` functions with the
 most own time and the ``n`` with the most time including callees (:func:`profile_summary`; the engine's own work is
-in it only with ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` in ``"environment"``).
+in it only with ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` in ``"environment"``). ``"kernels": n`` records the device's
+kernels while it serves (``torch.profiler``, CUDA activity) and adds ``"kernels"``: the phase's total device time and
+its ``n`` most expensive kernels (:func:`kernel_summary`; in-process engines only, as above).
 RESULT: ``{"outputs": [{"token_ids": [...], "text": str, "prompt_tokens": n, "cached_tokens": n,
 "aborted": bool}], "seconds": [...], "init_seconds": s, "metrics": {series: value},
 "phases": [{"outputs", "seconds", "metrics", "metrics_before"}, ...], "engine_config": {...}, "log": str}``
@@ -229,11 +231,12 @@ def _run(spec: dict[str, Any]) -> dict[str, Any]:
                                          args=(float(phase["audit_rate"]), phase.get("audit_reference")))  # fmt: skip
         seconds, outputs = [], []
         profiler = cProfile.Profile() if phase.get("profile") else None
+        kernels = kernel_profiler() if phase.get("kernels") else None
         for _ in range(phase.get("repeat", 1)):
             got, aborted = [], set()
             for group in [requests] if phase.get("batch", True) else [[r] for r in requests]:
                 t = time.perf_counter()
-                with profiler or contextlib.nullcontext():
+                with profiler or contextlib.nullcontext(), kernels or contextlib.nullcontext():
                     outs, cut = serve(group)
                 seconds.append(time.perf_counter() - t)
                 got += outs
@@ -254,6 +257,8 @@ def _run(spec: dict[str, Any]) -> dict[str, Any]:
             record["workers"] = workers
         if profiler is not None:
             record["profile"] = profile_summary(profiler, int(phase["profile"]))
+        if kernels is not None:
+            record["kernels"] = kernel_summary(kernels, int(phase["kernels"]))
         return record
 
     progress = spec.get("progress")
@@ -293,6 +298,32 @@ def profile_summary(profiler: cProfile.Profile, top: int) -> dict[str, list[dict
         for (file, line, name), (_cc, nc, tt, ct, _callers) in stats.items()
     ]
     return {key: sorted(rows, key=lambda r: -r[key])[:top] for key in ("tottime", "cumtime")}
+
+
+def kernel_profiler() -> Any:
+    """A ``torch.profiler`` session recording the device's kernels (CUDA activity only: no host-side events, so the
+    serving thread is barely slowed); enter it around the work to record. Kernels replayed from CUDA graphs are
+    recorded too."""
+    from torch.profiler import ProfilerActivity, profile
+
+    return profile(activities=[ProfilerActivity.CUDA])
+
+
+def kernel_summary(prof: Any, top: int) -> dict[str, Any]:
+    """The device time of a recorded phase: ``{"total_us", "launches", "kernels": [...]}``, the ``top`` kernels by
+    device time, each ``{"kernel", "launches", "total_us"}`` (microseconds over the whole phase; the kernel names
+    as the driver reports them, truncated to 160 characters)."""
+    rows = []
+    for event in prof.key_averages():
+        total = float(getattr(event, "device_time_total", 0.0) or getattr(event, "cuda_time_total", 0.0) or 0.0)
+        if total <= 0.0 or getattr(event, "device_type", None) is None:
+            continue
+        if "cuda" not in str(event.device_type).lower():
+            continue
+        rows.append({"kernel": event.key[:160], "launches": int(event.count), "total_us": round(total, 1)})
+    rows.sort(key=lambda r: -r["total_us"])
+    return {"total_us": round(sum(r["total_us"] for r in rows), 1), "launches": sum(r["launches"] for r in rows),
+            "kernels": rows[:top]}  # fmt: skip
 
 
 def _shutdown(llm: Any) -> None:
