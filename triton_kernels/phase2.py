@@ -76,7 +76,6 @@ def _promote_kernel(
     CANARY: tl.constexpr,  # run the canary (loads keys of value-only promoted blocks too)
     PB: tl.constexpr,  # blocks per tile of the bitmask scan
     USE_POOL: tl.constexpr,  # read key pages from the promotion cache where kslot ≥ 0
-    NB: tl.constexpr,  # needed blocks loaded and scored per step (KernelTuning.promote_blocks)
 ):  # fmt: skip
     N: tl.constexpr = 16
     rk, split, r, h = split_program(H)
@@ -95,10 +94,6 @@ def _promote_kernel(
     key_bits = (1 << G) - 1
     tl.static_assert(PB <= 64, "PB: a tile's needed blocks are the bits of one int64")
     jt = tl.arange(0, PB)
-    lane = tl.arange(0, NB)
-    n3 = n[None, :, None]
-    d3 = d[None, None, :]
-    dm3 = dm[None, None, :]
     for t in range(0, n_tiles):
         # PB blocks at once: bitmasks and INT8 block maxima (the common case: nothing promoted)
         it = t * PB + jt
@@ -114,63 +109,51 @@ def _promote_kernel(
             need_t = (bbt & key_bits) != 0
         n_need = tl.sum(need_t.to(tl.int32), axis=0)
         if n_need > 0:
-            # only the tile's needed blocks, in ascending order, NB at a time: bit j of `rem` marks position j
-            # (PB ≤ 64; the bits are distinct, so their sum is their OR), and each take is the lowest set bit, its
-            # position read from the exponent of its exact float64 value (a scan of all PB positions would visit
-            # every block); the NB blocks' loads are independent, so they are in flight together
+            # only the tile's needed blocks, in ascending order: bit j of `rem` marks position j (PB ≤ 64; the bits
+            # are distinct, so their sum is their OR), and each step takes the lowest set bit, its position read
+            # from the exponent of its exact float64 value (a scan of all PB positions would visit every block)
             rem = tl.sum(tl.where(need_t, tl.full([PB], 1, tl.int64) << jt.to(tl.int64), 0), axis=0)
-            for _k in range(0, tl.cdiv(n_need, NB)):
-                jv = tl.full([NB], -1, tl.int32)
-                for i in tl.static_range(NB):
-                    low = rem & -rem
-                    rem = rem ^ low
-                    j = (((low.to(tl.float64).to(tl.int64, bitcast=True) >> 52) & 0x7FF) - 1023).to(tl.int32)
-                    jv = tl.where((lane == i) & (low != 0), j, jv)
-                ok = jv >= 0  # [NB] lanes past the tile's last needed block hold nothing
-                b = split * BPS + t * PB + jv
-                bb = tl.load(bits + rk * B + b, mask=ok, other=0)
-                bid = tl.load(tables + r * TB_STRIDE + b, mask=ok, other=0)
+            for _k in range(0, n_need):
+                low = rem & -rem
+                rem = rem ^ low
+                j = (((low.to(tl.float64).to(tl.int64, bitcast=True) >> 52) & 0x7FF) - 1023).to(tl.int32)
+                b = split * BPS + t * PB + j
+                bb = tl.load(bits + rk * B + b)
+                kb = (((bb >> g) & 1) != 0) & gm
+                bid = tl.load(tables + r * TB_STRIDE + b)
                 bid = tl.minimum(tl.maximum(bid, 0), num_blocks - 1)
-                bid3 = bid[:, None, None]
-                kbase = (((bid3 // M) * H + h) * 2) * (M * N * D)
+                kbase = (((bid // M) * H + h) * 2) * (M * N * D)
                 if CHANNEL_MAJOR:
-                    koffs = d3 * (M * N) + (bid3 % M) * N + n3
+                    koffs = d[None, :] * (M * N) + (bid % M) * N + n[:, None]
                 else:
-                    koffs = ((bid3 % M) * N + n3) * D + d3
-                lm = ok[:, None, None] & dm3
+                    koffs = ((bid % M) * N + n[:, None]) * D + d[None, :]
                 if USE_POOL:
-                    # the promotion cache or the step prefetch holds a page whose slot is ≥ 0 (the shadow's bytes)
-                    ks = tl.load(kslot + rk * B + b, mask=ok, other=-1).to(tl.int64)[:, None, None]
-                    in_stage = ks >= nslots
-                    in_pool = (ks >= 0) & ~in_stage
-                    page = n3 * D + d3
-                    src = tl.where(in_pool, pool + ks * (N * D) + page, shadow + kbase + koffs)
-                    src = tl.where(in_stage, stage + (ks - nslots) * (N * D) + page, src)
-                    kt = tl.load(src, mask=lm, other=0.0).to(tl.float32)  # [NB, N, DP]
+                    ks = tl.load(kslot + rk * B + b).to(tl.int64)
+                    if ks >= 0:  # the promotion cache or the step prefetch holds it (the shadow's bytes)
+                        if ks >= nslots:
+                            src = stage + (ks - nslots) * (N * D)
+                        else:
+                            src = pool + ks * (N * D)
+                        kt = tl.load(src + n[:, None] * D + d[None, :], mask=dm[None, :],
+                                     other=0.0).to(tl.float32)  # fmt: skip
+                    else:
+                        kt = tl.load(shadow + kbase + koffs, mask=dm[None, :], other=0.0).to(tl.float32)
                 else:
-                    kt = tl.load(shadow + kbase + koffs, mask=lm, other=0.0).to(tl.float32)  # [NB, N, DP]
-                nviol = 0
-                for gg in tl.static_range(G):
-                    qg = tl.sum(tl.where(g[:, None] == gg, q, 0.0), axis=0)  # [DP] query head gg
-                    se = tl.sum(kt * qg[None, None, :], axis=2)  # [NB, N] exact-key scores
-                    kb = ok & (((bb >> gg) & 1) != 0)
-                    srow = ((rk * B + b) * G + gg)[:, None] * N + n[None, :]
-                    if CANARY:
-                        s8 = tl.load(scores + srow, mask=ok[:, None], other=0.0)
-                        dl = tl.load(delta + (rk * G + gg) * B + b, mask=ok, other=0.0)
-                        r1g = tl.sum(tl.where(g == gg, r1, 0.0), axis=0)
-                        allowed = (dl + 2.0 * r1g) * (1.0 + 2.0**-10)
-                        diff = tl.abs(se - s8)
-                        viol = ((diff > allowed[:, None]) | ~(diff < float("inf"))) & ok[:, None]
-                        nviol += tl.sum(tl.sum(viol.to(tl.int32), axis=1), axis=0)
-                    tl.store(scores + srow, se, mask=kb[:, None])
-                    mx = tl.max(tl.max(tl.where(kb[:, None], se, float("-inf")), axis=1), axis=0)
-                    fin = kb[:, None] & (tl.abs(se) < float("inf"))
-                    sa = tl.max(tl.max(tl.where(fin, tl.abs(se), 0.0), axis=1), axis=0)
-                    run_max = tl.where(g == gg, tl.maximum(run_max, mx), run_max)
-                    run_abs = tl.where(g == gg, tl.maximum(run_abs, sa), run_abs)
+                    kt = tl.load(shadow + kbase + koffs, mask=dm[None, :], other=0.0).to(tl.float32)
+                se = tl.sum(q[:, None, :] * kt[None, :, :], axis=2)  # [GP, N] exact-key scores
+                srow = ((rk * B + b) * G + g[:, None]) * N + n[None, :]
                 if CANARY:
+                    s8 = tl.load(scores + srow, mask=gm[:, None], other=0.0)
+                    dl = tl.load(delta + (rk * G + g) * B + b, mask=gm, other=0.0)
+                    allowed = (dl + 2.0 * r1) * (1.0 + 2.0**-10)
+                    diff = tl.abs(se - s8)
+                    viol = ((diff > allowed[:, None]) | ~(diff < float("inf"))) & gm[:, None]
+                    nviol = tl.sum(tl.sum(viol.to(tl.int32), axis=1), axis=0)
                     tl.atomic_max(canary + r, (nviol > 0).to(tl.int32))
+                tl.store(scores + srow, se, mask=kb[:, None])
+                run_max = tl.maximum(run_max, tl.where(kb, tl.max(se, axis=1), float("-inf")))
+                sa = tl.max(tl.where(tl.abs(se) < float("inf"), tl.abs(se), 0.0), axis=1)
+                run_abs = tl.maximum(run_abs, tl.where(kb, sa, 0.0))
     tl.store(smax + (rk * G + g) * S + split, run_max, mask=gm)
     tl.store(sabs + (rk * G + g) * S + split, run_abs, mask=gm)
 
@@ -316,14 +299,6 @@ def use_cuda_attend(geo: Phase2Geometry, device: torch.device) -> bool:
     return attend_cuda.supported(geo.layout, geo.group, tun.attend_warps, device)
 
 
-def promote_warps(group: int, blocks: int) -> int:
-    """Warps per promotion-pass program: 4 (8 past 4 query heads per KV head), doubled at 4 blocks per step, whose
-    [4, 16, D] key tile and scores need the registers of twice the threads (offline for sm_90 at G = 4, D = 128:
-    146 registers at 1 block and 4 warps, 191 at 2, 185 at 4 blocks and 8 warps, none spilled; 4 blocks on 4 warps
-    spill)."""
-    return (4 if group <= 4 else 8) * (2 if blocks >= 4 else 1)
-
-
 def promote(
     geo: Phase2Geometry,
     qs: torch.Tensor,
@@ -364,12 +339,11 @@ def promote(
     nslots = pool.shape[0] if use_pool else 0
     if stage is None:
         stage = pool  # placeholder: no slot reaches past the pool
-    nb = geo.tuning.promote_blocks
     _promote_kernel[(R * K, S)](
         qs, device_arg(shadow), tables, nfull, bits, active, scores, m8, delta, round1, canary, smax, sabs,
         pool, kslot, stage, nslots, geo.num_blocks, B, tables.stride(0), S, geo.blocks_per_split,
         H=K, G=G, GP=next_pow2(G), D=D, DP=next_pow2(D), M=geo.sub_blocks, CHANNEL_MAJOR=geo.channel_major,
-        CANARY=run_canary, PB=64, USE_POOL=use_pool, NB=nb, num_warps=promote_warps(G, nb),
+        CANARY=run_canary, PB=64, USE_POOL=use_pool, num_warps=4 if G <= 4 else 8,
     )  # fmt: skip
     return smax, sabs
 

@@ -10,10 +10,6 @@ configuration computes the same certified quantities (``tests/triton_kernels/tes
   phase-1 kernel takes one block per warp, the Triton one ``phase1_blk`` blocks in one batched dot).
 * ``attend_blk``, ``attend_warps``: blocks per loop iteration of the Triton attend kernel, and warps per CUDA
   block of the CUDA attend kernel (``attend_cuda``: 2, 4 or 8) / per program of the Triton one.
-* ``promote_blocks``: needed blocks the promotion pass loads and scores per step of a program (``phase2.promote``):
-  each block is a dependent chain of loads (bitmask, table, slot, page), so more of them per step keeps more pages
-  in flight where a program has many (the served workload promotes about a third of the blocks, the structured one
-  about 15 per row and KV head).
 * ``resident_maxnreg``: registers per thread of the Gluon resident pass at most (0: no cap). Uncapped it takes ~254
   (2 four-warp programs per SM); 168 or 128 admit 3 or 4 programs and spill 336 / 520 bytes (Triton 3.6, offline):
   which wins is the H200's to say (``benchmarks/probe_resident.py --tuning resident_maxnreg=168``).
@@ -45,7 +41,6 @@ _RULES = {
     "phase1_blk": (lambda x: _pow2(x) and x <= 64, "a power of two in [1, 64]"),
     "phase1_warps": (lambda x: _pow2(x) and x <= 32, "a power of two in [1, 32]"),
     "attend_blk": (lambda x: _pow2(x) and x <= 64, "a power of two in [1, 64]"),
-    "promote_blocks": (lambda x: _pow2(x) and x <= 4, "1, 2 or 4"),
     "attend_warps": (lambda x: _pow2(x) and x <= 32, "a power of two in [1, 32]"),
     "resident_warps": (lambda x: _pow2(x) and x <= 16, "a power of two in [1, 16]"),
     "resident_maxnreg": (lambda x: x == 0 or 24 <= x <= 255, "0 (no cap) or an integer in [24, 255]"),
@@ -63,7 +58,6 @@ class KernelTuning:
     phase1_warps: int = 4
     attend_blk: int = 4
     attend_warps: int = 4
-    promote_blocks: int = 1
     resident_warps: int = 4
     resident_maxnreg: int = 0
     prefetch_programs: int = 8

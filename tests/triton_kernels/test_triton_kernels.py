@@ -730,39 +730,6 @@ def test_promotion_cache_hits_are_bit_identical_to_no_cache(fraction, gen):
             assert st["bypass"] > 0  # 3 slots for 54 pages: conflicts, served from the shadow
 
 
-@_cuda_only
-def test_promote_blocks_per_step_reads_the_same_keys_from_every_source(gen):
-    """``KernelTuning.promote_blocks`` = 4 against 1 over a pool that holds some pages (hits), misses others (the
-    shadow) and, on the second call, a warm pool: the same rungs, promotions and bounds, and outputs equal (bit for
-    bit in the interpreter, whose sums over D are NumPy's in either tile shape; within float32 rounding of the
-    scores compiled, where the reduction tree may follow the tile)."""
-    from certvllm.triton_kernels.tuning import KernelTuning
-
-    from certvllm.attention.gpu import CudaOptions
-
-    cases = [make_case("sink_and_recency", t, 8, 2, 64, torch.float16, gen) for t in (261, 530)]
-    cache, tables, lens = paged_batch(cases)
-    tables, lens = tables.to(DEV), lens.to(DEV)
-    q = torch.stack([c.q for c in cases]).to(DEV)
-    cfg = load_config("default", promotion_cache_fraction=0.3)
-    results = []
-    for blocks in (1, 4):
-        dev_cache = _to_device(cache)
-        res = Residency.for_layer(dev_cache, cfg.promotion_cache_fraction)
-        opts = CudaOptions(tuning=KernelTuning(promote_blocks=blocks))
-        calls = [_call(dev_cache, q, tables, lens, cfg, res, cuda_options=opts) for _ in range(2)]
-        st = res.pool.take_stats()
-        assert st["hits"] > 0 and st["bypass"] + st["fills"] > 0, st
-        results.append(calls)
-    for one, four in zip(*results, strict=True):
-        for field in ("rung", "k_star", "v_promoted"):
-            assert torch.equal(getattr(one.report, field), getattr(four.report, field)), field
-        if not torch.cuda.is_available():
-            _assert_identical(one, four)
-        else:
-            torch.testing.assert_close(one.out, four.out, rtol=1e-5, atol=1e-5 * _vmax(cases))
-
-
 def test_rerun_slot_map_holds_exactly_the_current_copies(gen):
     """``rerun_inputs`` with a write-through pool: the re-run's slot map is the page id where the group is active,
     the block full and the slot's tag (page, generation) equal to (page, the block's current generation), else −1;
