@@ -80,6 +80,7 @@ class PrecompileReport:
     compilations: int = 0
     note: str = ""
     variants: frozenset[Variant] = frozenset()
+    backend: str = ""  # the children's ``jit_cache.backend_fingerprint`` (the first child's)
 
     def summary(self) -> str:
         """A clause of the warm-up's log line."""
@@ -138,7 +139,7 @@ def precompile(spec: LayerSpec, class_costs: list[int], n: int, timeout: float =
             files[0].write_text(json.dumps({"spec": asdict(spec), "classes": group}))
             with files[0].open() as job, files[1].open("w") as out, files[2].open("w") as err:
                 procs.append((subprocess.Popen(_command(), stdin=job, stdout=out, stderr=err), files))
-        compilations, failures, variants = 0, [], set()
+        compilations, failures, variants, backend = 0, [], set(), ""
         for k, (proc, (_, out, err)) in enumerate(procs):
             try:
                 proc.wait(timeout=max(0.1, timeout - (time.perf_counter() - start)))
@@ -155,19 +156,22 @@ def precompile(spec: LayerSpec, class_costs: list[int], n: int, timeout: float =
             result = json.loads(lines[-1])
             compilations += int(result["compilations"])
             variants.update(tuple(v) for v in result.get("variants", ()))
+            backend = backend or result.get("backend", "")
     note = ""
     if failures:
         note = f"{len(failures)} of {n} failed, the serial pass compiles their classes: " + "; ".join(failures)
         logger.warning("certvllm warm-up: %s", note)
-    return PrecompileReport(n, time.perf_counter() - start, compilations, note, frozenset(variants))
+    return PrecompileReport(n, time.perf_counter() - start, compilations, note, frozenset(variants), backend)
 
 
-def serial_misses(made: set[Variant], children: frozenset[Variant]) -> str:
+def serial_misses(made: set[Variant], children: frozenset[Variant], backend: str = "", theirs: str = "") -> str:
     """Why the serial pass compiled variants itself: ``made`` are the variants it added, ``children`` the children's;
     empty when the children had compiled every one of them (same key, same hash: a disk-cache load). Otherwise a
     sentence for the log: how many missed and, for the first few, whether a child compiled the same specialisation
     under another hash (the kernel's source, Triton's environment or the target differ between the processes) or
-    no child met that specialisation (then the nearest child key of the kernel and where the two first differ)."""
+    no child met that specialisation (then the nearest child key of the kernel and where the two first differ); and
+    ``backend`` (this process's ``jit_cache.backend_fingerprint``) against ``theirs`` (the children's) when they
+    differ."""
     hashes = {h for _, _, h in children}
     missed = sorted(v for v in made if v[2] not in hashes)
     if not missed:
@@ -188,6 +192,8 @@ def serial_misses(made: set[Variant], children: frozenset[Variant]) -> str:
         at = _common_prefix(near, key)
         details.append(f"{name}: keys differ at character {at}: this process ...{key[max(0, at - 40):at + 40]}... a "
                        f"child ...{near[max(0, at - 40):at + 40]}...")  # fmt: skip
+    if backend != theirs:
+        details.append(f"Triton's compiler differs: {backend or 'none'} here, {theirs or 'none'} in the children")
     return f"{len(missed)} of {len(made)} variants were compiled again after the children: " + "; ".join(details)
 
 
@@ -210,7 +216,7 @@ def _run(job: dict[str, Any]) -> dict[str, Any]:
     mine = [classes[i] for i in job["classes"]]
     report = run_classes(mine, spec.max_model_len, spec.describe(), lambda: spec.make_layer(config))
     return {"compilations": report.total_compilations, "seconds": report.total_seconds,
-            "variants": sorted(jit_cache.variant_keys())}  # fmt: skip
+            "variants": sorted(jit_cache.variant_keys()), "backend": jit_cache.backend_fingerprint()}  # fmt: skip
 
 
 def main() -> None:

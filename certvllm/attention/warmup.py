@@ -216,7 +216,8 @@ def warm_up(
         torch.cuda.set_rng_state(rng, dev)
     if pre is None:
         return report
-    misses = serial_misses(jit_cache.variant_keys() - before, pre.variants) if pre.variants else ""
+    made = jit_cache.variant_keys() - before
+    misses = serial_misses(made, pre.variants, jit_cache.backend_fingerprint(), pre.backend) if pre.variants else ""
     if misses:
         logger.warning("certvllm warm-up: %s", misses)
     return replace(report, precompile=pre, total_seconds=report.total_seconds + pre.seconds, misses=misses)

@@ -70,7 +70,7 @@ def test_children_run_the_warm_up_calls_of_their_classes():
     report = precompile(spec, costs, 2)
     assert report.workers == 2 and report.note == "", report.note
     assert report.compilations == 0  # the interpreter compiles nothing
-    assert report.variants == frozenset()
+    assert report.variants == frozenset() and report.backend == ""  # no GPU backend under the interpreter
     assert "2 processes compiled 0 variants" in report.summary()
 
 
@@ -116,6 +116,10 @@ def test_serial_misses_names_what_the_children_did_not_leave():
     assert "num_warps=4" in text and "num_warps=8" in text
     unknown = {("encode._encode_pages_kernel", "()", "ee55")}
     assert "encode._encode_pages_kernel: no child compiled this kernel" in pc.serial_misses(unknown, kid)
+    here, there = "backend 13.0-90 TRITON_PTXAS_PATH=/torch/bin/ptxas", "backend 12.8-90"
+    text = pc.serial_misses(rehashed, kid, here, there)
+    assert f"Triton's compiler differs: {here} here, {there} in the children" in text
+    assert "differs" not in pc.serial_misses(rehashed, kid, here, here)
 
 
 @pytest.mark.gpu
@@ -141,6 +145,7 @@ def test_children_compile_what_the_serial_pass_then_loads(tmp_path, monkeypatch)
             print(report.summary())
             assert report.note == "" and report.compilations > 0, report.summary()
             assert report.variants, "the children list the variants they compiled"
+            assert report.backend and report.backend == jit_cache.backend_fingerprint()
             before = set(folder.iterdir())
         mine = jit_cache.variant_keys()
         serial = run_classes(classes, max_len, "LLaMA", lambda: SyntheticLayer(hq, hkv, d, torch.bfloat16, cfg, "cuda"))
