@@ -20,8 +20,10 @@ Programs of an (row, KV head) group whose ``active`` flag is 0 do nothing and wr
 are left as allocated): the exact-only re-run used for rungs 3/4 on the device sets it for the escalated
 groups only, and reads back only those.
 
-The promotion pass scans the bitmasks ``PB`` blocks at a time and then visits the tile's needed blocks only,
-taken in ascending order from the tile's registers. The attend pass takes ``BLK`` blocks per iteration ([BLK, 16, ·] tiles, the tokens of a
+The promotion pass scans the bitmasks ``PB`` blocks at a time, listing each split's needed blocks in ascending order
+(a scratch list per program), then visits the listed blocks only, in a loop whose loads Triton software-pipelines
+(``KernelTuning.promote_stages``: from 2 stages the next blocks' key pages are in flight as ``cp.async`` copies while
+a block is scored). The attend pass takes ``BLK`` blocks per iteration ([BLK, 16, ·] tiles, the tokens of a
 block in registers); on CUDA Hopper its CUDA C++ version (``attend_cuda``: ``cp.async`` page streaming, the same
 sums and bounds) runs where it builds and supports the shape, otherwise this Triton kernel.
 """
@@ -70,12 +72,14 @@ def _promote_kernel(
     kslot,  # [R, H_kv, B] int32 pool slot of each needed key page, −1: read the shadow (USE_POOL only)
     stage,  # [Q, N, D] prefetched key pages (device): slot nslots + i reads stage[i] (USE_POOL only)
     nslots,  # pool slots: kslot values ≥ nslots index the staging pages
+    needed,  # scratch [R·H_kv·S, BPS] int32: the split's needed blocks, listed by the scan
     num_blocks, B, TB_STRIDE, S, BPS,  # the split-K arguments (``common``)
     H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, M: tl.constexpr,
     CHANNEL_MAJOR: tl.constexpr,  # shadow keys stored [D, m·N] (the CPU layout)
     CANARY: tl.constexpr,  # run the canary (loads keys of value-only promoted blocks too)
     PB: tl.constexpr,  # blocks per tile of the bitmask scan
     USE_POOL: tl.constexpr,  # read key pages from the promotion cache where kslot ≥ 0
+    NS: tl.constexpr,  # pipeline stages of the needed blocks' loop
 ):  # fmt: skip
     N: tl.constexpr = 16
     rk, split, r, h = split_program(H)
@@ -94,6 +98,8 @@ def _promote_kernel(
     key_bits = (1 << G) - 1
     tl.static_assert(PB <= 64, "PB: a tile's needed blocks are the bits of one int64")
     jt = tl.arange(0, PB)
+    listed = needed + (rk * S + split) * BPS
+    count = 0
     for t in range(0, n_tiles):
         # PB blocks at once: bitmasks and INT8 block maxima (the common case: nothing promoted)
         it = t * PB + jt
@@ -107,53 +113,43 @@ def _promote_kernel(
             need_t = bbt != 0
         else:
             need_t = (bbt & key_bits) != 0
-        n_need = tl.sum(need_t.to(tl.int32), axis=0)
-        if n_need > 0:
-            # only the tile's needed blocks, in ascending order: bit j of `rem` marks position j (PB ≤ 64; the bits
-            # are distinct, so their sum is their OR), and each step takes the lowest set bit, its position read
-            # from the exponent of its exact float64 value (a scan of all PB positions would visit every block)
-            rem = tl.sum(tl.where(need_t, tl.full([PB], 1, tl.int64) << jt.to(tl.int64), 0), axis=0)
-            for _k in range(0, n_need):
-                low = rem & -rem
-                rem = rem ^ low
-                j = (((low.to(tl.float64).to(tl.int64, bitcast=True) >> 52) & 0x7FF) - 1023).to(tl.int32)
-                b = split * BPS + t * PB + j
-                bb = tl.load(bits + rk * B + b)
-                kb = (((bb >> g) & 1) != 0) & gm
-                bid = tl.load(tables + r * TB_STRIDE + b)
-                bid = tl.minimum(tl.maximum(bid, 0), num_blocks - 1)
-                kbase = (((bid // M) * H + h) * 2) * (M * N * D)
-                if CHANNEL_MAJOR:
-                    koffs = d[None, :] * (M * N) + (bid % M) * N + n[:, None]
-                else:
-                    koffs = ((bid % M) * N + n[:, None]) * D + d[None, :]
-                if USE_POOL:
-                    ks = tl.load(kslot + rk * B + b).to(tl.int64)
-                    if ks >= 0:  # the promotion cache or the step prefetch holds it (the shadow's bytes)
-                        if ks >= nslots:
-                            src = stage + (ks - nslots) * (N * D)
-                        else:
-                            src = pool + ks * (N * D)
-                        kt = tl.load(src + n[:, None] * D + d[None, :], mask=dm[None, :],
-                                     other=0.0).to(tl.float32)  # fmt: skip
-                    else:
-                        kt = tl.load(shadow + kbase + koffs, mask=dm[None, :], other=0.0).to(tl.float32)
-                else:
-                    kt = tl.load(shadow + kbase + koffs, mask=dm[None, :], other=0.0).to(tl.float32)
-                se = tl.sum(q[:, None, :] * kt[None, :, :], axis=2)  # [GP, N] exact-key scores
-                srow = ((rk * B + b) * G + g[:, None]) * N + n[None, :]
-                if CANARY:
-                    s8 = tl.load(scores + srow, mask=gm[:, None], other=0.0)
-                    dl = tl.load(delta + (rk * G + g) * B + b, mask=gm, other=0.0)
-                    allowed = (dl + 2.0 * r1) * (1.0 + 2.0**-10)
-                    diff = tl.abs(se - s8)
-                    viol = ((diff > allowed[:, None]) | ~(diff < float("inf"))) & gm[:, None]
-                    nviol = tl.sum(tl.sum(viol.to(tl.int32), axis=1), axis=0)
-                    tl.atomic_max(canary + r, (nviol > 0).to(tl.int32))
-                tl.store(scores + srow, se, mask=kb[:, None])
-                run_max = tl.maximum(run_max, tl.where(kb, tl.max(se, axis=1), float("-inf")))
-                sa = tl.max(tl.where(tl.abs(se) < float("inf"), tl.abs(se), 0.0), axis=1)
-                run_abs = tl.maximum(run_abs, tl.where(kb, sa, 0.0))
+        # list the tile's needed blocks (their in-split positions, ascending) after the earlier tiles'
+        slot = tl.cumsum(need_t.to(tl.int32), axis=0) - 1
+        tl.store(listed + count + slot, it, mask=need_t)
+        count += tl.sum(need_t.to(tl.int32), axis=0)
+    tl.debug_barrier()  # the list written by this program's threads is read by all of them
+    # the needed blocks, one per iteration, their loads pipelined: the list entry, then the block's bitmask word,
+    # table entry and slot, then its key page (pool, staging or shadow: one load through a selected base)
+    for i in tl.range(0, count, num_stages=NS):
+        b = split * BPS + tl.load(listed + i)
+        bb = tl.load(bits + rk * B + b)
+        kb = (((bb >> g) & 1) != 0) & gm
+        bid = tl.load(tables + r * TB_STRIDE + b)
+        bid = tl.minimum(tl.maximum(bid, 0), num_blocks - 1)
+        kbase = (((bid // M) * H + h) * 2) * (M * N * D) + (bid % M) * N * (1 if CHANNEL_MAJOR else D)
+        src = shadow + kbase
+        sn = 1 if CHANNEL_MAJOR else D
+        sd = M * N if CHANNEL_MAJOR else 1
+        if USE_POOL:
+            ks = tl.load(kslot + rk * B + b).to(tl.int64)
+            src = tl.where(ks >= nslots, stage + (ks - nslots) * (N * D), tl.where(ks >= 0, pool + ks * (N * D), src))
+            sn = tl.where(ks >= 0, D, sn)
+            sd = tl.where(ks >= 0, 1, sd)
+        kt = tl.load(src + n[:, None] * sn + d[None, :] * sd, mask=dm[None, :], other=0.0).to(tl.float32)
+        se = tl.sum(q[:, None, :] * kt[None, :, :], axis=2)  # [GP, N] exact-key scores
+        srow = ((rk * B + b) * G + g[:, None]) * N + n[None, :]
+        if CANARY:
+            s8 = tl.load(scores + srow, mask=gm[:, None], other=0.0)
+            dl = tl.load(delta + (rk * G + g) * B + b, mask=gm, other=0.0)
+            allowed = (dl + 2.0 * r1) * (1.0 + 2.0**-10)
+            diff = tl.abs(se - s8)
+            viol = ((diff > allowed[:, None]) | ~(diff < float("inf"))) & gm[:, None]
+            nviol = tl.sum(tl.sum(viol.to(tl.int32), axis=1), axis=0)
+            tl.atomic_max(canary + r, (nviol > 0).to(tl.int32))
+        tl.store(scores + srow, se, mask=kb[:, None])
+        run_max = tl.maximum(run_max, tl.where(kb, tl.max(se, axis=1), float("-inf")))
+        sa = tl.max(tl.where(tl.abs(se) < float("inf"), tl.abs(se), 0.0), axis=1)
+        run_abs = tl.maximum(run_abs, tl.where(kb, sa, 0.0))
     tl.store(smax + (rk * G + g) * S + split, run_max, mask=gm)
     tl.store(sabs + (rk * G + g) * S + split, run_abs, mask=gm)
 
@@ -339,11 +335,12 @@ def promote(
     nslots = pool.shape[0] if use_pool else 0
     if stage is None:
         stage = pool  # placeholder: no slot reaches past the pool
+    needed = torch.empty(R * K * S * geo.blocks_per_split, dtype=torch.int32, device=qs.device)  # the scan's lists
     _promote_kernel[(R * K, S)](
         qs, device_arg(shadow), tables, nfull, bits, active, scores, m8, delta, round1, canary, smax, sabs,
-        pool, kslot, stage, nslots, geo.num_blocks, B, tables.stride(0), S, geo.blocks_per_split,
+        pool, kslot, stage, nslots, needed, geo.num_blocks, B, tables.stride(0), S, geo.blocks_per_split,
         H=K, G=G, GP=next_pow2(G), D=D, DP=next_pow2(D), M=geo.sub_blocks, CHANNEL_MAJOR=geo.channel_major,
-        CANARY=run_canary, PB=64, USE_POOL=use_pool, num_warps=4 if G <= 4 else 8,
+        CANARY=run_canary, PB=64, USE_POOL=use_pool, NS=geo.tuning.promote_stages, num_warps=4 if G <= 4 else 8,
     )  # fmt: skip
     return smax, sabs
 
