@@ -22,15 +22,34 @@ def _gather_pages_kernel(
     out,  # [n, 2, N, D] output (same dtype), device
     block_ids,  # [n] int64 16-token block ids
     heads,  # [n] int64 KV heads
+    keys,  # [P, N, D] a write-through pool's key pages, slot = page = block·H + head (POOL only)
+    tag,  # [P] int64 page held by each slot, −1 empty (POOL only)
+    tag_gen,  # [P] int64 the generation it was written under (POOL only)
+    generation,  # [num_blocks] int64 current write generation per 16-token block (POOL only)
     H: tl.constexpr,  # KV heads of the shadow
     M: tl.constexpr,  # 16-token blocks per engine block (m)
     D: tl.constexpr,  # head dim
     DP: tl.constexpr,  # next power of two ≥ D
     CHANNEL_MAJOR: tl.constexpr,  # keys stored [D, m*N] per (engine block, head)
+    POOL: tl.constexpr,  # keys from the pool where its slot holds the page's current copy
 ):
     item = tl.program_id(0)
     kv = tl.program_id(1)  # 0 keys, 1 values
-    x = load_shadow_tile(src, tl.load(block_ids + item), tl.load(heads + item), kv, H, M, D, DP, CHANNEL_MAJOR)
+    bid = tl.load(block_ids + item)
+    h = tl.load(heads + item)
+    if POOL:
+        # keys whose slot holds (page, the block's current generation): the same tag rule as the pool's lookups
+        # (docs/certification.md §5.1); they are the shadow's bytes, in device memory, so nothing crosses PCIe
+        page = bid * H + h
+        held = (kv == 0) & (tl.load(tag + page) == page) & (tl.load(tag_gen + page) == tl.load(generation + bid))
+        if held:
+            t = tl.arange(0, 16)
+            d = tl.arange(0, DP)
+            x = tl.load(keys + page * (16 * D) + t[:, None] * D + d[None, :], mask=d[None, :] < D, other=0.0)
+        else:
+            x = load_shadow_tile(src, bid, h, kv, H, M, D, DP, CHANNEL_MAJOR)
+    else:
+        x = load_shadow_tile(src, bid, h, kv, H, M, D, DP, CHANNEL_MAJOR)
     store_page_tile(out + (item * 2 + kv) * (16 * D), x, D, DP)
 
 
@@ -41,6 +60,7 @@ def gather_pages(
     device: torch.device,
     channel_major: bool = False,
     out: torch.Tensor | None = None,
+    direct: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Originals of (block, KV head) pages: ``[n, 2, N, D]`` in the shadow dtype on ``device``.
 
@@ -50,6 +70,9 @@ def gather_pages(
         device: where the result goes (and where the kernel runs).
         channel_major: keys are stored ``[D, m·N]`` per (engine block, head).
         out: optional ``[n, 2, N, D]`` destination.
+        direct: a write-through pool's ``(keys, tag, tag_gen, generation)``
+            (``PromotionCache.direct_keys``): the keys of a page its slot holds under the block's current
+            generation are read from it (the shadow's bytes, in device memory), the rest from the shadow.
     """
     e, h, _, mn, d = shadow.shape
     n = block_ids.numel()
@@ -58,9 +81,10 @@ def gather_pages(
     if n == 0:
         return out
     launch_device_ok(out)
+    keys, tag, tag_gen, generation = direct if direct is not None else (out, block_ids, block_ids, block_ids)
     _gather_pages_kernel[(n, 2)](
-        device_arg(shadow), out, block_ids, heads,
-        H=h, M=mn // 16, D=d, DP=next_pow2(d), CHANNEL_MAJOR=channel_major, num_warps=4,
+        device_arg(shadow), out, block_ids, heads, keys, tag, tag_gen, generation,
+        H=h, M=mn // 16, D=d, DP=next_pow2(d), CHANNEL_MAJOR=channel_major, POOL=direct is not None, num_warps=4,
     )  # fmt: skip
     return out
 

@@ -13,7 +13,7 @@ import torch
 
 from certvllm.attention import dense_backend
 from certvllm.kv.cache import LayerKVCache
-from certvllm.kv.pagein import PageInEngine
+from certvllm.kv.pagein import DirectKeys, PageInEngine
 
 
 def dense_decode(
@@ -32,12 +32,14 @@ def dense_decode(
 
 
 def gather_row_kv(
-    cache: LayerKVCache, block_table: torch.Tensor, seq_len: int, pagein: PageInEngine
+    cache: LayerKVCache, block_table: torch.Tensor, seq_len: int, pagein: PageInEngine, direct: DirectKeys | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The originals of one row's first ``seq_len`` tokens from the shadow: ``[T, H_kv, D]`` each."""
+    """The originals of one row's first ``seq_len`` tokens from the shadow: ``[T, H_kv, D]`` each; with ``direct``
+    (a write-through pool's keys, ``PromotionCache.direct_keys``) a device engine reads the current keys it holds
+    from device memory instead (the same bytes)."""
     n = cache.layout.block_size
     nblocks = -(-seq_len // n)
-    blocks = pagein.gather_blocks(cache, block_table[:nblocks].long())  # (b, H_kv, 2, N, D)
+    blocks = pagein.gather_blocks(cache, block_table[:nblocks].long(), direct)  # (b, H_kv, 2, N, D)
     kv = blocks.permute(2, 0, 3, 1, 4).reshape(2, nblocks * n, cache.num_kv_heads, -1)
     return kv[0, :seq_len], kv[1, :seq_len]
 

@@ -158,6 +158,15 @@ class SyntheticLayer:
             self.prefetcher.begin_step()
         return self._op(*self._inputs(lens), layer, None, self.direct if write_through else None)
 
+    def gather_cached_context(self) -> torch.Tensor:
+        """The exact prefill's gather of a cached context's originals (``attention.dense.gather_row_kv``) through
+        :attr:`direct`'s write-through pool, as the vLLM backend makes it where its layers have one (keys from the
+        pool where current, the rest from the shadow): compiles that variant of the gather. Needs :attr:`direct`."""
+        if self.direct is None:
+            raise ValueError("gather_cached_context needs the write-through pool of a config with a two-pass pool")
+        ids = torch.arange(self.cache.num_blocks, device=self.device)
+        return self.pagein.gather_blocks(self.cache, ids, self.direct.pool.direct_keys())
+
     def audited_call(self, lens: Sequence[int]) -> int:
         """:meth:`call` with every head-step audited (``certvllm.attention.audit`` at rate 1: on CUDA the device
         checks, ``triton_kernels.audit_check``), the checks read back; returns the violations (0 on these pages)."""

@@ -10,7 +10,8 @@ classes of the widths up to ``max_model_len`` — at most 15 — and :func:`warm
 :class:`~certvllm.attention.synthetic.SyntheticLayer`, whose block tables repeat a few real encoded blocks.
 That reaches every kernel of a layer call (phase 1, prepare, select, the pool lookup, the step prefetch's
 serve, snapshot and staging, the promotion and attend passes with their device re-run, finalize, combine)
-plus the write kernel and the page-in gather; with audits on (``audit_rate`` > 0), one audited call compiles the
+plus the write kernel and the page-in gather (and, where the config has a pool, its variant that reads a
+write-through pool's keys, the exact prefill's); with audits on (``audit_rate`` > 0), one audited call compiles the
 audit's device checks. No batch class remains: the batch size only sizes grids and
 tensors, so one row per class is enough.
 
@@ -257,6 +258,13 @@ def _run_classes(
             raise WarmupError(msg) from err
         seconds.append(time.perf_counter() - t0)
         counts.append(jit_cache.compilations() - c0)
+    if layer.direct is not None:  # the exact prefill's gather through a write-through pool: no shape in its key
+        try:
+            layer.gather_cached_context()
+            _sync(layer.device)
+        except Exception as err:
+            raise WarmupError(f"certvllm warm-up ({what}) failed at the cached-context gather: "
+                              f"{type(err).__name__}: {err}") from err  # fmt: skip
     if layer.config.audit_rate > 0:  # the audit's device checks: no shape in their compile key, one call compiles them
         try:
             violations = layer.audited_call([BLOCK_SIZE + 1])

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from certvllm.kv.deferred import DeferredRead, DeferredStats, ReadBatch
-from certvllm.kv.pagein import PageInEngine, PageInStats
+from certvllm.kv.pagein import DirectKeys, PageInEngine, PageInStats
 
 if TYPE_CHECKING:
     from certvllm.kv.cache import LayerKVCache
@@ -89,10 +89,12 @@ def unregister(cache: LayerKVCache) -> None:
     _unregister_ptr(cache.shadow.data_ptr())
 
 
-def _gather(cache: LayerKVCache, ids: torch.Tensor, heads: torch.Tensor, device: torch.device) -> torch.Tensor:
+def _gather(cache: LayerKVCache, ids: torch.Tensor, heads: torch.Tensor, device: torch.device,
+            direct: DirectKeys | None = None) -> torch.Tensor:  # fmt: skip
     from certvllm.triton_kernels.gather import gather_pages
 
-    return gather_pages(ensure_device_readable(cache), ids, heads, device, channel_major=cache.keys_channel_major)
+    return gather_pages(ensure_device_readable(cache), ids, heads, device, channel_major=cache.keys_channel_major,
+                        direct=direct)  # fmt: skip
 
 
 class CudaPageInEngine(PageInEngine):
@@ -109,12 +111,13 @@ class CudaPageInEngine(PageInEngine):
         self._device_counts: torch.Tensor | None = None  # [3] int64: key blocks, value blocks, bytes
 
     # -- gathers ---------------------------------------------------------------------------------
-    def _run(self, cache: LayerKVCache, ids: torch.Tensor, heads: torch.Tensor) -> tuple[torch.Tensor, object]:
+    def _run(self, cache: LayerKVCache, ids: torch.Tensor, heads: torch.Tensor,
+             direct: DirectKeys | None = None) -> tuple[torch.Tensor, object]:  # fmt: skip
         start = time.perf_counter()
         ids = ids.to(self.device, torch.int64, non_blocking=True)
         heads = heads.to(self.device, torch.int64, non_blocking=True)
         if self._stream is None or torch.cuda.is_current_stream_capturing():
-            out = _gather(cache, ids, heads, self.device)
+            out = _gather(cache, ids, heads, self.device, direct)
             event = None
         else:
             main = torch.cuda.current_stream(self.device)
@@ -125,7 +128,7 @@ class CudaPageInEngine(PageInEngine):
             ids.record_stream(self._stream)
             heads.record_stream(self._stream)
             with torch.cuda.stream(self._stream):
-                out = _gather(cache, ids, heads, self.device)
+                out = _gather(cache, ids, heads, self.device, direct)
                 event = torch.cuda.Event()
                 event.record(self._stream)
             out.record_stream(main)
@@ -145,12 +148,13 @@ class CudaPageInEngine(PageInEngine):
         """:meth:`gather_kv` without waiting: ``([n, 2, N, D], event)``."""
         return self._run(cache, block_ids.reshape(-1), kv_heads.reshape(-1))
 
-    def gather_blocks_async(self, cache: LayerKVCache, block_ids: torch.Tensor) -> tuple[torch.Tensor, object]:
+    def gather_blocks_async(self, cache: LayerKVCache, block_ids: torch.Tensor,
+                            direct: DirectKeys | None = None) -> tuple[torch.Tensor, object]:  # fmt: skip
         """:meth:`gather_blocks` without waiting: ``([n, H_kv, 2, N, D], event)``."""
         h = cache.num_kv_heads
         ids = block_ids.reshape(-1).to(self.device, torch.int64, non_blocking=True)
         heads = torch.arange(h, device=self.device).repeat(ids.numel())
-        out, event = self._run(cache, ids.repeat_interleave(h), heads)
+        out, event = self._run(cache, ids.repeat_interleave(h), heads, direct)
         return out.view(ids.numel(), h, 2, cache.layout.block_size, cache.layout.head_dim), event
 
     def gather_kv(self, cache: LayerKVCache, block_ids: torch.Tensor, kv_heads: torch.Tensor) -> torch.Tensor:
@@ -158,8 +162,12 @@ class CudaPageInEngine(PageInEngine):
         self.wait(event)
         return out
 
-    def gather_blocks(self, cache: LayerKVCache, block_ids: torch.Tensor) -> torch.Tensor:
-        out, event = self.gather_blocks_async(cache, block_ids)
+    def gather_blocks(
+        self, cache: LayerKVCache, block_ids: torch.Tensor, direct: DirectKeys | None = None
+    ) -> torch.Tensor:
+        """The base class's, with ``direct``'s current keys read from device memory (the bytes counted are the
+        whole pages' all the same: the exact prefill that passes ``direct`` runs uncounted)."""
+        out, event = self.gather_blocks_async(cache, block_ids, direct)
         self.wait(event)
         return out
 

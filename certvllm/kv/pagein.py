@@ -24,6 +24,9 @@ if TYPE_CHECKING:
 
     from certvllm.kv.cache import LayerKVCache
 
+DirectKeys = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+"""A write-through pool's ``(keys, tag, tag_gen, generation)`` (``PromotionCache.direct_keys``)."""
+
 
 class PageInError(RuntimeError):
     """A page-in from the host shadow tier failed: its copy could not be allocated (host memory exhausted) or the
@@ -83,8 +86,12 @@ class PageInEngine:
         self._count(out, start)
         return out
 
-    def gather_blocks(self, cache: LayerKVCache, block_ids: torch.Tensor) -> torch.Tensor:
-        """Whole blocks (all KV heads, keys and values): ``[m, H_kv, 2, N, D]`` on ``self.device``."""
+    def gather_blocks(
+        self, cache: LayerKVCache, block_ids: torch.Tensor, direct: DirectKeys | None = None
+    ) -> torch.Tensor:
+        """Whole blocks (all KV heads, keys and values): ``[m, H_kv, 2, N, D]`` on ``self.device``. ``direct``: a
+        write-through pool's keys (``PromotionCache.direct_keys``), which a device engine reads instead of the
+        shadow where they are current (the same bytes); this host engine reads the shadow."""
         start = time.perf_counter()
         out = self._read(lambda: cache.shadow_blocks(block_ids))
         self._count(out, start)

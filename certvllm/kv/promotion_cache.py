@@ -136,6 +136,12 @@ class PromotionCache:
         else None."""
         return (self.pool, self.tag, self.tag_gen) if self.write_through else None
 
+    def direct_keys(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """``(keys, tag, tag_gen, generation)`` for gathers that may read a page's keys from this pool instead of
+        the shadow (``triton_kernels.gather.gather_pages``): only a write-through pool, whose slot of page e is e;
+        None otherwise."""
+        return (self.pool, self.tag, self.tag_gen, self.generation) if self.write_through else None
+
     # -- the per-call lookup -------------------------------------------------------------------------
     def slots_of(self, page: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The two slots page ``e`` may occupy: ``e mod slots`` and a multiplicative hash of ``e`` (exact in

@@ -433,16 +433,19 @@ class CertifiedAttentionImpl(AttentionImpl[CertifiedMetadata]):
             # context over PCIe
             k_new = key.view(-1, self.num_kv_heads, self.head_size)
             v_new = value.view(-1, self.num_kv_heads, self.head_size)
+            pool = state.residency.pool
+            direct = pool.direct_keys() if pool is not None else None  # cached keys in VRAM: only values over PCIe
             with pagein.uncounted():  # exact traffic is not exported; the step's certified counts are kept
                 if meta.exact_all:
                     n = meta.num_actual_tokens
-                    exact.run(meta.exact_plan, q[:n], cache, out[:n], pagein, fresh=(k_new[:n], v_new[:n]))
+                    exact.run(meta.exact_plan, q[:n], cache, out[:n], pagein, fresh=(k_new[:n], v_new[:n]),
+                              direct=direct)  # fmt: skip
                 else:
                     idx = meta.exact_tokens.to(q.device)
                     part = torch.empty(idx.numel(), self.num_heads, self.head_size, dtype=out.dtype,
                                        device=out.device)  # fmt: skip
                     exact.run(meta.exact_plan, q[idx].contiguous(), cache, part, pagein,
-                              fresh=(k_new[idx], v_new[idx]))  # fmt: skip
+                              fresh=(k_new[idx], v_new[idx]), direct=direct)  # fmt: skip
                     out[idx] = part
             if state.index == self.runtime.counting_layer:  # once per step: the model's first certified layer
                 for reason, count in meta.exact_counts.items():

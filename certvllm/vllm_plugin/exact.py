@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from certvllm.attention.dense import dense_decode, gather_row_kv
 from certvllm.kv.cache import LayerKVCache
-from certvllm.kv.pagein import PageInEngine
+from certvllm.kv.pagein import DirectKeys, PageInEngine
 
 logger = logging.getLogger("vllm.certvllm")  # under "vllm": shares vLLM's log handlers
 _UNRESOLVED = object()
@@ -98,12 +98,15 @@ class ExactAttention:
         return ExactPlan(qsl, lens, block_table, meta)
 
     def run(self, plan: ExactPlan, query: torch.Tensor, cache: LayerKVCache, out: torch.Tensor,
-            pagein: PageInEngine, fresh: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:  # fmt: skip
+            pagein: PageInEngine, fresh: tuple[torch.Tensor, torch.Tensor] | None = None,
+            direct: DirectKeys | None = None) -> None:  # fmt: skip
         """Write exact attention of ``query`` ``[T, H_q, D]`` into ``out`` ``[T, H_q, D]`` (same dtype).
 
         ``fresh``: this step's keys and values of the same tokens, ``[T, H_kv, D]`` each (what the write path
         just stored in the shadow). Off the CPU a prefill then reads only its cached context from the shadow,
-        and a prefill with no cached context reads nothing over PCIe."""
+        and a prefill with no cached context reads nothing over PCIe. ``direct``: the layer's write-through pool
+        (``PromotionCache.direct_keys``): off the CPU the cached context's keys it holds come from device memory
+        (the shadow's bytes), so only their values cross PCIe."""
         if self.on_cpu:
             from vllm import _custom_ops as ops
 
@@ -116,10 +119,11 @@ class ExactAttention:
                 scheduler_metadata=plan.scheduler_metadata, s_aux=None,
             )  # fmt: skip
             return
-        self._run_device(plan, query, cache, out, pagein, fresh)
+        self._run_device(plan, query, cache, out, pagein, fresh, direct)
 
     def _run_device(self, plan: ExactPlan, query: torch.Tensor, cache: LayerKVCache, out: torch.Tensor,
-                    pagein: PageInEngine, fresh: tuple[torch.Tensor, torch.Tensor] | None) -> None:  # fmt: skip
+                    pagein: PageInEngine, fresh: tuple[torch.Tensor, torch.Tensor] | None,
+                    direct: DirectKeys | None = None) -> None:  # fmt: skip
         """One-token requests: ``dense_decode`` on the row's originals (the kernel rung 3/4 use). Longer ones:
         keys/values = cached context from the shadow + this step's own, then one variable-length causal
         FlashAttention call (vLLM's kernel, in the model dtype, as ``auto`` computes prefill) or, where vLLM
@@ -139,7 +143,7 @@ class ExactAttention:
             table = (row.unsqueeze(-1) * sub + torch.arange(sub, device=row.device)).flatten()
             ctx = seq_len - (end - start)
             from_shadow = seq_len if fresh is None else ctx
-            k, v = gather_row_kv(cache, table, from_shadow, pagein) if from_shadow else (None, None)
+            k, v = gather_row_kv(cache, table, from_shadow, pagein, direct) if from_shadow else (None, None)
             if fresh is not None:
                 fk, fv = fresh[0][start:end], fresh[1][start:end]
                 k = fk if k is None else torch.cat((k.to(fk.device), fk))

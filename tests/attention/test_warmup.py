@@ -124,6 +124,9 @@ def test_kernels_compile_into_certvllm_s_own_triton_cache(tmp_path, monkeypatch)
         def call(self, lens, layer=0, *, begin_step=False, write_through=False):
             seen.append(os.environ.get("TRITON_CACHE_DIR"))
 
+        def gather_cached_context(self):
+            seen.append(os.environ.get("TRITON_CACHE_DIR"))
+
         def audited_call(self, lens):
             seen.append(os.environ.get("TRITON_CACHE_DIR"))
             return 0
@@ -136,8 +139,8 @@ def test_kernels_compile_into_certvllm_s_own_triton_cache(tmp_path, monkeypatch)
         run_classes(classes, 1000, "H_q=8, H_kv=2, D=64, float16", Recording)
     finally:
         env.environment.cache_clear()
-    # per class a call and one with a write-through pool, then the audited call
-    assert seen == [str(tmp_path / "ours")] * (2 * len(classes) + 1) and (tmp_path / "ours").is_dir()
+    # per class a call and one with a write-through pool, then the gather through that pool and the audited call
+    assert seen == [str(tmp_path / "ours")] * (2 * len(classes) + 2) and (tmp_path / "ours").is_dir()
     assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "vllm-per-config")
 
 
@@ -223,6 +226,9 @@ def test_no_new_compile_key_after_warm_up(monkeypatch, preset, overrides, glue_m
             layer.call(lens, i, begin_step=i == 0 and rng.random() < 0.7)
         if cfg.audit_rate > 0 and rng.random() < 0.3:  # the audit's device checks (outputs are garbage here: unread)
             layer.audited_call(lens)
+        if layer.direct is not None and rng.random() < 0.3:  # an exact prefill's cached context through the pool
+            layer.gather_cached_context()
+    assert (layer.direct is not None) == (cfg.promotion_cache_fraction > 0)  # naive: no pool
     new = keys.keys[True] - warm[True]
     assert not new, sorted({n for n, *_ in new})
     assert keys.keys[False] - warm[False]  # with Triton's default specialisation the same calls compile more
@@ -252,6 +258,8 @@ def test_no_compilation_after_warm_up_at_llama_shapes():
             layer.call(lens, i, begin_step=i == 0)
         if step % 4 == 0:  # the audit's device checks, at this step's longest row (a table as wide as it)
             assert layer.audited_call([longest]) == 0
+        if step % 5 == 0:  # an exact prefill's cached context through the write-through pool
+            layer.gather_cached_context()
     torch.cuda.synchronize()
     after = jit_cache.variants_by_kernel()
     assert after == before, {k: after[k] - before[k] for k in after if after[k] != before[k]}

@@ -206,6 +206,36 @@ def test_gather_and_in_place_encode_from_the_shadow(sub, channel_major, gen):
     assert_same_pages(cache.read_pages(ids.to(DEV)).cpu(), encode_pages(src[:, :, 0], src[:, :, 1], lay), lay)
 
 
+@pytest.mark.parametrize("sub,channel_major", [(1, False), (4, True)])
+def test_gather_reads_current_keys_from_a_write_through_pool(sub, channel_major, gen):
+    """``gather_blocks(..., direct)`` (the exact prefill's cached context): a page's keys come from the pool where
+    its slot holds (page, the block's current generation), from the shadow where the slot is empty, holds another
+    page or an older generation; values always from the shadow. The pool's bytes are made to differ from the
+    shadow's here (they are the same bytes in serving) so that the source of every page is visible."""
+    lay, H, d = PageLayout(64), 3, 64
+    E = 5
+    shadow = torch.randn(E, H, 2, sub * BLOCK_SIZE, d, generator=gen).bfloat16()
+    cache = LayerKVCache(torch.zeros(E, H, sub * lay.page_bytes, dtype=torch.uint8, device=DEV), shadow, lay,
+                         keys_channel_major=channel_major)  # fmt: skip
+    generation = torch.randint(0, 3, (E * sub,), generator=gen).to(DEV)
+    P = E * sub * H  # one slot per page: slot e holds page e
+    keys = torch.randn(P, BLOCK_SIZE, d, generator=gen).bfloat16().to(DEV)
+    pages = torch.arange(P)
+    state = torch.randint(0, 3, (P,), generator=gen)  # 0 held, 1 empty, 2 an older generation
+    tag = torch.where(state == 1, -1, pages).to(DEV)
+    tag_gen = generation.repeat_interleave(H) - (state == 2).to(torch.int64).to(DEV)
+    ids = torch.tensor([0, 3, E * sub - 2, E * sub - 1, 1])
+    eng = CudaPageInEngine(DEV)
+    got = eng.gather_blocks(cache, ids, (keys, tag, tag_gen, generation)).cpu()  # [n, H, 2, N, D]
+    want = cache.shadow_blocks(ids).clone()
+    page = ids[:, None] * H + torch.arange(H)[None, :]  # [n, H]
+    held = state[page] == 0
+    want[:, :, 0][held] = keys.cpu()[page[held]]
+    assert torch.equal(got, want)
+    assert bool(held.any()) and bool((~held).any())
+    assert torch.equal(eng.gather_blocks(cache, ids).cpu(), cache.shadow_blocks(ids))  # no pool: the shadow
+
+
 @pytest.mark.parametrize("sub", [1, _gpu_lane(2)])
 def test_device_write_path_equals_the_host_write_path(sub, gen):
     """``write_tokens_on_device`` (device stores into the shadow, generations, the completed blocks encoded)
