@@ -97,6 +97,16 @@ def scoped(name: str, value: str) -> Iterator[None]:
 TRITON_CACHE_DIR = "TRITON_CACHE_DIR"
 
 
+TRITON_TOOL_PATHS = ("TRITON_PTXAS_PATH", "TRITON_LIBDEVICE_PATH")
+"""Triton's tool paths that change what it compiles with; torch's inductor sets both on its first compile."""
+
+
+def triton_tool_paths() -> str:
+    """The Triton tool paths set in this process's environment now, as ``NAME=value`` words (read at each call:
+    they may be set after startup)."""
+    return " ".join(f"{name}={os.environ[name]}" for name in TRITON_TOOL_PATHS if name in os.environ)
+
+
 @contextlib.contextmanager
 def triton_cache_scope() -> Iterator[Path]:
     """Compile certvllm's Triton kernels into certvllm's own disk cache for the duration of the block.

@@ -86,30 +86,23 @@ Variant = tuple[str, str, str]
 specialisation and options as a string, the hash names the variant's entry in Triton's disk cache."""
 
 
-def backend_fingerprint() -> str:
-    """What of Triton's compiler outside a kernel enters every compile hash in this process: the backend's hash
-    (for CUDA the ``ptxas`` version, which Triton reads once per process, and the target) and the tool paths set
-    in the environment (torch's inductor points ``TRITON_PTXAS_PATH`` at torch's own ``ptxas`` the first time it
-    compiles). Empty where no GPU backend is active (the interpreter)."""
-    import os
-
+def backend_hash() -> str:
+    """The hash of Triton's compiler backend for the current device, which enters every compile hash: for CUDA the
+    ``ptxas`` version (read once per process) and the target. Empty where no GPU backend is active (the
+    interpreter)."""
     try:
         from triton.compiler.compiler import make_backend
         from triton.runtime.driver import driver
 
-        backend = make_backend(driver.active.get_current_target()).hash()
+        return str(make_backend(driver.active.get_current_target()).hash())
     except Exception:  # noqa: BLE001 - no active GPU driver: nothing is compiled, nothing to compare
         return ""
-    paths = [
-        f"{name}={os.environ[name]}" for name in ("TRITON_PTXAS_PATH", "TRITON_LIBDEVICE_PATH") if name in os.environ
-    ]
-    return " ".join([f"backend {backend}", *paths])
 
 
 def variant_keys() -> set[Variant]:
     """Every compiled variant of certvllm's kernels in this process (empty under the interpreter). Two processes
     that compiled the same variant list the same key and hash; the same key with another hash means the kernel's
-    source, Triton's cache-relevant environment or the target differ between them."""
+    source, Triton's cache-relevant environment or the target differ between them (:func:`backend_hash`)."""
     found: set[Variant] = set()
     for name, kernel in kernels().items():
         caches = getattr(kernel, "device_caches", None)

@@ -31,6 +31,8 @@ import torch
 
 from certvllm.attention.synthetic import SyntheticLayer
 from certvllm.config import CertConfig
+from certvllm.env import triton_tool_paths
+from certvllm.triton_kernels import jit_cache
 from certvllm.triton_kernels.jit_cache import Variant
 
 logger = logging.getLogger("vllm.certvllm")
@@ -80,7 +82,7 @@ class PrecompileReport:
     compilations: int = 0
     note: str = ""
     variants: frozenset[Variant] = frozenset()
-    backend: str = ""  # the children's ``jit_cache.backend_fingerprint`` (the first child's)
+    backend: str = ""  # the children's :func:`compiler_fingerprint` (the first child's)
 
     def summary(self) -> str:
         """A clause of the warm-up's log line."""
@@ -170,7 +172,7 @@ def serial_misses(made: set[Variant], children: frozenset[Variant], backend: str
     sentence for the log: how many missed and, for the first few, whether a child compiled the same specialisation
     under another hash (the kernel's source, Triton's environment or the target differ between the processes) or
     no child met that specialisation (then the nearest child key of the kernel and where the two first differ); and
-    ``backend`` (this process's ``jit_cache.backend_fingerprint``) against ``theirs`` (the children's) when they
+    ``backend`` (this process's :func:`compiler_fingerprint`) against ``theirs`` (the children's) when they
     differ."""
     hashes = {h for _, _, h in children}
     missed = sorted(v for v in made if v[2] not in hashes)
@@ -184,17 +186,25 @@ def serial_misses(made: set[Variant], children: frozenset[Variant], backend: str
             details.append(f"{name}: the same key under hash {h[:12]} here, {theirs_hash} in a child (the kernel's "
                            "source, Triton's environment or the target differ)")  # fmt: skip
             continue
-        theirs = [k for n, k, _ in children if n == name]
-        if not theirs:
+        their_keys = [k for n, k, _ in children if n == name]
+        if not their_keys:
             details.append(f"{name}: no child compiled this kernel")
             continue
-        near = max(theirs, key=lambda k: _common_prefix(k, key))
+        near = max(their_keys, key=lambda k: _common_prefix(k, key))
         at = _common_prefix(near, key)
         details.append(f"{name}: keys differ at character {at}: this process ...{key[max(0, at - 40):at + 40]}... a "
                        f"child ...{near[max(0, at - 40):at + 40]}...")  # fmt: skip
     if backend != theirs:
         details.append(f"Triton's compiler differs: {backend or 'none'} here, {theirs or 'none'} in the children")
     return f"{len(missed)} of {len(made)} variants were compiled again after the children: " + "; ".join(details)
+
+
+def compiler_fingerprint() -> str:
+    """What of Triton outside a kernel enters every compile hash in this process: its backend's hash (the ``ptxas``
+    version, read once per process, and the target) and the tool paths set in the environment. Empty where no GPU
+    backend is active (the interpreter)."""
+    backend = jit_cache.backend_hash()
+    return " ".join(w for w in (f"backend {backend}", triton_tool_paths()) if w) if backend else ""
 
 
 def _common_prefix(a: str, b: str) -> int:
@@ -204,7 +214,6 @@ def _common_prefix(a: str, b: str) -> int:
 def _run(job: dict[str, Any]) -> dict[str, Any]:
     """A child's work: the synthetic layer of ``job['spec']`` and the warm-up's calls of its classes."""
     from certvllm.attention.warmup import run_classes, shape_classes
-    from certvllm.triton_kernels import jit_cache
 
     spec = LayerSpec(**job["spec"])
     config = CertConfig.model_validate(spec.config)
@@ -216,7 +225,7 @@ def _run(job: dict[str, Any]) -> dict[str, Any]:
     mine = [classes[i] for i in job["classes"]]
     report = run_classes(mine, spec.max_model_len, spec.describe(), lambda: spec.make_layer(config))
     return {"compilations": report.total_compilations, "seconds": report.total_seconds,
-            "variants": sorted(jit_cache.variant_keys()), "backend": jit_cache.backend_fingerprint()}  # fmt: skip
+            "variants": sorted(jit_cache.variant_keys()), "backend": compiler_fingerprint()}  # fmt: skip
 
 
 def main() -> None:

@@ -32,7 +32,14 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from certvllm.attention.precompile import LayerSpec, PrecompileReport, plan_workers, precompile, serial_misses
+from certvllm.attention.precompile import (
+    LayerSpec,
+    PrecompileReport,
+    compiler_fingerprint,
+    plan_workers,
+    precompile,
+    serial_misses,
+)
 from certvllm.attention.synthetic import SyntheticLayer, engine_sub_blocks, table_width
 from certvllm.config import CertConfig
 from certvllm.env import triton_cache_scope
@@ -218,7 +225,7 @@ def warm_up(
     if pre is None:
         return report
     made = jit_cache.variant_keys() - before
-    misses = serial_misses(made, pre.variants, jit_cache.backend_fingerprint(), pre.backend) if pre.variants else ""
+    misses = serial_misses(made, pre.variants, compiler_fingerprint(), pre.backend) if pre.variants else ""
     if misses:
         logger.warning("certvllm warm-up: %s", misses)
     return replace(report, precompile=pre, total_seconds=report.total_seconds + pre.seconds, misses=misses)

@@ -111,9 +111,10 @@ def test_serial_misses_names_what_the_children_did_not_leave():
     assert "the same key under hash cc33 here, aa11 in a child" in text
     # another specialisation: the nearest child key and where they part
     other = {("select._select_kernel", "(('i64', ''), 4096)[num_warps=4]", "dd44")}
-    text = pc.serial_misses(other, kid)
+    text = pc.serial_misses(other, kid, "backend 13.0-90", "backend 13.0-90")
     assert "select._select_kernel: keys differ at character" in text
     assert "num_warps=4" in text and "num_warps=8" in text
+    assert "differs" not in text  # the same compiler in both
     unknown = {("encode._encode_pages_kernel", "()", "ee55")}
     assert "encode._encode_pages_kernel: no child compiled this kernel" in pc.serial_misses(unknown, kid)
     here, there = "backend 13.0-90 TRITON_PTXAS_PATH=/torch/bin/ptxas", "backend 12.8-90"
@@ -145,7 +146,7 @@ def test_children_compile_what_the_serial_pass_then_loads(tmp_path, monkeypatch)
             print(report.summary())
             assert report.note == "" and report.compilations > 0, report.summary()
             assert report.variants, "the children list the variants they compiled"
-            assert report.backend and report.backend == jit_cache.backend_fingerprint()
+            assert report.backend and report.backend == pc.compiler_fingerprint()
             before = set(folder.iterdir())
         mine = jit_cache.variant_keys()
         serial = run_classes(classes, max_len, "LLaMA", lambda: SyntheticLayer(hq, hkv, d, torch.bfloat16, cfg, "cuda"))
