@@ -595,8 +595,42 @@ def _ratio(doc: dict[str, Any], context: int, concurrency: int, other: str) -> s
     return f"{mine['output_tok_s'] / theirs['output_tok_s']:.2f}"
 
 
+def time_split(cell: dict[str, Any]) -> tuple[float, float, float]:
+    """``(wall, until the last first token, after it)`` in seconds of a cell whose requests all go out at its start
+    (one wave: ``--requests`` at its default): the first part is mostly prefill (the requests' prompts, with the
+    decode steps of those already started in between), the second decode alone."""
+    first = float(cell["ttft_s"]["max"])
+    return float(cell["wall_s"]), first, float(cell["wall_s"]) - first
+
+
+def split_table(doc: dict[str, Any]) -> str:
+    """Where each cell's wall time goes (:func:`time_split`) per dtype, and how much of certified's extra time over
+    each baseline falls before and after the last first token. Empty for a run of several waves per cell."""
+    dtypes = doc["args"]["dtypes"]
+    if doc["args"].get("requests") is not None:
+        return ""
+    bases = [o for o in ("auto", "fp8") if o in dtypes and "certified" in dtypes]
+    head = ["context", "conc", *(f"{d} wall / first tokens / after (s)" for d in dtypes)]
+    head += [f"cert − {o}: first tokens / after (s)" for o in bases]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for context, concurrency in sorted({(c["context"], c["concurrency"]) for c in doc["cells"]}):
+        cells = {d: _ok(doc, d, context, concurrency) for d in dtypes}
+        splits = {d: time_split(c) for d, c in cells.items() if c is not None}
+        row = [str(context), str(concurrency)]
+        row += [" / ".join(f"{x:.2f}" for x in splits[d]) if d in splits else "—" for d in dtypes]
+        for o in bases:
+            if "certified" in splits and o in splits:
+                mine, theirs = splits["certified"], splits[o]
+                row.append(f"{mine[1] - theirs[1]:+.2f} / {mine[2] - theirs[2]:+.2f}")
+            else:
+                row.append("—")
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
 def tables(doc: dict[str, Any]) -> str:
-    """The markdown tables of a results document: latency and throughput per cell, capacity per engine."""
+    """The markdown tables of a results document: latency and throughput per cell, where each cell's time goes,
+    capacity per engine."""
     dtypes = doc["args"]["dtypes"]
     head = ["context", "conc"]
     for d in dtypes:
@@ -632,7 +666,11 @@ def tables(doc: dict[str, Any]) -> str:
                for c in doc["cells"] if c["status"] != "ok"]  # fmt: skip
     env = doc.get("environment", {}).get("engine", {})
     title = f"vLLM {env.get('vllm', '?')}, torch {env.get('torch', '?')}, {env.get('device', '?')}"
-    parts = [f"### Serving: {title}", "\n".join(lines), "### KV capacity at startup", "\n".join(cap_lines)]
+    parts = [f"### Serving: {title}", "\n".join(lines)]
+    split = split_table(doc)
+    if split:
+        parts += ["### Where each cell's time goes (all requests sent at its start)", split]
+    parts += ["### KV capacity at startup", "\n".join(cap_lines)]
     if skipped:
         parts += ["Cells not measured:", "\n".join(skipped)]
     return "\n\n".join(parts)

@@ -48,6 +48,24 @@ def test_request_figures_split_merged_chunks() -> None:
     assert bench.percentile([5.0], 99) == 5.0
 
 
+def test_time_split_puts_the_gap_before_and_after_the_last_first_token() -> None:
+    """The H100 run of 2026-12-06 at 32K × 8: certified 16.89 s of wall, its last first token at 13.59 s; auto 10.63 s
+    and 9.67 s → +3.92 s before the last first token (prefill) and +2.34 s after it (decode)."""
+    bench = _bench()
+
+    def cell(dtype: str, wall: float, last_first: float) -> dict:
+        return {"dtype": dtype, "context": 32768, "concurrency": 8, "status": "ok", "wall_s": wall,
+                "ttft_s": {"max": last_first}}  # fmt: skip
+
+    doc = {"args": {"dtypes": ["certified", "auto"], "requests": None},
+           "cells": [cell("certified", 16.89, 13.59), cell("auto", 10.63, 9.67)]}  # fmt: skip
+    assert bench.time_split(doc["cells"][0]) == pytest.approx((16.89, 13.59, 3.30))
+    table = bench.split_table(doc)
+    assert "| 32768 | 8 | 16.89 / 13.59 / 3.30 | 10.63 / 9.67 / 0.96 | +3.92 / +2.34 |" in table
+    doc["args"]["requests"] = 16  # several waves per cell: the split would not mean prefill and decode
+    assert bench.split_table(doc) == ""
+
+
 def test_skip_reasons() -> None:
     """A cell runs only when concurrency × (prompt + max_tokens) fits the engine's KV capacity."""
     bench = _bench()
