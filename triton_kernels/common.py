@@ -384,6 +384,14 @@ def load_shadow_tile(src, bid, h, kv, H: tl.constexpr, M: tl.constexpr, D: tl.co
 
 
 @triton.jit
+def holds_copy(tag, tag_gen, slot, page, gen, mask):
+    """Whether pool slot ``slot`` holds page ``page``'s copy of write generation ``gen`` (the tag rule every pool
+    reader applies, docs/certification.md §5.1); False where ``mask`` is, without loading there."""
+    held = mask & (tl.load(tag + slot, mask=mask, other=-1) == page)
+    return held & (tl.load(tag_gen + slot, mask=mask, other=-1) == gen)
+
+
+@triton.jit
 def copy_page(src, e, kv, dst, slot, H: tl.constexpr, M: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
               CHANNEL_MAJOR: tl.constexpr):  # fmt: skip
     """Copy the keys (``kv`` = 0) or values (1) of shadow page ``e = block·H + head`` of ``src``

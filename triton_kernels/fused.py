@@ -46,6 +46,7 @@ from .common import (
     GluonGate,
     device_arg,
     exp_f32,
+    holds_copy,
     interpreting,
     launch_device_ok,
     load_key_terms,
@@ -186,15 +187,12 @@ def _fused_kernel(
                 slot = tl.load(slot_of + page, mask=valid, other=-1).to(tl.int64)
                 has = valid & (slot >= 0)
                 slot = tl.where(has, slot, 0)
-                res = has & (tl.load(tag + slot, mask=has, other=-1) == page)
-                res = res & (tl.load(tag_gen + slot, mask=has, other=-1) == gb)
+                res = holds_copy(tag, tag_gen, slot, page, gb, has)
             else:  # the two candidate slots of the hashed pool
                 s1 = page % nslots
                 s2 = ((page * _HASH_MUL) >> 7) % nslots
-                hit1 = valid & (tl.load(tag + s1, mask=valid, other=-1) == page)
-                hit1 = hit1 & (tl.load(tag_gen + s1, mask=valid, other=-1) == gb)
-                hit2 = valid & ~hit1 & (tl.load(tag + s2, mask=valid, other=-1) == page)
-                hit2 = hit2 & (tl.load(tag_gen + s2, mask=valid, other=-1) == gb)
+                hit1 = holds_copy(tag, tag_gen, s1, page, gb, valid)
+                hit2 = holds_copy(tag, tag_gen, s2, page, gb, valid & ~hit1)
                 res = hit1 | hit2
                 slot = tl.where(hit1, s1, s2)
         else:

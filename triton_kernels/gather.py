@@ -12,7 +12,15 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import copy_page, device_arg, launch_device_ok, load_shadow_tile, next_pow2, store_page_tile
+from .common import (
+    copy_page,
+    device_arg,
+    holds_copy,
+    launch_device_ok,
+    load_shadow_tile,
+    next_pow2,
+    store_page_tile,
+)
 from .shape_class import JIT_OPTIONS
 
 
@@ -41,8 +49,7 @@ def _gather_pages_kernel(
         # keys whose slot holds (page, the block's current generation): the same tag rule as the pool's lookups
         # (docs/certification.md §5.1); they are the shadow's bytes, in device memory, so nothing crosses PCIe
         page = bid * H + h
-        held = (kv == 0) & (tl.load(tag + page) == page) & (tl.load(tag_gen + page) == tl.load(generation + bid))
-        if held:
+        if holds_copy(tag, tag_gen, page, page, tl.load(generation + bid), kv == 0):
             t = tl.arange(0, 16)
             d = tl.arange(0, DP)
             x = tl.load(keys + page * (16 * D) + t[:, None] * D + d[None, :], mask=d[None, :] < D, other=0.0)

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import launch_device_ok, max_nan, next_pow2
+from .common import holds_copy, launch_device_ok, max_nan, next_pow2
 from .shape_class import JIT_OPTIONS
 
 COUNT_BLOCK = 4096
@@ -74,10 +74,8 @@ def _rerun_inputs_kernel(exact, nfull, bits, active, canary, B, G: tl.constexpr,
             bid = tl.load(tables + r * TB_STRIDE + b, mask=take, other=0)
             bid = tl.minimum(tl.maximum(bid, 0), num_blocks - 1)
             page = bid * H + pid % H
-            held = (tl.load(tag + page, mask=take, other=-1) == page) & (
-                tl.load(tag_gen + page, mask=take, other=-1) == tl.load(gen + bid, mask=take, other=-2)
-            )
-            tl.store(kslot + pid * B + b, tl.where(take & held, page, -1).to(tl.int32), mask=b < B)
+            held = holds_copy(tag, tag_gen, page, page, tl.load(gen + bid, mask=take, other=-2), take)
+            tl.store(kslot + pid * B + b, tl.where(held, page, -1).to(tl.int32), mask=b < B)
 
 
 def rerun_inputs(exact: torch.Tensor, nfull: torch.Tensor, num_kv_heads: int, num_blocks: int,

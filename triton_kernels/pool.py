@@ -30,7 +30,7 @@ import triton.language as tl
 
 from certvllm.formats.pool_slots import CLAIM_HIT, HASH_MUL
 
-from .common import as_mask, copy_page, device_arg, launch_device_ok, next_pow2
+from .common import as_mask, copy_page, device_arg, holds_copy, launch_device_ok, next_pow2
 from .shape_class import JIT_OPTIONS, width_class
 
 _HASH_MUL = tl.constexpr(HASH_MUL)  # the two slots and the claim encoding: ``certvllm.formats.pool_slots``
@@ -60,9 +60,8 @@ def _claim1(tables, TB_STRIDE, nfull, bits, B, need_mask, num_blocks, P, gen, ta
             H: tl.constexpr, BLK: tl.constexpr):  # fmt: skip
     idx, inb, need, bid, page, s1, s2 = _items(tables, TB_STRIDE, nfull, bits, B, need_mask, num_blocks, P, H, BLK)
     g = tl.load(gen + bid, mask=need, other=-2)
-    hit1 = need & (tl.load(tag + s1, mask=need, other=-1) == page) & (tl.load(tag_gen + s1, mask=need, other=-1) == g)
-    hit2 = need & ~hit1 & (tl.load(tag + s2, mask=need, other=-1) == page)
-    hit2 = hit2 & (tl.load(tag_gen + s2, mask=need, other=-1) == g)
+    hit1 = holds_copy(tag, tag_gen, s1, page, g, need)
+    hit2 = holds_copy(tag, tag_gen, s2, page, g, need & ~hit1)
     hit = hit1 | hit2
     cslot = tl.where(hit2, s2, s1)
     tl.atomic_max(claim + cslot, tl.where(hit, page + _CLAIM_HIT, page), mask=need)

@@ -151,9 +151,8 @@ class DeviceRerun:
         R, K, G, B, D = c.shape
         kslot = None
         if c.glue_kernels:
-            direct = None
-            if self.pool is not None and self.pool.write_through:
-                direct = (c.tables, self.pool.tag, self.pool.tag_gen, self.pool.generation, c.cache.num_blocks)
+            held = self.pool.direct_keys() if self.pool is not None else None
+            direct = None if held is None else (c.tables, *held[1:], c.cache.num_blocks)
             bits, active_i, canary, kslot = rerun_inputs(exact, c.nfull, K, B, direct)
         else:
             active = exact.view(R, K, G).any(dim=-1)

@@ -29,6 +29,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import TypeVar
 
 import torch
 
@@ -49,6 +50,7 @@ from certvllm.triton_kernels.common import GLUE_MAX_BLOCKS
 from certvllm.triton_kernels.shape_class import WidthClass, width_classes
 
 logger = logging.getLogger("vllm.certvllm")
+T = TypeVar("T")
 
 MAX_CLASSES = GLUE_MAX_BLOCKS.bit_length() + 1
 """Most shape classes of any server (15): one per power of two up to ``GLUE_MAX_BLOCKS`` (8192: 14) and one
@@ -217,7 +219,7 @@ def warm_up(
         with triton_cache_scope():  # the children inherit certvllm's cache folder
             pre = precompile(spec, [max(c.width.bp, c.hi) for c in classes], workers)
     rng = torch.cuda.get_rng_state(dev)  # exploration draws use the device's default generator: leave no trace
-    before = jit_cache.variant_keys()
+    before = jit_cache.variant_keys() if pre is not None else set()
     try:
         report = run_classes(classes, max_model_len, spec.describe(), lambda: spec.make_layer(config))
     finally:
@@ -266,25 +268,26 @@ def _run_classes(
         seconds.append(time.perf_counter() - t0)
         counts.append(jit_cache.compilations() - c0)
     if layer.direct is not None:  # the exact prefill's gather through a write-through pool: no shape in its key
-        try:
-            layer.gather_cached_context()
-            _sync(layer.device)
-        except Exception as err:
-            raise WarmupError(f"certvllm warm-up ({what}) failed at the cached-context gather: "
-                              f"{type(err).__name__}: {err}") from err  # fmt: skip
+        _shapeless(layer, what, "the cached-context gather", layer.gather_cached_context)
     if layer.config.audit_rate > 0:  # the audit's device checks: no shape in their compile key, one call compiles them
-        try:
-            violations = layer.audited_call([BLOCK_SIZE + 1])
-            _sync(layer.device)
-        except Exception as err:
-            raise WarmupError(f"certvllm warm-up ({what}) failed at the audit's checks: {type(err).__name__}: "
-                              f"{err}") from err  # fmt: skip
+        violations = _shapeless(layer, what, "the audit's checks", lambda: layer.audited_call([BLOCK_SIZE + 1]))
         if violations:  # logged, not raised: the audit goes on checking served head-steps and applies its policy
             logger.error("certvllm warm-up (%s): the audit found %d head-step(s) of a synthetic call outside "
                          "their certificate: the certified path may not be sound on this device", what,
                          violations)  # fmt: skip
     return WarmupReport(str(layer.device), tuple(classes), tuple(seconds), tuple(counts), time.perf_counter() - start,
                         jit_cache.compilations() - before)  # fmt: skip
+
+
+def _shapeless(layer: SyntheticLayer, what: str, name: str, run: Callable[[], T]) -> T:
+    """``run()`` once (kernels whose compile key has no shape), synchronised; a failure raised as
+    :class:`WarmupError` naming ``name``."""
+    try:
+        result = run()
+        _sync(layer.device)
+    except Exception as err:
+        raise WarmupError(f"certvllm warm-up ({what}) failed at {name}: {type(err).__name__}: {err}") from err
+    return result
 
 
 def warm_class(layer: SyntheticLayer, cls: ShapeClass, max_model_len: int) -> None:
