@@ -49,7 +49,7 @@ def _kernel_table(prof, calls: int) -> tuple[list[dict], int, float]:
 
 
 def profile_point(batch: int, ctx: int, presets: list[str], calls: int, top: int, tunings: list[str],
-                  score_std: float | None = None) -> dict:  # fmt: skip
+                  score_std: float | None = None, pool_fraction: float | None = None) -> dict:  # fmt: skip
     from certvllm.triton_kernels.tuning import KernelTuning
 
     from certvllm.attention import certified_attention
@@ -64,11 +64,12 @@ def profile_point(batch: int, ctx: int, presets: list[str], calls: int, top: int
     cache, tables = build_cache(k, v, lens)
     seq_lens = torch.tensor(lens, device=dev)
     scale = 1.0 / math.sqrt(D)
-    out: dict = {"batch": batch, "context": ctx, "score_std": score_std}
+    out: dict = {"batch": batch, "context": ctx, "score_std": score_std, "pool_fraction": pool_fraction}
     for preset, tuning in [(p, t) for p in presets for t in tunings]:
         cfg = load_config(preset)
         eng = CudaPageInEngine(dev)
-        residency = Residency.for_layer(cache, cfg.promotion_cache_fraction if cfg.mode == "certified" else 0.0)
+        fraction = cfg.promotion_cache_fraction if pool_fraction is None else pool_fraction
+        residency = Residency.for_layer(cache, fraction if cfg.mode == "certified" else 0.0)
         options = CudaOptions(tuning=KernelTuning(**parse_tuning([x for x in tuning.split(",") if x])))
         if tuning:
             preset = f"{preset}[{tuning}]"
@@ -135,13 +136,20 @@ def main() -> None:
                     help='KernelTuning overrides per run, e.g. "" attend_warps=8')  # fmt: skip
     ap.add_argument("--calls", type=int, default=5)
     ap.add_argument("--score-std", type=float, default=None, help=SCORE_STD_HELP)
+    ap.add_argument("--pool-fraction", type=float, default=None,
+                    help="promotion pool slots per (block, KV head) page instead of the preset's "
+                         "promotion_cache_fraction; 1.0 gives every page its own slot, the write-through pool of a "
+                         "host-capped vLLM cache, where every key page is read from VRAM after its first lookup "
+                         "(the served regime)")  # fmt: skip
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--out", type=Path, default=Path("runs/profile.json"))
     args = ap.parse_args()
     results = []
     for p in args.points:
         b, c = (int(x) for x in p.split("x"))
-        results.append(profile_point(b, c, args.presets, args.calls, args.top, args.tunings, args.score_std))
+        results.append(
+            profile_point(b, c, args.presets, args.calls, args.top, args.tunings, args.score_std, args.pool_fraction)
+        )
     resources = compiled_kernel_resources()
     for r in resources:
         print(f"    {r['kernel']:32s} {r['registers']:4d} registers/thread, {r['spill_bytes']} bytes spilled")

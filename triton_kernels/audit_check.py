@@ -4,16 +4,20 @@ the verdict against what the certified call returned, in two launches and no hos
 What :func:`certvllm.attention.audit.reference_heads` and ``Auditor._check`` compute with some seventy torch
 ops per audited call (each a launch from the layer call's thread), here in two kernels:
 
-* ``_audit_partial_kernel``, grid ``(n, S)``: pair ``i`` reads the shadow pages (tier 2: pinned host memory
-  read zero-copy over PCIe, or device memory) of its KV head, block-table columns ``[s·C, (s+1)·C)`` cut at
-  the row's length, and keeps in float64 an online softmax (running max ``m``, sum ``l``, weighted values
-  ``acc``), the largest value norm and the largest score bound λΣ_c|q_c||k_tc| over the valid tokens;
+* ``_audit_partial_kernel``, grid ``(groups, S)``: a group is the checked pairs of one (row, KV head), at most one
+  per query head of the KV head; its program reads the shadow pages (tier 2: pinned host memory read zero-copy
+  over PCIe, or device memory) of that KV head once, block-table columns ``[s·C, (s+1)·C)`` cut at the row's
+  length, and keeps in float64, per checked query head, an online softmax (running max ``m``, sum ``l``,
+  weighted values ``acc``), the largest value norm and the largest score bound λΣ_c|q_c||k_tc| over the valid
+  tokens. An audited row checks every query head, so one read of a KV head's pages serves its ``G`` heads (the
+  pages over PCIe are a 1/G of one read per pair);
 * ``_audit_verdict_kernel``, grid ``(n,)``: merges pair ``i``'s ``S`` partials into the exact output, compares it
   with the returned one and writes the verdict row.
 
 Partial row ``[n, S, 4 + D]`` float64: ``m, l, v_max, s_max, acc[0:D]``. Verdict row ``[n, 10]`` float64 (every
 integer below 2⁵³, exact): ``row, head, rung, error, allowed, ratio, violated, len, key_block, key_column``, the
-order of ``AuditOutcome``. The allowance is the audit's: ``bound·BOUND_SUM_SLACK + F64_SLACK·v_max`` for rungs
+order of ``AuditOutcome``. Pairs are checked sorted by (row, KV head); the verdict rows come back in the caller's
+order. The allowance is the audit's: ``bound·BOUND_SUM_SLACK + F64_SLACK·v_max`` for rungs
 0–2, ``v_max·(tol_a + tol_b·s_max)`` for rungs 3/4 (``exact_tolerance`` is affine in ``s_max``; the caller
 passes its two coefficients).
 """
@@ -40,8 +44,8 @@ PARTIAL_BYTES = 64 << 20
 @triton.jit(**JIT_OPTIONS)
 def _audit_partial_kernel(
     src,  # shadow [E, H, 2, M*16, D] (float16/bfloat16), host-pinned or device
-    partial,  # [n, S, 4 + D] float64
-    pairs,  # [n] int64 flat index row * HQ + head
+    partial,  # [n, S, 4 + D] float64, row p − PSTART for the sorted pair p
+    groups,  # [n_groups, 1 + GP] int64: row·H + KV head, then per query head g of it the sorted pair p or −1
     q,  # [R, HQ, D] queries (any float dtype, contiguous)
     tables,  # [R, B] int block ids (last dim contiguous)
     TB_STRIDE,  # its row stride
@@ -50,8 +54,11 @@ def _audit_partial_kernel(
     num_blocks,  # 16-token blocks of the cache (ids are clamped into [0, num_blocks))
     B,  # block-table width
     S,  # partials per pair
+    GSTART,  # this launch's first group
+    PSTART,  # the sorted position of its first pair
     HQ: tl.constexpr,
     G: tl.constexpr,  # query heads, query heads per KV head
+    GP: tl.constexpr,  # next power of two ≥ G
     H: tl.constexpr,
     M: tl.constexpr,
     D: tl.constexpr,
@@ -59,53 +66,59 @@ def _audit_partial_kernel(
     CHANNEL_MAJOR: tl.constexpr,
     C: tl.constexpr,  # columns per partial
 ):
-    i = tl.program_id(0).to(tl.int64)
+    i = GSTART + tl.program_id(0).to(tl.int64)
     s = tl.program_id(1).to(tl.int64)
-    flat = tl.load(pairs + i)
-    row = flat // HQ
-    head = flat % HQ
+    entry = groups + i * (1 + GP)
+    rk = tl.load(entry)
+    row = rk // H
+    kvh = rk % H
+    g = tl.arange(0, GP)
+    slot = tl.load(entry + 1 + g)  # [GP] sorted pair of query head g, −1: not checked
+    have = slot >= 0
     length = tl.minimum(tl.load(lens + row).to(tl.int64), B * 16)
     c_lo = s * C
     c_hi = tl.minimum(c_lo + C, (length + 15) // 16)
     d = tl.arange(0, DP)
     t = tl.arange(0, 16)
-    qv = tl.load(q + flat * D + d, mask=d < D, other=0.0).to(tl.float64)
-    qa = tl.abs(qv)
+    qrow = row * HQ + kvh * G + g
+    qv = tl.load(q + qrow[:, None] * D + d[None, :], mask=have[:, None] & (d[None, :] < D), other=0.0).to(tl.float64)
+    qa = tl.abs(qv)  # [GP, DP]
     sc64 = tl.load(consts)
-    m = tl.full((), float("-inf"), tl.float64)
-    l_sum = tl.zeros((), tl.float64)
+    m = tl.full((GP,), float("-inf"), tl.float64)
+    l_sum = tl.zeros((GP,), tl.float64)
     v_max = tl.zeros((), tl.float64)
-    s_max = tl.zeros((), tl.float64)
-    acc = tl.zeros((DP,), tl.float64)
+    s_max = tl.zeros((GP,), tl.float64)
+    acc = tl.zeros((GP, DP), tl.float64)
     for c in range(c_lo, c_hi):
         bid = tl.load(tables + row * TB_STRIDE + c).to(tl.int64)
         bid = tl.minimum(tl.maximum(bid, 0), num_blocks - 1)
-        k = load_shadow_tile(src, bid, head // G, 0, H, M, D, DP, CHANNEL_MAJOR).to(tl.float64)
+        k = load_shadow_tile(src, bid, kvh, 0, H, M, D, DP, CHANNEL_MAJOR).to(tl.float64)
         valid = c * 16 + t < length
-        v = load_shadow_tile(src, bid, head // G, 1, H, M, D, DP, CHANNEL_MAJOR).to(tl.float64)
+        v = load_shadow_tile(src, bid, kvh, 1, H, M, D, DP, CHANNEL_MAJOR).to(tl.float64)
         v = tl.where(valid[:, None], v, 0.0)  # free slots past the length may hold anything, NaN included
-        score = tl.where(valid, tl.sum(k * qv[None, :], axis=1) * sc64, float("-inf"))
-        s_max = tl.maximum(s_max, tl.max(tl.where(valid, tl.sum(tl.abs(k) * qa[None, :], axis=1) * tl.abs(sc64), 0.0)))
+        score = tl.where(valid[None, :], tl.sum(k[None, :, :] * qv[:, None, :], axis=2) * sc64, float("-inf"))
+        lam = tl.sum(tl.abs(k)[None, :, :] * qa[:, None, :], axis=2) * tl.abs(sc64)  # [GP, 16]
+        s_max = tl.maximum(s_max, tl.max(tl.where(valid[None, :], lam, 0.0), axis=1))
         v_max = tl.maximum(v_max, tl.max(tl.where(valid, tl.sqrt(tl.sum(v * v, axis=1)), 0.0)))
-        m_new = tl.maximum(m, tl.max(score))
+        m_new = tl.maximum(m, tl.max(score, axis=1))
         alpha = tl.exp(m - m_new)
-        p = tl.exp(score - m_new)
-        l_sum = l_sum * alpha + tl.sum(p)
-        acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
+        p = tl.exp(score - m_new[:, None])  # [GP, 16]
+        l_sum = l_sum * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
         m = m_new
-    base = partial + (i * S + s) * (4 + D)
-    tl.store(base, m)
-    tl.store(base + 1, l_sum)
-    tl.store(base + 2, v_max)
-    tl.store(base + 3, s_max)
-    tl.store(base + 4 + d, acc, mask=d < D)
+    base = partial + ((slot - PSTART) * S + s) * (4 + D)  # [GP]
+    tl.store(base, m, mask=have)
+    tl.store(base + 1, l_sum, mask=have)
+    tl.store(base + 2, v_max + tl.zeros((GP,), tl.float64), mask=have)
+    tl.store(base + 3, s_max, mask=have)
+    tl.store(base[:, None] + 4 + d[None, :], acc, mask=have[:, None] & (d[None, :] < D))
 
 
 @triton.jit(**JIT_OPTIONS)
 def _audit_verdict_kernel(
-    partial,  # [n, S, 4 + D] float64
-    verdict,  # [n, 10] float64
-    pairs,  # [n] int64
+    partial,  # [n, S, 4 + D] float64: this launch's pairs' partials
+    verdict,  # [n, 10] float64, in the sorted order
+    pairs,  # [n] int64 sorted pairs
     out,  # [R, HQ, D] float32 returned outputs (contiguous)
     rung,  # [R, HQ] int8 (contiguous)
     bound,  # [R, HQ] float32 E_key + E_val (contiguous)
@@ -116,13 +129,15 @@ def _audit_verdict_kernel(
     S,
     consts,  # [5] float64: scale, then rungs 3/4 allowed = v_max·(tol_a + tol_b·s_max), then rungs 0–2
     #          allowed = bound·bound_slack + f64_slack·v_max
+    PSTART,  # this launch's first sorted pair (partial row 0)
     HQ: tl.constexpr,
     D: tl.constexpr,
     DP: tl.constexpr,
     RUNG_VALUES: tl.constexpr,
     CHUNK: tl.constexpr,
 ):
-    i = tl.program_id(0).to(tl.int64)
+    li = tl.program_id(0).to(tl.int64)
+    i = PSTART + li
     flat = tl.load(pairs + i)
     row = flat // HQ
     head = flat % HQ
@@ -131,14 +146,14 @@ def _audit_verdict_kernel(
     m = tl.full((), float("-inf"), tl.float64)
     for c0 in range(0, S, CHUNK):  # the largest running max over every partial
         ok = c0 + j < S
-        m = tl.maximum(m, tl.max(tl.load(partial + (i * S + c0 + j) * (4 + D), mask=ok, other=float("-inf"))))
+        m = tl.maximum(m, tl.max(tl.load(partial + (li * S + c0 + j) * (4 + D), mask=ok, other=float("-inf"))))
     l_sum = tl.zeros((), tl.float64)
     v_max = tl.zeros((), tl.float64)
     s_max = tl.zeros((), tl.float64)
     acc = tl.zeros((DP,), tl.float64)
     for c0 in range(0, S, CHUNK):
         ok = c0 + j < S
-        at = partial + (i * S + c0 + j) * (4 + D)
+        at = partial + (li * S + c0 + j) * (4 + D)
         mj = tl.load(at, mask=ok, other=float("-inf"))
         w = tl.where(mj > float("-inf"), tl.exp(mj - m), 0.0)  # empty partials (m = −inf) weigh nothing
         l_sum += tl.sum(w * tl.load(at + 1, mask=ok, other=0.0))
@@ -172,6 +187,22 @@ def _audit_verdict_kernel(
     tl.store(o + 7, length.to(tl.float64))
     tl.store(o + 8, key_block.to(tl.float64))
     tl.store(o + 9, column.to(tl.float64))
+
+
+def group_pairs(pairs: list[int], per: int, gp: int) -> tuple[list[int], list[list[int]]]:
+    """The checked pairs (``row·H_q + head``) sorted by (row, KV head, query head), and the groups the partial
+    kernel reads: per (row, KV head), ``[row·H_kv + KV head, p_0 … p_{gp−1}]`` with ``p_g`` the sorted position of
+    query head ``g``'s pair, −1 where that head is not checked (``per`` query heads per KV head). A pair listed
+    twice opens a second group of the same KV head. Returns ``(order, groups)``: ``order[p]`` is the caller's index
+    of the ``p``-th sorted pair; each group's pairs are consecutive in that order."""
+    order = sorted(range(len(pairs)), key=lambda j: (pairs[j], j))
+    groups: list[list[int]] = []
+    for p, j in enumerate(order):
+        key, g = divmod(pairs[j], per)
+        if not groups or groups[-1][0] != key or groups[-1][1 + g] >= 0:
+            groups.append([key] + [-1] * gp)
+        groups[-1][1 + g] = p
+    return order, groups
 
 
 def audit_check(
@@ -213,15 +244,58 @@ def audit_check(
     R, hq, d = q.shape
     W = tables.shape[1]
     dev = q.device
-    # the float64 constants (as their bit patterns, padded to 48 bytes so that the pairs stay 16-byte aligned: one
-    # compiled variant whatever n) and the pairs travel in one copy
+    g_per = hq // num_kv_heads
+    gp = next_pow2(g_per)
+    order, table = group_pairs(pairs, g_per, gp)
+    # the float64 constants (as their bit patterns, padded to 48 bytes so that what follows stays 16-byte aligned:
+    # one compiled variant whatever n), the sorted pairs, the groups and the way back to the caller's order travel
+    # in one copy
     consts = torch.tensor([scale, tol_a, tol_b, bound_slack, f64_slack, 0.0], dtype=torch.float64).view(torch.int64)
-    host = torch.cat([consts, torch.tensor(pairs, dtype=torch.int64)])
+    back = [0] * n
+    for p, j in enumerate(order):
+        back[j] = p
+    sorted_pairs = [pairs[j] for j in order]
+    host = torch.cat([consts, torch.tensor(sorted_pairs + back, dtype=torch.int64),
+                      torch.tensor(table, dtype=torch.int64).flatten()])  # fmt: skip
     staged = host.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else host.to(dev)
-    consts_d, pairs_d = staged[:6].view(torch.float64), staged[6:]
+    consts_d, pairs_d, back_d = staged[:6].view(torch.float64), staged[6 : 6 + n], staged[6 + n : 6 + 2 * n]
+    groups_d = staged[6 + 2 * n :]
     verdict = torch.empty(n, len(VERDICT_COLUMNS), dtype=torch.float64, device=dev)
     if n == 0:
         return verdict
+    launch_device_ok(verdict)
+    q, out, rung, bound, lens = (t.contiguous() for t in (q, out, rung, bound, lens))
+    tables = tables if tables.stride(-1) == 1 else tables.contiguous()
+    splits = max(1, triton.cdiv(W, COLUMNS_PER_SPLIT))
+    # pairs per launch: the partials stay within PARTIAL_BYTES (an audit of every head-step of a large batch at 128K
+    # would otherwise allocate gigabytes), and a launch takes whole groups (at least one)
+    cap = max(gp, PARTIAL_BYTES // (splits * (4 + d) * 8))
+    partial = torch.empty(min(n, cap), splits, 4 + d, dtype=torch.float64, device=dev)
+    _, h, _, mn, _ = shadow.shape
+    dp = next_pow2(d)
+    # group k holds the sorted pairs [firsts[k], ends[k])
+    firsts = [min(slot for slot in entry[1:] if slot >= 0) for entry in table]
+    ends = firsts[1:] + [n]
+    g0 = 0
+    while g0 < len(table):  # stream-ordered: each launch's verdict kernel reads the partials before the next
+        p0, g1 = firsts[g0], g0 + 1
+        while g1 < len(table) and ends[g1] - p0 <= cap:
+            g1 += 1
+        p1 = ends[g1 - 1]
+        _audit_partial_kernel[(g1 - g0, splits)](
+            device_arg(shadow), partial, groups_d, q, tables, tables.stride(0), lens, consts_d, int(num_blocks), W,
+            splits, g0, p0,
+            HQ=hq, G=g_per, GP=gp, H=h, M=mn // 16, D=d, DP=dp, CHANNEL_MAJOR=channel_major, C=COLUMNS_PER_SPLIT,
+            num_warps=8 if dp >= 128 else 4,
+        )  # fmt: skip
+        _audit_verdict_kernel[(p1 - p0,)](
+            partial, verdict, pairs_d, out, rung, bound, tables, tables.stride(0), lens, W, splits, consts_d, p0,
+            HQ=hq, D=d, DP=dp, RUNG_VALUES=rung_values, CHUNK=MERGE_CHUNK, num_warps=4,
+        )  # fmt: skip
+        g0 = g1
+    if order != list(range(n)):
+        verdict = verdict[back_d]  # the caller's order
+    return verdict
     launch_device_ok(verdict)
     q, out, rung, bound, lens = (t.contiguous() for t in (q, out, rung, bound, lens))
     tables = tables if tables.stride(-1) == 1 else tables.contiguous()

@@ -767,3 +767,34 @@ def test_device_checks_in_chunks_equal_one_launch(monkeypatch):
     monkeypatch.setattr(audit_check, "PARTIAL_BYTES", 5 * splits * (4 + D) * 8)  # 4 pairs per launch (even)
     chunked = auditor.queue_checks(q, cache, tables, lens, 0.2, res, pairs, torch.float32)[0].cpu()
     assert auditor._device_failure is None and torch.equal(whole, chunked)
+
+
+def test_device_checks_of_any_pairs_come_back_in_the_callers_order():
+    """The partial kernel reads a KV head's pages once for the checked query heads of that (row, KV head): pairs in
+    any order, a KV head with only some of its heads checked and a pair listed twice give, row for row in the
+    caller's order, the verdicts of the torch path (the bar of
+    ``test_device_checks_reach_the_torch_paths_verdicts``)."""
+    pytest.importorskip("triton")
+    cfg = load_config("default", audit_rate=1.0, audit_policy="log")
+    cs = cases("sink_and_recency", 37, lens=(37, 160, 211))
+    cache, tables, lens = paged_batch(cs, cfg.value_group_size)
+    q = torch.stack([c.q for c in cs])
+    if torch.cuda.is_available():
+        cache, q, tables, lens = on_gpu(cache), q.cuda(), tables.cuda(), lens.cuda()
+    res = certified_attention(q, cache, tables, lens, cfg, 0.2)
+    g = HQ // HKV
+    pairs = [2 * HQ + 1, 0, HQ + g, 2 * HQ + 1, 1, 2 * HQ, HQ + 2 * g - 1, 0]  # unsorted, partial groups, repeats
+    outcomes = []
+    for device_checks in (True, False):
+        auditor = Auditor(cfg)
+        auditor.device_reference = device_checks
+        checked = auditor.queue_checks(q, cache, tables, lens, 0.2, res, pairs, torch.float32)
+        assert auditor._device_failure is None and len(checked) == (1 if device_checks else 10)
+        outcomes.append(auditor._outcome(_Pending(0, 0, DeferredRead(checked))))
+    a, b = outcomes
+    assert a.rows.tolist() == [p // HQ for p in pairs] and a.heads.tolist() == [p % HQ for p in pairs]
+    for name in ("rows", "heads", "rung", "violated", "lens", "key_block", "key_column"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+    assert torch.allclose(a.error, b.error, rtol=1e-9, atol=1e-12)
+    assert torch.allclose(a.allowed, b.allowed, rtol=1e-12, atol=0)
+    assert not bool(a.violated.any())
