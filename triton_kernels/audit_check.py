@@ -37,6 +37,10 @@ COLUMNS_PER_SPLIT = 16
 spread over many programs in flight."""
 MERGE_CHUNK = 16
 """Partials merged per iteration of the verdict kernel."""
+HEADS_PER_GROUP = 4
+"""Query heads one partial program checks at most (a GQA group of 8 is read as two groups of 4): with 16 warps, a
+[4, 16, 128] float64 product fits 128 registers per thread with 16 bytes spilled (sm_90, Triton 3.6, offline);
+8 heads spill 536 bytes."""
 PARTIAL_BYTES = 64 << 20
 """Largest partials buffer of one launch (pairs are checked in chunks that fit it)."""
 
@@ -45,7 +49,8 @@ PARTIAL_BYTES = 64 << 20
 def _audit_partial_kernel(
     src,  # shadow [E, H, 2, M*16, D] (float16/bfloat16), host-pinned or device
     partial,  # [n, S, 4 + D] float64, row p − PSTART for the sorted pair p
-    groups,  # [n_groups, 1 + GP] int64: row·H + KV head, then per query head g of it the sorted pair p or −1
+    groups,  # [n_groups, 2 + GP] int64: row·H + KV head, its first query head g0, then per query head g0 + j the
+    #         sorted pair p or −1
     q,  # [R, HQ, D] queries (any float dtype, contiguous)
     tables,  # [R, B] int block ids (last dim contiguous)
     TB_STRIDE,  # its row stride
@@ -58,7 +63,7 @@ def _audit_partial_kernel(
     PSTART,  # the sorted position of its first pair
     HQ: tl.constexpr,
     G: tl.constexpr,  # query heads, query heads per KV head
-    GP: tl.constexpr,  # next power of two ≥ G
+    GP: tl.constexpr,  # query heads per group: next power of two ≥ G, at most HEADS_PER_GROUP
     H: tl.constexpr,
     M: tl.constexpr,
     D: tl.constexpr,
@@ -68,12 +73,12 @@ def _audit_partial_kernel(
 ):
     i = GSTART + tl.program_id(0).to(tl.int64)
     s = tl.program_id(1).to(tl.int64)
-    entry = groups + i * (1 + GP)
+    entry = groups + i * (2 + GP)
     rk = tl.load(entry)
     row = rk // H
     kvh = rk % H
-    g = tl.arange(0, GP)
-    slot = tl.load(entry + 1 + g)  # [GP] sorted pair of query head g, −1: not checked
+    g = tl.load(entry + 1) + tl.arange(0, GP)
+    slot = tl.load(entry + 2 + tl.arange(0, GP))  # [GP] sorted pair of query head g, −1: not checked
     have = slot >= 0
     length = tl.minimum(tl.load(lens + row).to(tl.int64), B * 16)
     c_lo = s * C
@@ -191,17 +196,18 @@ def _audit_verdict_kernel(
 
 def group_pairs(pairs: list[int], per: int, gp: int) -> tuple[list[int], list[list[int]]]:
     """The checked pairs (``row·H_q + head``) sorted by (row, KV head, query head), and the groups the partial
-    kernel reads: per (row, KV head), ``[row·H_kv + KV head, p_0 … p_{gp−1}]`` with ``p_g`` the sorted position of
-    query head ``g``'s pair, −1 where that head is not checked (``per`` query heads per KV head). A pair listed
-    twice opens a second group of the same KV head. Returns ``(order, groups)``: ``order[p]`` is the caller's index
-    of the ``p``-th sorted pair; each group's pairs are consecutive in that order."""
+    kernel reads: per (row, KV head) and run of ``gp`` of its ``per`` query heads, ``[row·H_kv + KV head, g0,
+    p_0 … p_{gp−1}]`` with ``p_j`` the sorted position of query head ``g0 + j``'s pair, −1 where that head is not
+    checked. A pair listed twice opens a second group. Returns ``(order, groups)``: ``order[p]`` is the caller's
+    index of the ``p``-th sorted pair; each group's pairs are consecutive in that order."""
     order = sorted(range(len(pairs)), key=lambda j: (pairs[j], j))
     groups: list[list[int]] = []
     for p, j in enumerate(order):
         key, g = divmod(pairs[j], per)
-        if not groups or groups[-1][0] != key or groups[-1][1 + g] >= 0:
-            groups.append([key] + [-1] * gp)
-        groups[-1][1 + g] = p
+        g0, at = g - g % gp, 2 + g % gp
+        if not groups or groups[-1][:2] != [key, g0] or groups[-1][at] >= 0:
+            groups.append([key, g0] + [-1] * gp)
+        groups[-1][at] = p
     return order, groups
 
 
@@ -245,7 +251,7 @@ def audit_check(
     W = tables.shape[1]
     dev = q.device
     g_per = hq // num_kv_heads
-    gp = next_pow2(g_per)
+    gp = min(next_pow2(g_per), HEADS_PER_GROUP)
     order, table = group_pairs(pairs, g_per, gp)
     # the float64 constants (as their bit patterns, padded to 48 bytes so that what follows stays 16-byte aligned:
     # one compiled variant whatever n), the sorted pairs, the groups and the way back to the caller's order travel
@@ -274,7 +280,7 @@ def audit_check(
     _, h, _, mn, _ = shadow.shape
     dp = next_pow2(d)
     # group k holds the sorted pairs [firsts[k], ends[k])
-    firsts = [min(slot for slot in entry[1:] if slot >= 0) for entry in table]
+    firsts = [min(slot for slot in entry[2:] if slot >= 0) for entry in table]
     ends = firsts[1:] + [n]
     g0 = 0
     while g0 < len(table):  # stream-ordered: each launch's verdict kernel reads the partials before the next
@@ -286,7 +292,7 @@ def audit_check(
             device_arg(shadow), partial, groups_d, q, tables, tables.stride(0), lens, consts_d, int(num_blocks), W,
             splits, g0, p0,
             HQ=hq, G=g_per, GP=gp, H=h, M=mn // 16, D=d, DP=dp, CHANNEL_MAJOR=channel_major, C=COLUMNS_PER_SPLIT,
-            num_warps=8 if dp >= 128 else 4,
+            num_warps=16,
         )  # fmt: skip
         _audit_verdict_kernel[(p1 - p0,)](
             partial, verdict, pairs_d, out, rung, bound, tables, tables.stride(0), lens, W, splits, consts_d, p0,

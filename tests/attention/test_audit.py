@@ -769,21 +769,23 @@ def test_device_checks_in_chunks_equal_one_launch(monkeypatch):
     assert auditor._device_failure is None and torch.equal(whole, chunked)
 
 
-def test_device_checks_of_any_pairs_come_back_in_the_callers_order():
+@pytest.mark.parametrize("hq,hkv", [(HQ, HKV), (16, 2)])
+def test_device_checks_of_any_pairs_come_back_in_the_callers_order(hq, hkv):
     """The partial kernel reads a KV head's pages once for the checked query heads of that (row, KV head): pairs in
     any order, a KV head with only some of its heads checked and a pair listed twice give, row for row in the
     caller's order, the verdicts of the torch path (the bar of
     ``test_device_checks_reach_the_torch_paths_verdicts``)."""
     pytest.importorskip("triton")
     cfg = load_config("default", audit_rate=1.0, audit_policy="log")
-    cs = cases("sink_and_recency", 37, lens=(37, 160, 211))
+    gen = torch.Generator().manual_seed(37)
+    cs = [make_case("sink_and_recency", t, hq, hkv, D, torch.float16, gen) for t in (37, 160, 211)]
     cache, tables, lens = paged_batch(cs, cfg.value_group_size)
     q = torch.stack([c.q for c in cs])
     if torch.cuda.is_available():
         cache, q, tables, lens = on_gpu(cache), q.cuda(), tables.cuda(), lens.cuda()
     res = certified_attention(q, cache, tables, lens, cfg, 0.2)
-    g = HQ // HKV
-    pairs = [2 * HQ + 1, 0, HQ + g, 2 * HQ + 1, 1, 2 * HQ, HQ + 2 * g - 1, 0]  # unsorted, partial groups, repeats
+    g = hq // hkv  # 8 query heads per KV head: each KV head is read as two groups of 4 (HEADS_PER_GROUP)
+    pairs = [2 * hq + 1, 0, hq + g, 2 * hq + 1, 1, 2 * hq, hq + 2 * g - 1, 0, g - 1, 2 * hq + g - 2]
     outcomes = []
     for device_checks in (True, False):
         auditor = Auditor(cfg)
@@ -792,9 +794,29 @@ def test_device_checks_of_any_pairs_come_back_in_the_callers_order():
         assert auditor._device_failure is None and len(checked) == (1 if device_checks else 10)
         outcomes.append(auditor._outcome(_Pending(0, 0, DeferredRead(checked))))
     a, b = outcomes
-    assert a.rows.tolist() == [p // HQ for p in pairs] and a.heads.tolist() == [p % HQ for p in pairs]
+    assert a.rows.tolist() == [p // hq for p in pairs] and a.heads.tolist() == [p % hq for p in pairs]
     for name in ("rows", "heads", "rung", "violated", "lens", "key_block", "key_column"):
         assert torch.equal(getattr(a, name), getattr(b, name)), name
     assert torch.allclose(a.error, b.error, rtol=1e-9, atol=1e-12)
     assert torch.allclose(a.allowed, b.allowed, rtol=1e-12, atol=0)
     assert not bool(a.violated.any())
+
+
+def test_pairs_are_grouped_by_kv_head_in_runs_of_at_most_four_query_heads():
+    """``audit_check.group_pairs``: every pair lands in exactly one group, at the slot of its query head within the
+    group's run, groups hold consecutive sorted positions, and a repeated pair opens a new group."""
+    from certvllm.triton_kernels.audit_check import HEADS_PER_GROUP, group_pairs
+
+    per, gp = 8, HEADS_PER_GROUP
+    pairs = [17, 3, 8 * 3 + 5, 3, 0, 7, 8 * 2 + 4, 8 * 2 + 3]
+    order, groups = group_pairs(pairs, per, gp)
+    assert sorted(order) == list(range(len(pairs))) and [pairs[j] for j in order] == sorted(pairs)
+    seen = []
+    for key, g0, *slots in groups:
+        assert g0 % gp == 0 and len(slots) == gp
+        for j, p in enumerate(slots):
+            if p >= 0:
+                assert divmod(pairs[order[p]], per) == (key, g0 + j)
+                seen.append(p)
+    assert seen == list(range(len(pairs)))  # each sorted position once, groups consecutive
+    assert [g[:2] for g in groups] == [[0, 0], [0, 0], [0, 4], [2, 0], [2, 4], [3, 4]]  # the repeated 3 opens a group
