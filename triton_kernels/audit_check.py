@@ -230,6 +230,7 @@ def audit_check(
     bound_slack: float,
     f64_slack: float,
     rung_values: int,
+    heads_per_group: int = HEADS_PER_GROUP,
 ) -> torch.Tensor:
     """The audit's verdicts on the (row, head) pairs ``pairs`` of one call, queued on the current stream of
     ``q``'s device (nothing is read on the host; one host-to-device copy, from pinned memory, two launches).
@@ -242,6 +243,8 @@ def audit_check(
         num_kv_heads, num_blocks, channel_major: the cache's (keys stored ``[D, m·16]`` when ``channel_major``).
         tol_a, tol_b: rungs 3/4 allow ``v_max·(tol_a + tol_b·s_max)``; bound_slack, f64_slack: rungs 0–2 allow
             ``bound·bound_slack + f64_slack·v_max``; rung_values: the last rung judged by the certificate.
+        heads_per_group: query heads of one KV head that one partial program checks (a power of two ≤
+            ``HEADS_PER_GROUP``; 1 reads a KV head's pages once per checked pair, for ``bench_audit_check.py``'s A/B).
 
     Returns:
         ``verdict [n, 10]`` float64 (:data:`VERDICT_COLUMNS`) on the device.
@@ -251,7 +254,10 @@ def audit_check(
     W = tables.shape[1]
     dev = q.device
     g_per = hq // num_kv_heads
-    gp = min(next_pow2(g_per), HEADS_PER_GROUP)
+    if heads_per_group not in (1, 2, 4) or heads_per_group > HEADS_PER_GROUP:
+        raise ValueError(f"audit_check: heads_per_group={heads_per_group} must be 1, 2 or {HEADS_PER_GROUP}; pass the "
+                         f"default ({HEADS_PER_GROUP})")  # fmt: skip
+    gp = min(next_pow2(g_per), heads_per_group)
     order, table = group_pairs(pairs, g_per, gp)
     # the float64 constants (as their bit patterns, padded to 48 bytes so that what follows stays 16-byte aligned:
     # one compiled variant whatever n), the sorted pairs, the groups and the way back to the caller's order travel
