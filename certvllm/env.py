@@ -107,6 +107,16 @@ def triton_tool_paths() -> str:
     return " ".join(f"{name}={os.environ[name]}" for name in TRITON_TOOL_PATHS if name in os.environ)
 
 
+def triton_ptxas_path() -> str | None:
+    """``TRITON_PTXAS_PATH`` as it is now (torch's inductor sets it at its first compile)."""
+    return os.environ.get("TRITON_PTXAS_PATH")
+
+
+def child_environment(overrides: dict[str, str]) -> dict[str, str]:
+    """This process's environment with ``overrides``: what a child process is started with."""
+    return {**os.environ, **overrides}
+
+
 @contextlib.contextmanager
 def triton_cache_scope() -> Iterator[Path]:
     """Compile certvllm's Triton kernels into certvllm's own disk cache for the duration of the block.

@@ -12,6 +12,12 @@ killed or times out costs only its time, and whatever it did not compile the ser
 
 Children are plain subprocesses (not ``multiprocessing``), so that a daemonic vLLM worker process can start them;
 the job goes in on stdin and the result comes back as one JSON line on stdout.
+
+A child compiles with the ``ptxas`` whose version the server process's compile hashes hold
+(:func:`children_ptxas`). Triton reads that version once per process, and inside vLLM it reads it before torch's
+inductor points ``TRITON_PTXAS_PATH`` at torch's own ``ptxas``: the server's hashes then name Triton's bundled
+``ptxas`` (CUDA 12.8 with Triton 3.6) while children started later, inheriting the variable, would name torch's
+(13.0), and the serial pass would find none of their variants (measured on the H100: 121 of 121 compiled again).
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ import torch
 
 from certvllm.attention.synthetic import SyntheticLayer
 from certvllm.config import CertConfig
-from certvllm.env import triton_tool_paths
+from certvllm.env import child_environment, triton_ptxas_path, triton_tool_paths
 from certvllm.triton_kernels import jit_cache
 from certvllm.triton_kernels.jit_cache import Variant
 
@@ -123,6 +129,40 @@ def partition(costs: list[int], n: int) -> list[list[int]]:
     return groups
 
 
+def children_ptxas() -> str | None:
+    """The ``ptxas`` the children must compile with for their compile hashes to equal this process's: of
+    ``TRITON_PTXAS_PATH`` and Triton's bundled ``ptxas``, the first whose ``--version`` is the version Triton
+    holds for this process. None where Triton has no active CUDA backend, targets Blackwell (its own
+    ``ptxas-blackwell``) or neither matches (the children then inherit the environment as it is)."""
+    try:
+        from triton.backends.nvidia import compiler as nvidia
+        from triton.runtime.driver import driver
+
+        target = driver.active.get_current_target()
+        if target.backend != "cuda" or target.arch >= 100:
+            return None
+        version = nvidia.get_ptxas_version(target.arch)  # cached per process: what every compile hash here holds
+    except Exception:  # noqa: BLE001 - no CUDA backend: nothing to align
+        return None
+    bundled = os.path.join(os.path.dirname(nvidia.__file__), "bin", "ptxas")
+    return matching_tool(version, [triton_ptxas_path(), bundled], _tool_version)
+
+
+def matching_tool(version: str, candidates: list[str | None], read_version: Any) -> str | None:
+    """The first existing path of ``candidates`` whose ``read_version(path)`` is ``version``, else None."""
+    for path in candidates:
+        if path and os.path.isfile(path) and read_version(path) == version:
+            return path
+    return None
+
+
+def _tool_version(path: str) -> str | None:
+    try:
+        return subprocess.check_output([path, "--version"], timeout=30).decode("utf-8")
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
 def _command() -> list[str]:
     """This interpreter, with ``-P`` when this process runs with it (a repository root on ``sys.path`` would put
     its top-level ``triton_kernels/`` before vLLM's)."""
@@ -134,13 +174,15 @@ def precompile(spec: LayerSpec, class_costs: list[int], n: int, timeout: float =
     ``n`` ≥ 2 children, into the disk cache of the calling environment. Never raises: failures are in the report's
     note (the serial warm-up compiles whatever is missing)."""
     start = time.perf_counter()
+    ptxas = children_ptxas()
+    env = child_environment({"TRITON_PTXAS_PATH": ptxas}) if ptxas else None
     with tempfile.TemporaryDirectory(prefix="certvllm-precompile-") as tmp:
         procs = []
         for k, group in enumerate(partition(class_costs, n)):
             files = [Path(tmp, f"{k}.{name}") for name in ("job", "out", "err")]
             files[0].write_text(json.dumps({"spec": asdict(spec), "classes": group}))
             with files[0].open() as job, files[1].open("w") as out, files[2].open("w") as err:
-                procs.append((subprocess.Popen(_command(), stdin=job, stdout=out, stderr=err), files))
+                procs.append((subprocess.Popen(_command(), stdin=job, stdout=out, stderr=err, env=env), files))
         compilations, failures, variants, backend = 0, [], set(), ""
         for k, (proc, (_, out, err)) in enumerate(procs):
             try:

@@ -155,3 +155,43 @@ def test_children_compile_what_the_serial_pass_then_loads(tmp_path, monkeypatch)
         assert set(folder.iterdir()) == before, "the serial pass compiled variants the children had not"
     finally:
         env.environment.cache_clear()
+
+
+def test_the_children_get_the_ptxas_whose_version_this_process_hashes(tmp_path):
+    """``matching_tool``: of the candidates (``TRITON_PTXAS_PATH``, then Triton's bundled ``ptxas``) the first
+    existing file whose version is the one this process's compile hashes hold; none when nothing matches."""
+    torch_ptxas, bundled = tmp_path / "torch-ptxas", tmp_path / "bundled-ptxas"
+    for path in (torch_ptxas, bundled):
+        path.write_text("")
+    versions = {str(torch_ptxas): "release 13.0", str(bundled): "release 12.8"}
+    read = versions.get
+    assert pc.matching_tool("release 12.8", [str(torch_ptxas), str(bundled)], read) == str(bundled)
+    assert pc.matching_tool("release 13.0", [str(torch_ptxas), str(bundled)], read) == str(torch_ptxas)
+    assert pc.matching_tool("release 13.0", [None, str(bundled)], read) is None
+    assert pc.matching_tool("release 12.8", [str(tmp_path / "missing"), str(bundled)], read) == str(bundled)
+
+
+def test_children_start_with_the_matched_ptxas(monkeypatch):
+    """``precompile`` starts its children with ``TRITON_PTXAS_PATH`` set to :func:`children_ptxas`'s answer (inside
+    vLLM the server's hashes name Triton's bundled ``ptxas`` while the variable, set later by inductor, names
+    torch's); with no answer they inherit the environment as it is."""
+    started: list[dict | None] = []
+
+    class Recorded:
+        def __init__(self, *args, env=None, **kwargs) -> None:
+            started.append(env)
+            self.returncode = 1
+
+        def wait(self, timeout=None) -> int:
+            return 1
+
+    monkeypatch.setattr(pc.subprocess, "Popen", Recorded)
+    spec, costs = _spec("cpu")
+    monkeypatch.setattr(pc, "children_ptxas", lambda: "/opt/triton/bin/ptxas")
+    precompile(spec, costs, 2)
+    assert [env["TRITON_PTXAS_PATH"] for env in started] == ["/opt/triton/bin/ptxas"] * 2
+    assert all(env["PATH"] == os.environ["PATH"] for env in started)  # the rest of the environment is inherited
+    started.clear()
+    monkeypatch.setattr(pc, "children_ptxas", lambda: None)
+    precompile(spec, costs, 2)
+    assert started == [None, None]
