@@ -123,11 +123,21 @@ def test_serial_misses_names_what_the_children_did_not_leave():
     assert "differs" not in pc.serial_misses(rehashed, kid, here, here)
 
 
+def _torch_ptxas() -> str | None:
+    """torch's own ``ptxas`` (what inductor points ``TRITON_PTXAS_PATH`` at), where the wheel ships one."""
+    path = os.path.join(os.path.dirname(torch.__file__), "bin", "ptxas")
+    return path if os.path.isfile(path) else None
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_children_compile_what_the_serial_pass_then_loads(tmp_path, monkeypatch):
+@pytest.mark.parametrize("ptxas_set_later", [False, True])
+def test_children_compile_what_the_serial_pass_then_loads(tmp_path, monkeypatch, ptxas_set_later):
     """At LLaMA-3.1-8B shapes up to 8K tokens, into an empty cache: four children compile the warm-up's variants,
-    and the serial pass that follows in this process adds nothing to the cache (it loaded every variant)."""
+    and the serial pass that follows in this process adds nothing to the cache (it loaded every variant).
+    ``ptxas_set_later``: as inside vLLM, this process's Triton has read its ``ptxas`` version before
+    ``TRITON_PTXAS_PATH`` is pointed at torch's ``ptxas`` (another version); the children must still compile under
+    this process's hashes (``precompile.children_ptxas``)."""
     from certvllm.triton_kernels import jit_cache
 
     from certvllm import env
@@ -135,6 +145,13 @@ def test_children_compile_what_the_serial_pass_then_loads(tmp_path, monkeypatch)
     from certvllm.attention.warmup import run_classes
 
     monkeypatch.setenv("CERTVLLM_TRITON_CACHE", str(tmp_path / "triton"))
+    if ptxas_set_later:
+        here = jit_cache.backend_hash()  # this process's ptxas version, read now and kept
+        other = _torch_ptxas()
+        if other is None or pc._tool_version(other) in here:
+            pytest.skip("torch ships no ptxas of another version than Triton's: nothing to misalign")
+        monkeypatch.setenv("TRITON_PTXAS_PATH", other)
+        assert pc.children_ptxas() not in (None, other)
     env.environment.cache_clear()
     try:
         cfg = load_config("default")
@@ -146,7 +163,12 @@ def test_children_compile_what_the_serial_pass_then_loads(tmp_path, monkeypatch)
             print(report.summary())
             assert report.note == "" and report.compilations > 0, report.summary()
             assert report.variants, "the children list the variants they compiled"
-            assert report.backend and report.backend == pc.compiler_fingerprint()
+            assert report.backend.startswith(f"backend {jit_cache.backend_hash()}"), (
+                report.backend,
+                pc.compiler_fingerprint(),
+            )
+            if not ptxas_set_later:
+                assert report.backend == pc.compiler_fingerprint()
             before = set(folder.iterdir())
         mine = jit_cache.variant_keys()
         serial = run_classes(classes, max_len, "LLaMA", lambda: SyntheticLayer(hq, hkv, d, torch.bfloat16, cfg, "cuda"))
