@@ -75,7 +75,12 @@ def test_kernel_summary_keeps_device_kernels_by_device_time() -> None:
 
     events = [event("cudaLaunchKernel", 90, 450.0, "CPU"), event("_attend", 32, 800.0, "CUDA"),
               event("_promote_kernel", 32, 1200.5, "CUDA"), event("idle", 3, 0.0, "CUDA")]  # fmt: skip
-    prof = SimpleNamespace(key_averages=lambda: events)
+    # the promotion pass's 32 launches: 28 short ones and 4 long ones (exact re-runs under the same name)
+    times = [20.0] * 28 + [300.0] * 3 + [500.5]
+    launches = [SimpleNamespace(name="_promote_kernel", device_type="DeviceType.CUDA", device_time=t) for t in times]
+    launches.append(SimpleNamespace(name="cudaLaunchKernel", device_type="DeviceType.CPU", device_time=0.0))
+    prof = SimpleNamespace(key_averages=lambda: events, events=lambda: launches)
     got = kernel_summary(prof, 1)
     assert got == {"total_us": 2000.5, "launches": 64,
-                   "kernels": [{"kernel": "_promote_kernel", "launches": 32, "total_us": 1200.5}]}  # fmt: skip
+                   "kernels": [{"kernel": "_promote_kernel", "launches": 32, "total_us": 1200.5,
+                                "launch_us": {"p50": 20.0, "p90": 300.0, "max": 500.5}}]}  # fmt: skip

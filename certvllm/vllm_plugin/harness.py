@@ -311,8 +311,14 @@ def kernel_profiler() -> Any:
 
 def kernel_summary(prof: Any, top: int) -> dict[str, Any]:
     """The device time of a recorded phase: ``{"total_us", "launches", "kernels": [...]}``, the ``top`` kernels by
-    device time, each ``{"kernel", "launches", "total_us"}`` (microseconds over the whole phase; the kernel names
-    as the driver reports them, truncated to 160 characters)."""
+    device time, each ``{"kernel", "launches", "total_us", "launch_us"}`` (microseconds over the whole phase; the
+    kernel names as the driver reports them, truncated to 160 characters; ``launch_us``: the median, 90th percentile
+    and largest time of one launch, which tell a kernel's common launch from its rare long ones, such as the
+    promotion pass's from the exact re-run of escalated groups under the same name)."""
+    launches: dict[str, list[float]] = {}
+    for event in prof.events():
+        if "cuda" in str(getattr(event, "device_type", "")).lower():
+            launches.setdefault(event.name[:160], []).append(float(getattr(event, "device_time", 0.0) or 0.0))
     rows = []
     for event in prof.key_averages():
         total = float(getattr(event, "device_time_total", 0.0) or getattr(event, "cuda_time_total", 0.0) or 0.0)
@@ -320,7 +326,12 @@ def kernel_summary(prof: Any, top: int) -> dict[str, Any]:
             continue
         if "cuda" not in str(event.device_type).lower():
             continue
-        rows.append({"kernel": event.key[:160], "launches": int(event.count), "total_us": round(total, 1)})
+        row = {"kernel": event.key[:160], "launches": int(event.count), "total_us": round(total, 1)}
+        times = sorted(launches.get(event.key[:160], ()))
+        if times:
+            row["launch_us"] = {"p50": round(times[len(times) // 2], 1), "p90": round(times[(9 * len(times)) // 10], 1),
+                                "max": round(times[-1], 1)}  # fmt: skip
+        rows.append(row)
     rows.sort(key=lambda r: -r["total_us"])
     return {"total_us": round(sum(r["total_us"] for r in rows), 1), "launches": sum(r["launches"] for r in rows),
             "kernels": rows[:top]}  # fmt: skip
