@@ -122,7 +122,9 @@ def print_summary(s: dict[str, Any], rows: int) -> None:
         extra = f", {k['seconds']:.3f} s wall" if "seconds" in k else ""
         print(f"-- {key}: {k['total_us'] / per / 1e3:.2f} ms of kernels {unit} ({k['launches']} launches{extra})")
         for r in k["kernels"][:rows]:
-            print(f"{r['total_us'] / per / 1e3:9.3f} ms {r['launches'] / per:9.1f}  {r['kernel'][:110]}")
+            t = r.get("launch_us")
+            each = f"  [launch µs p50 {t['p50']:.0f} / p90 {t['p90']:.0f} / max {t['max']:.0f}]" if t else ""
+            print(f"{r['total_us'] / per / 1e3:9.3f} ms {r['launches'] / per:9.1f}  {r['kernel'][:110]}{each}")
 
 
 def main(argv: list[str] | None = None) -> int:
