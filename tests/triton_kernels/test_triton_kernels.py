@@ -890,6 +890,39 @@ def test_exact_rerun_reads_a_write_through_pool(gen, monkeypatch):
     _assert_identical(out, _call(bare, q, tables, lens, off, force_exact=force))
 
 
+def test_finer_rerun_splits_give_the_exact_output(gen, monkeypatch):
+    """``KernelTuning.rerun_split_factor``: the exact re-run over 4× the main pass's splits (every head forced to
+    rung 3) returns the outputs of the main pass's plan to the rounding of the float64 sums across splits, whose
+    grouping differs (1e-6 of the largest value), and its plan is the finer one."""
+    from certvllm.triton_kernels.tuning import KernelTuning
+
+    from certvllm.attention import gpu as gpu_path
+    from certvllm.attention.gpu import CudaOptions
+
+    cfg = load_config("default", force_fallback="head")
+    cases = [make_case("sink_and_recency", t, 8, 2, 64, torch.float16, gen) for t in (70, 203)]
+    cache, tables, lens = paged_batch(cases, cfg.value_group_size)
+    q = torch.stack([c.q for c in cases]).to(DEV)
+    dcache = _to_device(cache)
+    plans, promote = [], gpu_path.promote
+
+    def spy(geo, *args):
+        plans.append((geo.splits, geo.blocks_per_split))
+        return promote(geo, *args)
+
+    monkeypatch.setattr(gpu_path, "promote", spy)
+    outs = []
+    for factor in (1, 4):
+        options = CudaOptions(blocks_per_split=8, tuning=KernelTuning(rerun_split_factor=factor))
+        outs.append(_call(dcache, q, tables.to(DEV), lens.to(DEV), cfg, cuda_options=options))
+    assert plans == [(2, 8), (2, 8), (2, 8), (4, 4)]  # main and re-run per call: the re-run's plan is finer
+    plain, fine = outs
+    assert bool((fine.report.rung >= 3).all()) and torch.equal(fine.report.rung, plain.report.rung)
+    torch.testing.assert_close(fine.out, plain.out, rtol=0.0, atol=1e-6 * _vmax(cases))
+    exact = torch.stack([exact_attention(c.q, c.k, c.v, 1 / 8) for c in cases]).float()
+    torch.testing.assert_close(fine.out.cpu(), exact, rtol=0.0, atol=1e-5 * _vmax(cases))
+
+
 @_cuda_only
 def test_promotion_cache_never_serves_a_rewritten_block(gen, monkeypatch):
     # the canary is off so that a stale key page could not be caught (and recomputed exactly) by rung 4
