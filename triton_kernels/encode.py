@@ -74,6 +74,13 @@ def _encode_pages_kernel(
     H_KV: tl.constexpr = 1,  # FROM_SLOTS: KV heads
     M_SUB: tl.constexpr = 1,  # FROM_SLOTS: 16-token blocks per engine block
     BUMP: tl.constexpr = False,  # FROM_SLOTS: add 1 to each encoded block's generation
+    src_k=None,  # FROM_WRITE: the write's keys [T, H_KV, D] on the device (token stride KEY_T, head stride KEY_H)
+    src_v=None,  # FROM_WRITE: the write's values (VAL_T, VAL_H)
+    KEY_T=0,
+    KEY_H=0,
+    VAL_T=0,
+    VAL_H=0,
+    FROM_WRITE: tl.constexpr = False,  # FROM_SLOTS: a block whose 16 tokens are all in this write is read from it
     pool_k=None,  # WRITE_POOL: [blocks·H_KV, N, D] the direct-mapped promotion pool's key pages (slot = page)
     pool_tag=None,  # WRITE_POOL: [blocks·H_KV] int64 page id of each slot
     pool_gen=None,  # WRITE_POOL: [blocks·H_KV] int64 write generation of each slot's copy
@@ -108,9 +115,23 @@ def _encode_pages_kernel(
     t = tl.arange(0, N)
     d = tl.arange(0, DP)
     dm = d < D
+    from_shadow = dm[None, :]  # [1, DP]: where the shadow is read
+    if FROM_WRITE:  # the block's 16 tokens are the write's tokens ti − 15 … ti (their slots say so): read them there
+        ti = (pid // H_KV).to(tl.int64)
+        first = ti - (N - 1)
+        prior = tl.load(k_off + first + t, mask=(first + t) >= 0, other=-1)
+        matched = tl.sum((prior == slot - (N - 1) + t).to(tl.int32), axis=0)
+        # the decision as [N] vectors (the same value in every lane; the interpreter takes no scalar in a mask)
+        inwrite = ((first + t * 0) >= 0) & ((matched + t * 0) == N)
+        outside = ((first + t * 0) < 0) | ((matched + t * 0) != N)
+        from_shadow = from_shadow & outside[:, None]
 
     # ---------------- keys: per-channel offset and log-coded scale, INT8 codes
-    k_raw = tl.load(k_ptr + koff + t[:, None] * K_ST + d[None, :] * K_SC, mask=dm[None, :], other=0.0)
+    k_raw = tl.load(k_ptr + koff + t[:, None] * K_ST + d[None, :] * K_SC, mask=from_shadow, other=0.0)
+    if FROM_WRITE:
+        k_dev = tl.load(src_k + (first + t[:, None]) * KEY_T + head * KEY_H + d[None, :],
+                        mask=dm[None, :] & inwrite[:, None], other=0.0)  # fmt: skip
+        k_raw = tl.where(inwrite[:, None], k_dev, k_raw)
     if WRITE_POOL:  # the shadow's bytes of this (block, head), token-major, into the page's own slot
         tl.store(pool_k + (block * H_KV + head) * (N * D) + t[:, None] * D + d[None, :], k_raw, mask=dm[None, :])
     k = k_raw.to(tl.float32)
@@ -155,8 +176,18 @@ def _encode_pages_kernel(
     col = grp[None, :, None] * GRP + 2 * j[None, None, :]  # [1, NGP, HALF] even element of each pair
     vmask = gm[None, :, None] & (t[:, None, None] >= 0)
     vbase = v_ptr + voff + t[:, None, None] * D + col
-    ve = tl.load(vbase, mask=vmask, other=0.0).to(tl.float32)  # [N, NGP, HALF]
-    vo = tl.load(vbase + 1, mask=vmask, other=0.0).to(tl.float32)
+    vmask_shadow = vmask
+    if FROM_WRITE:
+        vmask_shadow = vmask & outside[:, None, None]
+    ve = tl.load(vbase, mask=vmask_shadow, other=0.0)  # [N, NGP, HALF]
+    vo = tl.load(vbase + 1, mask=vmask_shadow, other=0.0)
+    if FROM_WRITE:
+        vsrc = src_v + (first + t[:, None, None]) * VAL_T + head * VAL_H + col
+        vin = vmask & inwrite[:, None, None]
+        ve = tl.where(vin, tl.load(vsrc, mask=vin, other=0.0), ve)
+        vo = tl.where(vin, tl.load(vsrc + 1, mask=vin, other=0.0), vo)
+    ve = ve.to(tl.float32)
+    vo = vo.to(tl.float32)
     v_nan = tl.max(tl.max(tl.where((ve != ve) | (vo != vo), 1, 0), axis=2), axis=1) > 0  # [N]
     glo = tl.minimum(
         tl.min(tl.where(vmask, ve, float("inf")), axis=2), tl.min(tl.where(vmask, vo, float("inf")), axis=2)
@@ -285,7 +316,8 @@ def _layout_args(layout: PageLayout) -> dict:
 
 def encode_completed_blocks(pages: torch.Tensor, shadow: torch.Tensor, slots: torch.Tensor, layout: PageLayout,
                             num_kv_heads: int, sub_blocks: int, generation: torch.Tensor | None = None,
-                            pool: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:  # fmt: skip
+                            pool: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                            source: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:  # fmt: skip
     """Encode the blocks a write completes, in one launch: for every token slot at the last offset of its 16-token
     block, that block's page of every KV head, from the token-major shadow (what :func:`encode_into` does for a
     list of blocks, with the same bytes; the offsets are formed in the kernel, so the caller runs no glue).
@@ -302,6 +334,11 @@ def encode_completed_blocks(pages: torch.Tensor, shadow: torch.Tensor, slots: to
             its keys from the shadow into its slot, tagged with the block's new generation, so the promotion pass
             finds them in VRAM instead of reading them over PCIe at their first promotion
             (``kv.promotion_cache.PromotionCache.write_through``). Needs ``generation``.
+        source: the write's ``(key, value)`` ``[T, H_kv, D]`` on the pages' device (the tokens of ``slots``, in the
+            shadow's dtype, channels contiguous), or None. A block whose 16 tokens are all in this write (its
+            last token's 15 predecessors in the write hold the block's other slots, in order: a prefill's
+            blocks) is encoded from them instead of from the shadow: the same bytes, read in VRAM instead of over
+            PCIe; a block started by an earlier write (decode, a chunk's first block) is read from the shadow.
     """
     t = slots.numel()
     if t == 0:
@@ -320,6 +357,17 @@ def encode_completed_blocks(pages: torch.Tensor, shadow: torch.Tensor, slots: to
                 "a hashed pool (PromotionCache.write_through is False)"
             )
         extra = dict(pool_k=keys, pool_tag=tag, pool_gen=tag_gen, WRITE_POOL=True)
+    if source is not None:
+        key, value = source
+        want = (t, num_kv_heads, layout.head_dim)
+        if key.shape != want or value.shape != want or key.dtype != shadow.dtype or value.dtype != shadow.dtype:
+            raise ValueError(f"encode_completed_blocks: source keys {tuple(key.shape)} {key.dtype} and values "
+                             f"{tuple(value.shape)} {value.dtype} must be {want} in the shadow's dtype {shadow.dtype}, "
+                             "the tokens of slots; pass source=None to read every block from the shadow")  # fmt: skip
+        if key.stride(2) != 1 or value.stride(2) != 1:
+            raise ValueError("encode_completed_blocks: the source's channels must be contiguous (stride 1)")
+        extra.update(src_k=key, src_v=value, KEY_T=key.stride(0), KEY_H=key.stride(1), VAL_T=value.stride(0),
+                     VAL_H=value.stride(1), FROM_WRITE=True)  # fmt: skip
     _encode_pages_kernel[(t * num_kv_heads,)](
         device_arg(shadow), device_arg(shadow), slots, slots, slots, generation if bump else slots,
         pages, pages.view(torch.float16), pages.view(torch.float32), _lut64(pages.device),

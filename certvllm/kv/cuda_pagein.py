@@ -237,7 +237,9 @@ def write_tokens_on_device(
     """The CUDA write path with no host synchronisation and two launches: this step's tokens go into the shadow
     by device stores, each bumping its block's write generation (``triton_kernels.shadow_write``), then every
     block a token completes (its offset is the last of the block) is encoded into its pages and its generation
-    bumped again (``triton_kernels.encode.encode_completed_blocks``, offsets formed in the kernel). The same
+    bumped again (``triton_kernels.encode.encode_completed_blocks``, offsets formed in the kernel; a block whose
+    16 tokens are all in this write, as a prefill's are, is read from ``key``/``value`` in VRAM, the others
+    from the shadow over PCIe). The same
     shadow bytes, pages and generations as ``LayerKVCache.write_shadow`` followed by
     :func:`encode_blocks_from_shadow` of the blocks it returns, which bring the slots and the keys to the host.
 
@@ -259,7 +261,8 @@ def write_tokens_on_device(
     slots = slots.to(cache.pages.device, torch.int64)
     scatter_into_shadow(shadow, key, value, slots, cache.sub_blocks, 16, cache.generation)
     encode_completed_blocks(cache.pages, shadow, slots, cache.layout, cache.num_kv_heads, cache.sub_blocks,
-                            cache.generation, None if pool is None else pool.write_through_tensors())  # fmt: skip
+                            cache.generation, None if pool is None else pool.write_through_tensors(),
+                            source=(key, value))  # fmt: skip
 
 
 def encode_blocks_from_shadow(cache: LayerKVCache, block_ids: torch.Tensor) -> None:

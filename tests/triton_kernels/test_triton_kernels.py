@@ -270,6 +270,43 @@ def test_device_write_path_equals_the_host_write_path(sub, gen):
     assert int(host.generation.sum()) > 0
 
 
+def test_completed_blocks_are_encoded_from_the_write_where_it_holds_all_their_tokens(gen):
+    """``encode_completed_blocks(..., source=(key, value))``: a block whose 16 tokens are all in the write (a
+    prefill's) is encoded from the write's tokens, one started earlier (a decode token completing it, a chunk's
+    first block) from the shadow. The write's tokens are made to differ from the shadow here (in serving the
+    shadow holds the same bytes) so that each block's source shows in its page; a reordered write (its slots out
+    of order) is read from the shadow too."""
+    from certvllm.triton_kernels.encode import encode_completed_blocks
+
+    from certvllm.formats.pages import encode_pages
+
+    lay, heads, d = PageLayout(64), 3, 64
+    pages = torch.zeros(8, heads, lay.page_bytes, dtype=torch.uint8, device=DEV)
+    shadow = torch.randn(8, heads, 2, BLOCK_SIZE, d, generator=gen).bfloat16()
+    cache = LayerKVCache(pages, shadow, lay)
+    cache.enable_generations()
+    shadow = ensure_device_readable(cache)
+    # blocks 1 and 2 whole in the write, block 3 begun, a decode token completing block 4, block 5 out of order
+    order5 = [5 * 16 + j for j in range(16)]
+    order5[3], order5[4] = order5[4], order5[3]
+    slots = list(range(16, 16 + 40)) + [4 * 16 + 15] + order5
+    kv = torch.randn(len(slots), heads, 3 * d, generator=gen).bfloat16().to(DEV)
+    key, value = kv[..., :d], kv[..., d : 2 * d]  # strided views, as vLLM hands them over
+    slot_t = torch.tensor(slots, dtype=torch.int64, device=DEV)
+    encode_completed_blocks(cache.pages, shadow, slot_t, lay, heads, 1, cache.generation, source=(key, value))
+    for block, src in ((1, key[0:16]), (2, key[16:32])):
+        at = slot_t.tolist().index(block * 16)
+        k = src.transpose(0, 1).unsqueeze(0).cpu()  # [1, H, 16, D]
+        v = value[at : at + 16].transpose(0, 1).unsqueeze(0).cpu()
+        assert_same_pages(cache.read_pages(torch.tensor([block], device=DEV)).cpu(), encode_pages(k, v, lay), lay)
+    for block in (4, 5):  # from the shadow
+        src = cache.shadow_blocks(torch.tensor([block]))
+        assert_same_pages(cache.read_pages(torch.tensor([block], device=DEV)).cpu(),
+                          encode_pages(src[:, :, 0], src[:, :, 1], lay), lay)  # fmt: skip
+    assert not bool(cache.read_pages(torch.tensor([3], device=DEV)).any())  # block 3 is not full: not encoded
+    assert cache.generation.tolist() == [0, 1, 1, 0, 1, 1, 0, 0]
+
+
 @pytest.mark.parametrize("sub", [1, _gpu_lane(2)])
 def test_write_through_pool_holds_the_written_keys_under_their_generation(sub, gen):
     """A write-through pool (one slot per page) filled by ``write_tokens_on_device``: after each write, exactly the
