@@ -254,9 +254,9 @@ def audit_check(
     W = tables.shape[1]
     dev = q.device
     g_per = hq // num_kv_heads
-    if heads_per_group not in (1, 2, 4) or heads_per_group > HEADS_PER_GROUP:
-        raise ValueError(f"audit_check: heads_per_group={heads_per_group} must be 1, 2 or {HEADS_PER_GROUP}; pass the "
-                         f"default ({HEADS_PER_GROUP})")  # fmt: skip
+    if not 1 <= heads_per_group <= HEADS_PER_GROUP or heads_per_group & (heads_per_group - 1):
+        raise ValueError(f"audit_check: heads_per_group={heads_per_group} must be a power of two in [1, "
+                         f"{HEADS_PER_GROUP}]; pass the default ({HEADS_PER_GROUP})")  # fmt: skip
     gp = min(next_pow2(g_per), heads_per_group)
     order, table = group_pairs(pairs, g_per, gp)
     # the float64 constants (as their bit patterns, padded to 48 bytes so that what follows stays 16-byte aligned:

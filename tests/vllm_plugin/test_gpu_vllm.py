@@ -465,6 +465,21 @@ def test_main_cudagraph_mode_change_is_explained_by_certvllm(engine8b):
     assert not vllm, f"vLLM's worker lowered cudagraph_mode itself, with no certvllm explanation: {vllm}"
 
 
+def test_main_warm_up_loads_what_its_children_compiled(engine8b):
+    """The parallel warm-up inside vLLM: the serial pass that follows the children compiles nothing they did not
+    leave, so the engine's log has no miss warning. Before the children took the server's ``ptxas``
+    (``precompile.children_ptxas``) every variant was compiled again there (H100, 2026-12-06: 121 of 121), because
+    the server's Triton hashed its bundled ``ptxas`` and the children, started after inductor set
+    ``TRITON_PTXAS_PATH``, torch's."""
+    log = engine8b["log"]
+    line = re.search(r"certvllm warm-up on \S+: [^\n]*", log)
+    assert line, "the engine's log has no warm-up line"
+    if "processes compiled" not in line.group(0):
+        pytest.skip(f"this warm-up ran no child processes ({line.group(0)[:200]})")
+    missed = re.search(r"[^\n]*variants were compiled again after the children[^\n]*", log)
+    assert missed is None, missed.group(0)[:2000]
+
+
 # -- e. the OpenAI server's /metrics ----------------------------------------------------------------------
 
 
