@@ -18,6 +18,9 @@ import argparse
 import json
 from pathlib import Path
 
+BOOL_FIELDS = ("promote_head_loop",)
+"""``KernelTuning`` fields that are switches: written ``FIELD=0`` or ``FIELD=1``."""
+
 
 def parse_tuning(items: list[str]) -> dict:
     """``["resident_maxnreg=168", ...]`` → ``{"resident_maxnreg": 168, ...}``, checked by ``KernelTuning``."""
@@ -29,7 +32,14 @@ def parse_tuning(items: list[str]) -> dict:
             name, sep, value = item.partition("=")
             if not sep:
                 raise ValueError(f"{item!r}: write FIELD=VALUE, e.g. resident_maxnreg=168")
-            out[name] = value if name == "dialect" else int(value)
+            if name == "dialect":
+                out[name] = value
+            elif name in BOOL_FIELDS:
+                if value not in ("0", "1"):
+                    raise ValueError(f"{item!r}: {name} takes 0 or 1")
+                out[name] = value == "1"
+            else:
+                out[name] = int(value)
         KernelTuning(**out)
     except (TypeError, ValueError) as err:
         raise SystemExit(f"--tuning: {err}") from err

@@ -15,6 +15,10 @@ configuration computes the same certified quantities (``tests/triton_kernels/tes
   page), and from 2 stages Triton issues the later blocks' loads ahead, the key pages as ``cp.async`` copies into
   shared memory (offline for sm_90 with Triton 3.6 at G = 4, D = 128: 127 registers at 1–3 stages, 168 at 4, no
   spill; 9.8 KB of shared memory at 3).
+* ``promote_head_loop``: the promotion pass computes a block's exact scores one query head at a time ([16, D]
+  products) instead of as one [G, 16, D] product: offline for sm_90 with Triton 3.6 at G = 4, D = 128, 64 registers
+  per thread instead of 96 (72 instead of 105 at 3 stages), room for more programs per multiprocessor in a pass
+  that waits on memory latency. The same D-term float32 sums, possibly in another order. Off until measured.
 * ``rerun_split_factor``: the exact re-run of escalated groups (rungs 3/4, ``DeviceRerun``) splits each group's blocks
   over this many times the main pass's programs. Only the escalated groups' programs work in the re-run, each
   walking its blocks one after another (keys from the pool, values zero-copy from the host), so with the main
@@ -71,6 +75,7 @@ class KernelTuning:
     attend_blk: int = 4
     attend_warps: int = 4
     promote_stages: int = 1
+    promote_head_loop: bool = False
     rerun_split_factor: int = 1
     resident_warps: int = 4
     resident_maxnreg: int = 0
@@ -87,6 +92,11 @@ class KernelTuning:
                     f"KernelTuning.{name}={value!r} is out of range: it must be {allowed}; pass e.g. "
                     f"KernelTuning({name}={defaults[name]!r}) (the default)"
                 )
+        if not isinstance(self.promote_head_loop, bool):
+            raise ValueError(
+                f"KernelTuning.promote_head_loop={self.promote_head_loop!r} must be True or False; pass "
+                "KernelTuning(promote_head_loop=False) (the default)"
+            )
         if self.dialect not in DIALECTS:
             raise ValueError(
                 f"KernelTuning.dialect={self.dialect!r} is not a kernel dialect: it must be one of "
