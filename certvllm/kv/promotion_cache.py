@@ -140,7 +140,8 @@ class PromotionCache:
         """``(keys, tag, tag_gen, generation)`` for gathers that may read a page's keys from this pool instead of
         the shadow (``triton_kernels.gather.gather_pages``): only a write-through pool, whose slot of page e is e;
         None otherwise."""
-        return (self.pool, self.tag, self.tag_gen, self.generation) if self.write_through else None
+        held = self.write_through_tensors()
+        return None if held is None else (*held, self.generation)
 
     # -- the per-call lookup -------------------------------------------------------------------------
     def slots_of(self, page: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
