@@ -18,9 +18,6 @@ import argparse
 import json
 from pathlib import Path
 
-BOOL_FIELDS = ("promote_head_loop",)
-"""``KernelTuning`` fields that are switches: written ``FIELD=0`` or ``FIELD=1``."""
-
 
 def parse_tuning(items: list[str]) -> dict:
     """``["resident_maxnreg=168", ...]`` → ``{"resident_maxnreg": 168, ...}``, checked by ``KernelTuning``."""
@@ -34,10 +31,6 @@ def parse_tuning(items: list[str]) -> dict:
                 raise ValueError(f"{item!r}: write FIELD=VALUE, e.g. resident_maxnreg=168")
             if name == "dialect":
                 out[name] = value
-            elif name in BOOL_FIELDS:
-                if value not in ("0", "1"):
-                    raise ValueError(f"{item!r}: {name} takes 0 or 1")
-                out[name] = value == "1"
             else:
                 out[name] = int(value)
         KernelTuning(**out)

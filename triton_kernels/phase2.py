@@ -80,7 +80,6 @@ def _promote_kernel(
     PB: tl.constexpr,  # blocks per tile of the bitmask scan
     USE_POOL: tl.constexpr,  # read key pages from the promotion cache where kslot ≥ 0
     NS: tl.constexpr,  # pipeline stages of the needed blocks' loop
-    HEAD_LOOP: tl.constexpr,  # exact scores one query head at a time (``KernelTuning.promote_head_loop``)
 ):  # fmt: skip
     N: tl.constexpr = 16
     rk, split, r, h = split_program(H)
@@ -137,13 +136,12 @@ def _promote_kernel(
             sn = tl.where(ks >= 0, D, sn)
             sd = tl.where(ks >= 0, 1, sd)
         kt = tl.load(src + n[:, None] * sn + d[None, :] * sd, mask=dm[None, :], other=0.0).to(tl.float32)
-        if HEAD_LOOP:  # one query head at a time: [N, DP] products instead of one [GP, N, DP] tile in registers
-            se = tl.zeros([GP, N], tl.float32)
-            for gg in tl.static_range(G):
-                qg = tl.sum(tl.where(g[:, None] == gg, q, 0.0), axis=0)  # [DP] query head gg (the others add 0)
-                se = tl.where(g[:, None] == gg, tl.sum(kt * qg[None, :], axis=1)[None, :], se)
-        else:
-            se = tl.sum(q[:, None, :] * kt[None, :, :], axis=2)  # [GP, N] exact-key scores
+        # the exact-key scores [GP, N], one query head at a time: [N, DP] products rather than one [GP, N, DP]
+        # tile, which kept the pass at 96 registers (64 this way) and took twice its time where it waits on latency
+        se = tl.zeros([GP, N], tl.float32)
+        for gg in tl.static_range(G):
+            qg = tl.sum(tl.where(g[:, None] == gg, q, 0.0), axis=0)  # [DP] query head gg (the others add 0)
+            se = tl.where(g[:, None] == gg, tl.sum(kt * qg[None, :], axis=1)[None, :], se)
         srow = ((rk * B + b) * G + g[:, None]) * N + n[None, :]
         if CANARY:
             s8 = tl.load(scores + srow, mask=gm[:, None], other=0.0)
@@ -348,7 +346,7 @@ def promote(
         pool, kslot, stage, nslots, needed, geo.num_blocks, B, tables.stride(0), S, geo.blocks_per_split,
         H=K, G=G, GP=next_pow2(G), D=D, DP=next_pow2(D), M=geo.sub_blocks, CHANNEL_MAJOR=geo.channel_major,
         CANARY=run_canary, PB=64, USE_POOL=use_pool, NS=geo.tuning.promote_stages,
-        HEAD_LOOP=geo.tuning.promote_head_loop, num_warps=4 if G <= 4 else 8,
+        num_warps=4 if G <= 4 else 8,
     )  # fmt: skip
     return smax, sabs
 

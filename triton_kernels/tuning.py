@@ -15,15 +15,6 @@ configuration computes the same certified quantities (``tests/triton_kernels/tes
   page), and from 2 stages Triton issues the later blocks' loads ahead, the key pages as ``cp.async`` copies into
   shared memory (offline for sm_90 with Triton 3.6 at G = 4, D = 128: 127 registers at 1–3 stages, 168 at 4, no
   spill; 9.8 KB of shared memory at 3).
-* ``promote_head_loop``: the promotion pass computes a block's exact scores one query head at a time ([16, D]
-  products) instead of as one [G, 16, D] product: offline for sm_90 with Triton 3.6 at G = 4, D = 128, 64 registers
-  per thread instead of 96 (72 instead of 105 at 3 stages), room for more programs per multiprocessor in a pass
-  that waits on memory latency. The same D-term float32 sums, possibly in another order. Off until measured.
-* ``rerun_split_factor``: the exact re-run of escalated groups (rungs 3/4, ``DeviceRerun``) splits each group's blocks
-  over this many times the main pass's programs. Only the escalated groups' programs work in the re-run, each
-  walking its blocks one after another (keys from the pool, values zero-copy from the host), so with the main
-  pass's plan a re-run at 32K keeps 16 programs busy per escalated group; more splits put more of its loads in
-  flight, at the price of more empty programs when nothing escalated. 1 (the main pass's plan) until measured.
 * ``resident_maxnreg``: registers per thread of the Gluon resident pass at most (0: no cap). Uncapped it takes ~254
   (2 four-warp programs per SM); 168 or 128 admit 3 or 4 programs and spill 336 / 520 bytes (Triton 3.6, offline):
   which wins is the H200's to say (``benchmarks/probe_resident.py --tuning resident_maxnreg=168``).
@@ -56,7 +47,6 @@ _RULES = {
     "phase1_warps": (lambda x: _pow2(x) and x <= 32, "a power of two in [1, 32]"),
     "attend_blk": (lambda x: _pow2(x) and x <= 64, "a power of two in [1, 64]"),
     "promote_stages": (lambda x: 1 <= x <= 4, "an integer in [1, 4]"),
-    "rerun_split_factor": (lambda x: _pow2(x) and x <= 64, "a power of two in [1, 64]"),
     "attend_warps": (lambda x: _pow2(x) and x <= 32, "a power of two in [1, 32]"),
     "resident_warps": (lambda x: _pow2(x) and x <= 16, "a power of two in [1, 16]"),
     "resident_maxnreg": (lambda x: x == 0 or 24 <= x <= 255, "0 (no cap) or an integer in [24, 255]"),
@@ -75,8 +65,6 @@ class KernelTuning:
     attend_blk: int = 4
     attend_warps: int = 4
     promote_stages: int = 1
-    promote_head_loop: bool = False
-    rerun_split_factor: int = 1
     resident_warps: int = 4
     resident_maxnreg: int = 0
     prefetch_programs: int = 8
@@ -92,11 +80,6 @@ class KernelTuning:
                     f"KernelTuning.{name}={value!r} is out of range: it must be {allowed}; pass e.g. "
                     f"KernelTuning({name}={defaults[name]!r}) (the default)"
                 )
-        if not isinstance(self.promote_head_loop, bool):
-            raise ValueError(
-                f"KernelTuning.promote_head_loop={self.promote_head_loop!r} must be True or False; pass "
-                "KernelTuning(promote_head_loop=False) (the default)"
-            )
         if self.dialect not in DIALECTS:
             raise ValueError(
                 f"KernelTuning.dialect={self.dialect!r} is not a kernel dialect: it must be one of "

@@ -24,7 +24,7 @@ the lengths, so the host never reads ``seq_lens``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -149,7 +149,6 @@ class DeviceRerun:
         are read from it, the shadow's bytes in VRAM, and only the rest over PCIe."""
         c, s = self.call, self.summary
         R, K, G, B, D = c.shape
-        geo = rerun_geometry(self.geo, B)
         kslot = None
         if c.glue_kernels:
             held = self.pool.direct_keys() if self.pool is not None else None
@@ -161,28 +160,18 @@ class DeviceRerun:
             bits = torch.where(active[:, :, None] & c.bvalid[:, None, :], full, 0).to(torch.int32).contiguous()
             active_i = active.to(torch.int32).contiguous()
             canary = torch.zeros(R, dtype=torch.int32, device=c.qs.device)
-        smax, _ = promote(geo, c.qs, c.cache.shadow, c.tables, c.nfull, bits, active_i, self.p1.scores,
+        smax, _ = promote(self.geo, c.qs, c.cache.shadow, c.tables, c.nfull, bits, active_i, self.p1.scores,
                           self.p1.m8, self.p1.delta, s.round1.contiguous(), canary, False,
                           None if kslot is None else self.pool.pool, kslot)  # fmt: skip
         m = _global_max(c, smax, s.s_tail)
         exact_lm = torch.empty(R, K, G, c.tables.shape[1], dtype=torch.float32, device=c.qs.device)
-        parts = attend(geo, self.p1.scores, m, c.cache.shadow, c.cache.pages, c.tables, c.nfull, bits,
+        parts = attend(self.geo, self.p1.scores, m, c.cache.shadow, c.cache.pages, c.tables, c.nfull, bits,
                        active_i, exact_lm)  # fmt: skip
         if c.glue_kernels:
             combine_exact(parts, s.s_tail, s.tail_v, m, rung, out)
             return
         exact_out, _, _ = combine(parts.acc.sum(dim=2), parts.den.sum(dim=2), s.s_tail, s.tail_v, m)
         out.copy_(torch.where(exact.unsqueeze(-1), exact_out, out))
-
-
-def rerun_geometry(geo: Phase2Geometry, width: int) -> Phase2Geometry:
-    """The exact re-run's split plan over a ``width``-column table: the main pass's ``geo`` with its blocks per
-    split divided by ``tuning.rerun_split_factor`` (at least 4, or the main plan's if smaller)."""
-    factor = geo.tuning.rerun_split_factor
-    if factor == 1:
-        return geo
-    bps = max(min(4, geo.blocks_per_split), -(-geo.blocks_per_split // factor))
-    return replace(geo, splits=max(1, -(-width // bps)), blocks_per_split=bps)
 
 
 def begin_call(layer_call: LayerCall, glue_kernels) -> tuple[_Call, torch.Tensor, object]:
