@@ -30,6 +30,7 @@ LAUNCHED: dict[str, tuple[str, ...]] = {
         "_claim2",
         "_claim3",
         "_settle",
+        "_direct_lookup",
         "_fill_list",
         "_resident_mark",
         "_resident_free_slots",

@@ -192,8 +192,9 @@ class PromotionCache:
     def lookup(
         self, cache: LayerKVCache, tables: torch.Tensor, nfull: torch.Tensor, bits: torch.Tensor, need_mask: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Resolve, fill the claimed slots from the shadow and retag them, in the four launches of
-        ``triton_kernels.pool``. No host synchronisation.
+        """Resolve, fill the claimed slots from the shadow and retag them, in the five launches of
+        ``triton_kernels.pool`` (two for a write-through pool, whose page ``e`` has slot ``e`` alone and needs no
+        claims). No host synchronisation.
 
         Args:
             cache: the layer's cache (the pool's).
@@ -212,7 +213,8 @@ class PromotionCache:
         shadow = ensure_device_readable(cache)
         slot_map, step = pool_lookup(self.pool, self.tag, self.tag_gen, self.generation, shadow, tables, nfull,
                                      bits, need_mask, cache.num_blocks, cache.sub_blocks,
-                                     cache.keys_channel_major, self.claims, self.values)  # fmt: skip
+                                     cache.keys_channel_major, self.claims, self.values,
+                                     direct=self.write_through)  # fmt: skip
         return self._count(slot_map, step)
 
     def lookup_reference(

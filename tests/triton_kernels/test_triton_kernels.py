@@ -763,6 +763,60 @@ def test_pool_lookup_kernels_equal_the_torch_reference(sub, channel_major, gen):
     assert st["hits"] > 0 and st["fills"] > 0 and st["bypass"] > 0
 
 
+def test_write_through_pool_lookup_equals_the_hashed_reference(gen, monkeypatch):
+    """A write-through pool (one slot per page) takes the claim-free lookup (``pool._direct_lookup``); the torch
+    reference runs the hashed pool's claims on the same pool. Page e's slot is e either way, so every slot map, tag,
+    generation tag and filled page is the same, bit for bit, over steps with hits, misses, rewritten blocks (their
+    slot is refilled) and rows sharing blocks. Counts: equal, except that where two rows need the same missing page
+    each may list it (the reference fills it once): pages needed and bypassed (0) still equal, hits + fills =
+    pages needed."""
+    from certvllm.triton_kernels import pool as pool_kernels
+
+    from certvllm.kv.promotion_cache import PromotionCache
+
+    lay = PageLayout(64)
+    E, H, G = 12, 2, 2
+    shadow = torch.randn(E, H, 2, BLOCK_SIZE, 64, generator=gen).half()
+    cache = LayerKVCache(torch.zeros(E, H, lay.page_bytes, dtype=torch.uint8, device=DEV), shadow, lay)
+    pools = [PromotionCache(cache, E * H) for _ in range(2)]
+    assert pools[0].write_through
+
+    def no_claims(*args):
+        raise AssertionError("a write-through pool's lookup ran the claims")
+
+    monkeypatch.setattr(pool_kernels, "_claims", no_claims)
+    for step in range(8):
+        tables = torch.randperm(E, generator=gen)[:10].view(2, 5)
+        shared = step % 4 == 3
+        if shared:  # two rows sharing their first blocks (a prefix-cache hit): items of the same page
+            tables[1, :3] = tables[0, :3]
+        tables = tables.to(DEV)
+        nfull = torch.tensor([5, 3]).to(DEV)
+        bits = torch.randint(0, 1 << (2 * G), (2, H, 5), generator=gen).to(torch.int32)
+        bits = torch.where(torch.rand(2, H, 5, generator=gen) < 0.6, bits, 0).to(DEV)
+        need_mask = -1 if step % 2 else (1 << G) - 1
+        before = pools[0].counts.clone()
+        got = pools[0].lookup(cache, tables, nfull, bits, need_mask)
+        want = pools[1].lookup_reference(cache, tables, nfull, bits, need_mask)
+        assert torch.equal(got[0], want[0])
+        for name in ("tag", "tag_gen"):
+            assert torch.equal(getattr(pools[0], name), getattr(pools[1], name)), name
+        filled = pools[0].tag >= 0
+        assert torch.equal(pools[0].pool[filled], pools[1].pool[filled])
+        pages = pools[0].tag[filled].cpu()
+        assert torch.equal(pools[0].pool[filled].cpu(), cache.shadow_pages(pages // H, pages % H)[:, 0])
+        assert bool((pools[0].claims == -1).all()), "the direct lookup does not touch the claim arrays"
+        mine = (pools[0].counts - before).cpu()
+        if not shared:
+            assert torch.equal(pools[0].counts, pools[1].counts), step
+        else:
+            assert int(mine[3]) == 0 and int(mine[0]) == int(mine[1]) + int(mine[2])
+            pools[1].counts.copy_(pools[0].counts)  # the totals go on from the same point
+        cache.bump_generation(torch.randint(0, E, (2,), generator=gen))
+    st = pools[0].take_stats()
+    assert st["hits"] > 0 and st["fills"] > 0 and st["bypass"] == 0
+
+
 def _assert_identical(a, b) -> None:
     assert torch.equal(a.out, b.out)
     for field in ("rung", "k_star", "v_promoted", "e_key", "e_val", "e_round"):
@@ -925,39 +979,6 @@ def test_exact_rerun_reads_a_write_through_pool(gen, monkeypatch):
     assert bool((rerun[1, :, :nfull] >= 0).all()) and bool((rerun[1, :, nfull:] == -1).all())
     assert bool((rerun[0] == -1).all())
     _assert_identical(out, _call(bare, q, tables, lens, off, force_exact=force))
-
-
-def test_finer_rerun_splits_give_the_exact_output(gen, monkeypatch):
-    """``KernelTuning.rerun_split_factor``: the exact re-run over 4× the main pass's splits (every head forced to
-    rung 3) returns the outputs of the main pass's plan to the rounding of the float64 sums across splits, whose
-    grouping differs (1e-6 of the largest value), and its plan is the finer one."""
-    from certvllm.triton_kernels.tuning import KernelTuning
-
-    from certvllm.attention import gpu as gpu_path
-    from certvllm.attention.gpu import CudaOptions
-
-    cfg = load_config("default", force_fallback="head")
-    cases = [make_case("sink_and_recency", t, 8, 2, 64, torch.float16, gen) for t in (70, 203)]
-    cache, tables, lens = paged_batch(cases, cfg.value_group_size)
-    q = torch.stack([c.q for c in cases]).to(DEV)
-    dcache = _to_device(cache)
-    plans, promote = [], gpu_path.promote
-
-    def spy(geo, *args):
-        plans.append((geo.splits, geo.blocks_per_split))
-        return promote(geo, *args)
-
-    monkeypatch.setattr(gpu_path, "promote", spy)
-    outs = []
-    for factor in (1, 4):
-        options = CudaOptions(blocks_per_split=8, tuning=KernelTuning(rerun_split_factor=factor))
-        outs.append(_call(dcache, q, tables.to(DEV), lens.to(DEV), cfg, cuda_options=options))
-    assert plans == [(2, 8), (2, 8), (2, 8), (4, 4)]  # main and re-run per call: the re-run's plan is finer
-    plain, fine = outs
-    assert bool((fine.report.rung >= 3).all()) and torch.equal(fine.report.rung, plain.report.rung)
-    torch.testing.assert_close(fine.out, plain.out, rtol=0.0, atol=1e-6 * _vmax(cases))
-    exact = torch.stack([exact_attention(c.q, c.k, c.v, 1 / 8) for c in cases]).float()
-    torch.testing.assert_close(fine.out.cpu(), exact, rtol=0.0, atol=1e-5 * _vmax(cases))
 
 
 @_cuda_only
