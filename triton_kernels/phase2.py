@@ -21,9 +21,8 @@ are left as allocated): the exact-only re-run used for rungs 3/4 on the device s
 groups only, and reads back only those.
 
 The promotion pass scans the bitmasks ``PB`` blocks at a time, listing each split's needed blocks in ascending order
-(a scratch list per program), then visits the listed blocks only, in a loop whose loads Triton software-pipelines
-(``KernelTuning.promote_stages``: from 2 stages the next blocks' key pages are in flight as ``cp.async`` copies while
-a block is scored). The attend pass takes ``BLK`` blocks per iteration ([BLK, 16, ·] tiles, the tokens of a
+(a scratch list per program), then visits the listed blocks only, one per iteration, scoring a block's 16 tokens one
+query head at a time. The attend pass takes ``BLK`` blocks per iteration ([BLK, 16, ·] tiles, the tokens of a
 block in registers); on CUDA Hopper its CUDA C++ version (``attend_cuda``: ``cp.async`` page streaming, the same
 sums and bounds) runs where it builds and supports the shape, otherwise this Triton kernel.
 """
@@ -79,7 +78,6 @@ def _promote_kernel(
     CANARY: tl.constexpr,  # run the canary (loads keys of value-only promoted blocks too)
     PB: tl.constexpr,  # blocks per tile of the bitmask scan
     USE_POOL: tl.constexpr,  # read key pages from the promotion cache where kslot ≥ 0
-    NS: tl.constexpr,  # pipeline stages of the needed blocks' loop
 ):  # fmt: skip
     N: tl.constexpr = 16
     rk, split, r, h = split_program(H)
@@ -118,9 +116,10 @@ def _promote_kernel(
         tl.store(listed + count + slot, it, mask=need_t)
         count += tl.sum(need_t.to(tl.int32), axis=0)
     tl.debug_barrier()  # the list written by this program's threads is read by all of them
-    # the needed blocks, one per iteration, their loads pipelined: the list entry, then the block's bitmask word,
-    # table entry and slot, then its key page (pool, staging or shadow: one load through a selected base)
-    for i in tl.range(0, count, num_stages=NS):
+    # the needed blocks, one per iteration: the list entry, then the block's bitmask word, table entry and slot,
+    # then its key page (pool, staging or shadow: one load through a selected base). Not software-pipelined: 3
+    # stages (cp.async key pages) measured 12 % faster over a VRAM pool but 31 % slower over PCIe (docs/performance.md)
+    for i in tl.range(0, count, num_stages=1):
         b = split * BPS + tl.load(listed + i)
         bb = tl.load(bits + rk * B + b)
         kb = (((bb >> g) & 1) != 0) & gm
@@ -345,7 +344,7 @@ def promote(
         qs, device_arg(shadow), tables, nfull, bits, active, scores, m8, delta, round1, canary, smax, sabs,
         pool, kslot, stage, nslots, needed, geo.num_blocks, B, tables.stride(0), S, geo.blocks_per_split,
         H=K, G=G, GP=next_pow2(G), D=D, DP=next_pow2(D), M=geo.sub_blocks, CHANNEL_MAJOR=geo.channel_major,
-        CANARY=run_canary, PB=64, USE_POOL=use_pool, NS=geo.tuning.promote_stages,
+        CANARY=run_canary, PB=64, USE_POOL=use_pool,
         num_warps=4 if G <= 4 else 8,
     )  # fmt: skip
     return smax, sabs

@@ -10,11 +10,6 @@ configuration computes the same certified quantities (``tests/triton_kernels/tes
   phase-1 kernel takes one block per warp, the Triton one ``phase1_blk`` blocks in one batched dot).
 * ``attend_blk``, ``attend_warps``: blocks per loop iteration of the Triton attend kernel, and warps per CUDA
   block of the CUDA attend kernel (``attend_cuda``: 2, 4 or 8) / per program of the Triton one.
-* ``promote_stages``: software-pipeline stages of the promotion pass's loop over its listed needed blocks
-  (``phase2.promote``): each block is a chain of dependent loads (list entry, bitmask word, table entry, slot, key
-  page), and from 2 stages Triton issues the later blocks' loads ahead, the key pages as ``cp.async`` copies into
-  shared memory (offline for sm_90 with Triton 3.6 at G = 4, D = 128: 127 registers at 1–3 stages, 168 at 4, no
-  spill; 9.8 KB of shared memory at 3).
 * ``resident_maxnreg``: registers per thread of the Gluon resident pass at most (0: no cap). Uncapped it takes ~254
   (2 four-warp programs per SM); 168 or 128 admit 3 or 4 programs and spill 336 / 520 bytes (Triton 3.6, offline):
   which wins is the H200's to say (``benchmarks/probe_resident.py --tuning resident_maxnreg=168``).
@@ -46,7 +41,6 @@ _RULES = {
     "phase1_blk": (lambda x: _pow2(x) and x <= 64, "a power of two in [1, 64]"),
     "phase1_warps": (lambda x: _pow2(x) and x <= 32, "a power of two in [1, 32]"),
     "attend_blk": (lambda x: _pow2(x) and x <= 64, "a power of two in [1, 64]"),
-    "promote_stages": (lambda x: 1 <= x <= 4, "an integer in [1, 4]"),
     "attend_warps": (lambda x: _pow2(x) and x <= 32, "a power of two in [1, 32]"),
     "resident_warps": (lambda x: _pow2(x) and x <= 16, "a power of two in [1, 16]"),
     "resident_maxnreg": (lambda x: x == 0 or 24 <= x <= 255, "0 (no cap) or an integer in [24, 255]"),
@@ -64,7 +58,6 @@ class KernelTuning:
     phase1_warps: int = 4
     attend_blk: int = 4
     attend_warps: int = 4
-    promote_stages: int = 1
     resident_warps: int = 4
     resident_maxnreg: int = 0
     prefetch_programs: int = 8

@@ -851,32 +851,6 @@ def test_promotion_cache_hits_are_bit_identical_to_no_cache(fraction, gen):
             assert st["bypass"] > 0  # 3 slots for 54 pages: conflicts, served from the shadow
 
 
-@_cuda_only
-def test_pipelined_promotion_pass_equals_the_plain_one(gen):
-    """``KernelTuning.promote_stages`` = 3 (the listed blocks' loads pipelined, key pages through ``cp.async``)
-    against 1, over a pool that serves some key pages and misses others (the shadow), twice (a warm pool): outputs
-    and reports bit for bit, since each block's scores are the same sums in the same order."""
-    from certvllm.triton_kernels.tuning import KernelTuning
-
-    from certvllm.attention.gpu import CudaOptions
-
-    cases = [make_case("sink_and_recency", t, 8, 2, 64, torch.float16, gen) for t in (261, 530)]
-    cache, tables, lens = paged_batch(cases)
-    tables, lens = tables.to(DEV), lens.to(DEV)
-    q = torch.stack([c.q for c in cases]).to(DEV)
-    cfg = load_config("default", promotion_cache_fraction=0.3)
-    results = []
-    for stages in (1, 3):
-        dev_cache = _to_device(cache)
-        res = Residency.for_layer(dev_cache, cfg.promotion_cache_fraction)
-        opts = CudaOptions(tuning=KernelTuning(promote_stages=stages))
-        results.append([_call(dev_cache, q, tables, lens, cfg, res, cuda_options=opts) for _ in range(2)])
-        st = res.pool.take_stats()
-        assert st["hits"] > 0 and st["bypass"] + st["fills"] > 0, st
-    for plain, pipelined in zip(*results, strict=True):
-        _assert_identical(plain, pipelined)
-
-
 def test_rerun_slot_map_holds_exactly_the_current_copies(gen):
     """``rerun_inputs`` with a write-through pool: the re-run's slot map is the page id where the group is active,
     the block full and the slot's tag (page, generation) equal to (page, the block's current generation), else −1;
