@@ -727,6 +727,33 @@ def test_resident_pool_pages_in_keeps_and_evicts(slots, gen):
         assert len(later) == slots and not (later & first)
 
 
+def _lookup_inputs(gen: torch.Generator, step: int, blocks: int, H: int, G: int, density: float):
+    """One step of the pool-lookup tests: 2 rows of 5 blocks out of ``blocks`` (every 4th step the rows share their
+    first 3: a prefix-cache hit, items of the same page), 5 and 3 full blocks, random promotion bits on about
+    ``density`` of the (row, KV head, block) items, and the need mask alternating between key bits and any bit.
+    Returns ``(tables, nfull, bits, need_mask, shared)``."""
+    tables = torch.randperm(blocks, generator=gen)[:10].view(2, 5)
+    shared = step % 4 == 3
+    if shared:
+        tables[1, :3] = tables[0, :3]
+    nfull = torch.tensor([5, 3]).to(DEV)
+    bits = torch.randint(0, 1 << (2 * G), (2, H, 5), generator=gen).to(torch.int32)
+    bits = torch.where(torch.rand(2, H, 5, generator=gen) < density, bits, 0).to(DEV)
+    return tables.to(DEV), nfull, bits, -1 if step % 2 else (1 << G) - 1, shared
+
+
+def _assert_pools_hold_the_same_pages(pools, cache: LayerKVCache) -> None:
+    """Two pools after the same lookups: the same tags and generation tags, the same bytes in every filled slot,
+    and each filled slot holding its page's keys from the shadow."""
+    H = cache.num_kv_heads
+    for name in ("tag", "tag_gen"):
+        assert torch.equal(getattr(pools[0], name), getattr(pools[1], name)), name
+    filled = pools[0].tag >= 0
+    assert torch.equal(pools[0].pool[filled], pools[1].pool[filled])
+    pages = pools[0].tag[filled].cpu()
+    assert torch.equal(pools[0].pool[filled].cpu(), cache.shadow_pages(pages // H, pages % H)[:, 0])
+
+
 @_cuda_only
 @pytest.mark.parametrize("sub,channel_major", [(1, False), (2, True)])
 def test_pool_lookup_kernels_equal_the_torch_reference(sub, channel_major, gen):
@@ -739,25 +766,13 @@ def test_pool_lookup_kernels_equal_the_torch_reference(sub, channel_major, gen):
                          keys_channel_major=channel_major)  # fmt: skip
     pools = [PromotionCache(cache, 5) for _ in range(2)]
     for step in range(8):
-        tables = torch.randperm(12, generator=gen)[:10].view(2, 5)
-        if step % 4 == 3:  # two rows sharing their first blocks (a prefix-cache hit): items of the same page
-            tables[1, :3] = tables[0, :3]
-        tables = tables.to(DEV)
-        nfull = torch.tensor([5, 3]).to(DEV)
-        bits = torch.randint(0, 1 << (2 * G), (2, H, 5), generator=gen).to(torch.int32)
-        bits = torch.where(torch.rand(2, H, 5, generator=gen) < 0.5, bits, 0).to(DEV)
-        need_mask = -1 if step % 2 else (1 << G) - 1
+        tables, nfull, bits, need_mask, _ = _lookup_inputs(gen, step, 12, H, G, 0.5)
         out = [pools[0].lookup(cache, tables, nfull, bits, need_mask),
                pools[1].lookup_reference(cache, tables, nfull, bits, need_mask)]  # fmt: skip
         assert torch.equal(out[0][0], out[1][0]) and int(out[0][1]) == int(out[1][1])
         assert bool((pools[0].claims == -1).all()), "a lookup leaves its claim arrays as it found them"
-        for name in ("tag", "tag_gen", "counts"):
-            assert torch.equal(getattr(pools[0], name), getattr(pools[1], name)), name
-        filled = pools[0].tag >= 0
-        assert torch.equal(pools[0].pool[filled], pools[1].pool[filled])
-        pages = pools[0].tag[filled].cpu()
-        want = cache.shadow_pages(pages // H, pages % H)[:, 0]  # each filled slot holds its page's keys
-        assert torch.equal(pools[0].pool[filled].cpu(), want)
+        assert torch.equal(pools[0].counts, pools[1].counts)
+        _assert_pools_hold_the_same_pages(pools, cache)
         cache.bump_generation(torch.randint(0, 12, (2,), generator=gen))
     st = pools[0].take_stats()
     assert st["hits"] > 0 and st["fills"] > 0 and st["bypass"] > 0
@@ -786,25 +801,12 @@ def test_write_through_pool_lookup_equals_the_hashed_reference(gen, monkeypatch)
 
     monkeypatch.setattr(pool_kernels, "_claims", no_claims)
     for step in range(8):
-        tables = torch.randperm(E, generator=gen)[:10].view(2, 5)
-        shared = step % 4 == 3
-        if shared:  # two rows sharing their first blocks (a prefix-cache hit): items of the same page
-            tables[1, :3] = tables[0, :3]
-        tables = tables.to(DEV)
-        nfull = torch.tensor([5, 3]).to(DEV)
-        bits = torch.randint(0, 1 << (2 * G), (2, H, 5), generator=gen).to(torch.int32)
-        bits = torch.where(torch.rand(2, H, 5, generator=gen) < 0.6, bits, 0).to(DEV)
-        need_mask = -1 if step % 2 else (1 << G) - 1
+        tables, nfull, bits, need_mask, shared = _lookup_inputs(gen, step, E, H, G, 0.6)
         before = pools[0].counts.clone()
         got = pools[0].lookup(cache, tables, nfull, bits, need_mask)
         want = pools[1].lookup_reference(cache, tables, nfull, bits, need_mask)
         assert torch.equal(got[0], want[0])
-        for name in ("tag", "tag_gen"):
-            assert torch.equal(getattr(pools[0], name), getattr(pools[1], name)), name
-        filled = pools[0].tag >= 0
-        assert torch.equal(pools[0].pool[filled], pools[1].pool[filled])
-        pages = pools[0].tag[filled].cpu()
-        assert torch.equal(pools[0].pool[filled].cpu(), cache.shadow_pages(pages // H, pages % H)[:, 0])
+        _assert_pools_hold_the_same_pages(pools, cache)
         assert bool((pools[0].claims == -1).all()), "the direct lookup does not touch the claim arrays"
         mine = (pools[0].counts - before).cpu()
         if not shared:
