@@ -118,7 +118,7 @@ def _promote_kernel(
     tl.debug_barrier()  # the list written by this program's threads is read by all of them
     # the needed blocks, one per iteration: the list entry, then the block's bitmask word, table entry and slot,
     # then its key page (pool, staging or shadow: one load through a selected base). Not software-pipelined: 3
-    # stages (cp.async key pages) measured 12 % faster over a VRAM pool but 31 % slower over PCIe (docs/performance.md)
+    # stages (cp.async key pages) were 12 % faster over a VRAM pool, 31 % slower over PCIe (docs/performance.md)
     for i in tl.range(0, count, num_stages=1):
         b = split * BPS + tl.load(listed + i)
         bb = tl.load(bits + rk * B + b)

@@ -1,8 +1,8 @@
-"""The promotion cache's per-call lookup in four small kernels (``certvllm.kv.promotion_cache``).
+"""The promotion cache's per-call lookup in five small kernels (two for a write-through pool) (``certvllm.kv.promotion_cache``).
 
 Same result as the torch reference ``PromotionCache.resolve`` plus its fill, bit for bit (the claims are
 ``atomic_max`` over the same candidates as torch's ``scatter_reduce`` amax, and a maximum does not depend
-on the order), in 4 launches instead of ~35 elementwise torch kernels over ``[R, H_kv, B]``:
+on the order), in 5 launches instead of ~35 elementwise torch kernels over ``[R, H_kv, B]``:
 
 1. ``_claim1``: per (row, KV head, block): the page is needed (valid block, ``bits & need_mask``); hit =
    one of its two slots holds (page, current generation); hits claim their slot with ``page + 2^62``,
@@ -239,9 +239,9 @@ def pool_lookup(
     return state, step
 
 
-def _claims(common: tuple, grid: tuple, blk: int, H: int, generation: torch.Tensor, tag: torch.Tensor, tag_gen: torch.Tensor,
-            claims: torch.Tensor, state: torch.Tensor, fills: torch.Tensor, nfill: torch.Tensor,
-            step: torch.Tensor) -> None:  # fmt: skip
+def _claims(common: tuple, grid: tuple, blk: int, H: int, generation: torch.Tensor, tag: torch.Tensor,
+            tag_gen: torch.Tensor, claims: torch.Tensor, state: torch.Tensor, fills: torch.Tensor,
+            nfill: torch.Tensor, step: torch.Tensor) -> None:  # fmt: skip
     """Steps 1–4 of the hashed pool's lookup (module docstring): the slot map into ``state``, the fills listed."""
     _claim1[grid](*common, generation, tag, tag_gen, claims[0], state, step, H=H, BLK=blk, num_warps=4)
     _claim2[grid](*common, claims[0], claims[1], state, step, H=H, BLK=blk, num_warps=4)
