@@ -1,4 +1,4 @@
-"""The promotion cache's per-call lookup in five small kernels (two for a write-through pool) (``certvllm.kv.promotion_cache``).
+"""The promotion cache's per-call lookup (``certvllm.kv.promotion_cache``): five small kernels, two for a write-through pool.
 
 Same result as the torch reference ``PromotionCache.resolve`` plus its fill, bit for bit (the claims are
 ``atomic_max`` over the same candidates as torch's ``scatter_reduce`` amax, and a maximum does not depend
