@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import fields
 from pathlib import Path
 
 
@@ -29,6 +30,9 @@ def parse_tuning(items: list[str]) -> dict:
             name, sep, value = item.partition("=")
             if not sep:
                 raise ValueError(f"{item!r}: write FIELD=VALUE, e.g. resident_maxnreg=168")
+            known = [f.name for f in fields(KernelTuning)]
+            if name not in known:
+                raise ValueError(f"{name!r} is not a KernelTuning field; the fields are {', '.join(known)}")
             if name == "dialect":
                 out[name] = value
             else:
