@@ -85,3 +85,22 @@ def test_a_gluon_kernel_that_fails_to_compile_falls_back_once_and_loudly():
     with pytest.warns(RuntimeWarning, match="the CUDA attend kernel failed to compile with nvcc"):
         cuda.run(broken, lambda: calls.append("triton"))
     assert calls[-1] == "triton"
+
+
+def test_the_tuning_flag_of_the_kernel_scripts_names_the_fields():
+    """``benchmarks/kernel_sass.py`` and ``profile_decode.py --tunings``: ``FIELD=VALUE`` items become
+    ``KernelTuning`` keyword arguments; an unknown name is refused with the list of fields, an out-of-range value
+    with ``KernelTuning``'s own message."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from kernel_sass import parse_tuning
+
+    assert parse_tuning(["attend_warps=8", "dialect=triton"]) == {"attend_warps": 8, "dialect": "triton"}
+    with pytest.raises(SystemExit, match="'promote_stages' is not a KernelTuning field; the fields are .*attend_warps"):
+        parse_tuning(["promote_stages=3"])
+    with pytest.raises(SystemExit, match=r"attend_warps=3 is out of range"):
+        parse_tuning(["attend_warps=3"])
+    with pytest.raises(SystemExit, match="write FIELD=VALUE"):
+        parse_tuning(["attend_warps"])
