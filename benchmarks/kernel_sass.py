@@ -25,12 +25,12 @@ def parse_tuning(items: list[str]) -> dict:
     from certvllm.triton_kernels.tuning import KernelTuning
 
     out: dict = {}
+    known = [f.name for f in fields(KernelTuning)]
     try:
         for item in items:
             name, sep, value = item.partition("=")
             if not sep:
                 raise ValueError(f"{item!r}: write FIELD=VALUE, e.g. resident_maxnreg=168")
-            known = [f.name for f in fields(KernelTuning)]
             if name not in known:
                 raise ValueError(f"{name!r} is not a KernelTuning field; the fields are {', '.join(known)}")
             if name == "dialect":

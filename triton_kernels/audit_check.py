@@ -308,26 +308,3 @@ def audit_check(
     if order != list(range(n)):
         verdict = verdict[back_d]  # the caller's order
     return verdict
-    launch_device_ok(verdict)
-    q, out, rung, bound, lens = (t.contiguous() for t in (q, out, rung, bound, lens))
-    tables = tables if tables.stride(-1) == 1 else tables.contiguous()
-    splits = max(1, triton.cdiv(W, COLUMNS_PER_SPLIT))
-    # pairs per launch: the partials stay within PARTIAL_BYTES (an audit of every head-step of a large batch at 128K
-    # would otherwise allocate gigabytes); an even count keeps every chunk's pairs 16-byte aligned
-    step = max(2, PARTIAL_BYTES // (splits * (4 + d) * 8) // 2 * 2)
-    partial = torch.empty(min(n, step), splits, 4 + d, dtype=torch.float64, device=dev)
-    _, h, _, mn, _ = shadow.shape
-    dp = next_pow2(d)
-    for start in range(0, n, step):  # stream-ordered: each chunk's verdict kernel reads the partials before the next
-        c = min(step, n - start)
-        _audit_partial_kernel[(c, splits)](
-            device_arg(shadow), partial, pairs_d[start:], q, tables, tables.stride(0), lens, consts_d,
-            int(num_blocks), W, splits,
-            HQ=hq, G=hq // num_kv_heads, H=h, M=mn // 16, D=d, DP=dp, CHANNEL_MAJOR=channel_major,
-            C=COLUMNS_PER_SPLIT, num_warps=8 if dp >= 128 else 4,
-        )  # fmt: skip
-        _audit_verdict_kernel[(c,)](
-            partial, verdict[start:], pairs_d[start:], out, rung, bound, tables, tables.stride(0), lens, W, splits,
-            consts_d, HQ=hq, D=d, DP=dp, RUNG_VALUES=rung_values, CHUNK=MERGE_CHUNK, num_warps=4,
-        )  # fmt: skip
-    return verdict

@@ -123,7 +123,7 @@ def _encode_pages_kernel(
         matched = tl.sum((prior == slot - (N - 1) + t).to(tl.int32), axis=0)
         # the decision as [N] vectors (the same value in every lane; the interpreter takes no scalar in a mask)
         inwrite = ((first + t * 0) >= 0) & ((matched + t * 0) == N)
-        outside = ((first + t * 0) < 0) | ((matched + t * 0) != N)
+        outside = ~inwrite
         from_shadow = from_shadow & outside[:, None]
 
     # ---------------- keys: per-channel offset and log-coded scale, INT8 codes
