@@ -99,29 +99,40 @@ def _at(x, pos, k):
 
 
 @triton.jit
-def _kth_key(key, W, LOG2BP: tl.constexpr):
-    """The W-th largest of the distinct keys ≥ 0 (0 if fewer than W), built bit by bit from the top: the
-    high word holds the bits of a non-negative float32 (bit 63 is 0), the low word is < 2^LOG2BP."""
+def _window_threshold(key, LO, W, LOG2BP: tl.constexpr):
+    """A threshold t with LO ≤ #{key ≥ t} ≤ W, for distinct keys ≥ 0 of which more than W exist (padding −1).
+
+    Bisection over the key bits from the top, stopping at the first candidate whose count lands in [LO, W]: the
+    high word holds the bits of a non-negative float32 (bit 63 is 0), the low word is < 2^LOG2BP, so bits 31 …
+    LOG2BP are skipped. Invariant: #{key ≥ t} > W. Keys are distinct, so one more bit moves the count by at most
+    the keys equal to the candidate; the loop therefore stops by the last bit whenever LO ≤ W (each count is
+    one block-wide reduction: a table's masses usually settle it within their exponent bits and a few mantissa
+    bits, not all 31 + LOG2BP)."""
     t = tl.max(key, 0) * 0
-    for i in tl.static_range(31):
-        cand = t | (1 << (62 - i))
-        t = tl.where(tl.sum((key >= cand).to(tl.int32), 0) >= W, cand, t)
-    for i in tl.static_range(LOG2BP):
-        cand = t | (1 << (LOG2BP - 1 - i))
-        t = tl.where(tl.sum((key >= cand).to(tl.int32), 0) >= W, cand, t)
+    one = t + 1
+    found = t * 0
+    i = 0
+    while (found == 0) & (i < 31 + LOG2BP):
+        shift = tl.where(i < 31, 62 - i, 31 + LOG2BP - 1 - i)
+        cand = t | (one << shift.to(tl.int64))
+        c = tl.sum((key >= cand).to(tl.int32), 0)
+        t = tl.where(c >= LO, cand, t)
+        found = ((c >= LO) & (c <= W)).to(found.dtype)
+        i += 1
     return t
 
 
 @triton.jit
-def _top_window(x, pos, B, scratch, W: tl.constexpr, BP: tl.constexpr, LOG2BP: tl.constexpr):
-    """The first W entries of the stable descending order of ``x`` (non-negative float32 over positions < B)
-    without sorting all BP: the W-th largest key by bisection (``_kth_key``), the keys at or above it
-    compacted through ``scratch`` ([W] int64 of this program) and sorted.
+def _top_window(x, pos, B, scratch, LO, W: tl.constexpr, BP: tl.constexpr, LOG2BP: tl.constexpr):
+    """The first ``count`` entries of the stable descending order of ``x`` (non-negative float32 over positions
+    < B, more than W of them), LO ≤ count ≤ W, without sorting all BP: a threshold by bisection
+    (``_window_threshold``), the keys at or above it compacted through ``scratch`` ([W] int64 of this program)
+    and sorted.
 
-    Returns ``(values [W], block ids [W], selected [BP] bool, count)``: window entries past ``count`` (when
-    B < W) are 0 with block id < 0."""
+    Returns ``(values [W], block ids [W], selected [BP] bool, count)``: window entries past ``count`` are 0 with
+    block id < 0."""
     key = _order_keys(x, pos, B, BP)
-    sel = key >= _kth_key(key, W, LOG2BP)
+    sel = key >= _window_threshold(key, LO, W, LOG2BP)
     sel = sel & (pos < B)
     slot = tl.cumsum(sel.to(tl.int32), 0) - 1
     tl.store(scratch + slot, key, mask=sel)
@@ -222,7 +233,8 @@ def _select_kernel(
             dsuf = tl.associative_scan(tl.load(delta + row + order, mask=q < B, other=0.0), 0, _max, reverse=True)
         else:  # only the first W positions can matter: K* ≤ ``policy.k_max_widened`` < W
             q = tl.arange(0, W)
-            smass, order, sel, _ = _top_window(mass, pos, B, scratch + pid * 2 * W, W, BP, LOG2BP)
+            LO = tl.maximum(KMAX1 + 1, W // 2)  # the fewest sorted positions a window holds (K* ≤ KMAX1)
+            smass, order, sel, _ = _top_window(mass, pos, B, scratch + pid * 2 * W, LO, W, BP, LOG2BP)
             rest = tl.sum(tl.where(sel, 0.0, mass).to(tl.float64), 0)
             alpha = (tl.cumsum(smass.to(tl.float64), 0, reverse=True) + rest).to(tl.float32)
             wdelta = tl.load(delta + row + order, mask=order >= 0, other=0.0)
@@ -253,7 +265,7 @@ def _select_kernel(
         if BP <= W:
             _promote_values_full(err, pos, B, nf, vbudget, VKMAX, bits + rk * B, G + g, BP)
         else:
-            serr, vorder, vsel, _ = _top_window(err, pos, B, scratch + (pid * 2 + 1) * W, W, BP, LOG2BP)
+            serr, vorder, vsel, _ = _top_window(err, pos, B, scratch + (pid * 2 + 1) * W, LO, W, BP, LOG2BP)
             vrest = tl.sum(tl.where(vsel, 0.0, err).to(tl.float64), 0)
             remaining = (tl.cumsum(serr.to(tl.float64), 0, reverse=True) + vrest).to(tl.float32)
             count = _first((remaining <= vbudget) & (q < B), q, -1, W)
