@@ -30,7 +30,7 @@ into short cycles). The 8B-shape engines therefore check what holds whatever the
 accounting, freed blocks, cache hits, preemptions, the ladder) and the greedy equalities that caching or
 preemption must not break, which such a model is not close to breaking; the certified-vs-auto agreement
 and rung 4's exactness need the real weights. Flat attention also sets the expected rung shares: none at
-rung 3 while every key block fits the default preset's FP16 set (k_max 128 blocks), every head past it
+rung 3 while every key block fits the default preset's FP16 set (k_max blocks), every head past it
 (ties at the selection boundary are never certified).
 
 No block held after a phase means no shadow page held: the host tier is indexed by block id
@@ -55,6 +55,7 @@ import torch
 from servers import abandon_stream, free_port, http_post, scrape, serving, wait_idle
 from test_vllm_engine import PROMPTS, agrees_enough
 
+from certvllm.config import load_config
 from certvllm.vllm_plugin.harness import greedy_agreement, metric_delta, run_engine
 
 pytestmark = [
@@ -71,7 +72,8 @@ ENGINE_TIMEOUT_S = 1500.0
 MAX_HEAD_FALLBACK_SHARE = 0.05  # rung 3: the documented alert threshold (docs/metrics.md, CertvllmHeadFallbackRateHigh)
 EXACT_REASONS = ("prefill", "prefill_cached", "dense_mode")
 FALLBACK_REASONS = ("rank", "boundary", "bound_tol")
-FLAT_CONTEXT = 128 * 16  # k_max key blocks of the default preset: past them, flat attention ties at the boundary
+# k_max key blocks of the default preset: past them, flat attention ties at the boundary
+FLAT_CONTEXT = load_config("default").k_max * 16
 PREFIX_LEN, SUFFIX_LEN = 8192, 40
 LONG_PROMPTS = (32768, 32768, 100_000)
 
