@@ -100,14 +100,14 @@ def _at(x, pos, k):
 
 @triton.jit
 def _window_threshold(key, LO, W, LOG2BP: tl.constexpr):
-    """A threshold t with LO ≤ #{key ≥ t} ≤ W, for distinct keys ≥ 0 of which more than W exist (padding −1).
+    """A threshold t with LO ≤ #{key ≥ t} ≤ W for more than W distinct keys ≥ 0 (padding −1); with at most W keys
+    the count is at most W and t may be 0 (all of them).
 
-    Bisection over the key bits from the top, stopping at the first candidate whose count lands in [LO, W]: the
-    high word holds the bits of a non-negative float32 (bit 63 is 0), the low word is < 2^LOG2BP, so bits 31 …
-    LOG2BP are skipped. Invariant: #{key ≥ t} > W. Keys are distinct, so one more bit moves the count by at most
-    the keys equal to the candidate; the loop therefore stops by the last bit whenever LO ≤ W (each count is
-    one block-wide reduction: a table's masses usually settle it within their exponent bits and a few mantissa
-    bits, not all 31 + LOG2BP)."""
+    Bisection over the key bits from the top (the high word holds the bits of a non-negative float32, bit 63 is 0;
+    the low word is < 2^LOG2BP, so its bits 31 … LOG2BP are skipped), keeping #{key ≥ t} > W and stopping at the
+    first candidate whose count lands in [LO, W]. It stops by the last bit: otherwise #{key ≥ t} > W and
+    #{key ≥ t + 1} < LO, while distinct keys make the two counts differ by at most 1. Each count is one
+    block-wide reduction; spread masses settle within their exponent and a few mantissa bits."""
     t = tl.max(key, 0) * 0
     one = t + 1
     found = t * 0

@@ -553,7 +553,7 @@ def _selection_cases() -> list:
 def test_selection_kernel_equals_the_torch_reference(kind, B, preset, window, gen):
     """``triton_kernels.select`` makes the decisions of ``select_keys``/``select_values``: the same key and
     value masks and the same rung-1 flags, block for block (K_min/K_max clamps, rung 1, value caps). A
-    window smaller than the table runs the windowed path (bisection for the W-th largest key, compaction,
+    window smaller than the table runs the windowed path (a threshold by bisection, the keys above it compacted,
     and the full order when the value greedy runs past the window: ``flat``/``huge_delta``)."""
     from certvllm.triton_kernels.select import select_blocks
 
