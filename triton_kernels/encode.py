@@ -80,7 +80,7 @@ def _encode_pages_kernel(
     KEY_H=0,
     VAL_T=0,
     VAL_H=0,
-    FROM_WRITE: tl.constexpr = False,  # FROM_SLOTS: a block whose 16 tokens are all in this write is read from it
+    FROM_WRITE: tl.constexpr = False,  # FROM_SLOTS: a block's tokens that are in this write are read from it
     pool_k=None,  # WRITE_POOL: [blocks·H_KV, N, D] the direct-mapped promotion pool's key pages (slot = page)
     pool_tag=None,  # WRITE_POOL: [blocks·H_KV] int64 page id of each slot
     pool_gen=None,  # WRITE_POOL: [blocks·H_KV] int64 write generation of each slot's copy
@@ -116,13 +116,11 @@ def _encode_pages_kernel(
     d = tl.arange(0, DP)
     dm = d < D
     from_shadow = dm[None, :]  # [1, DP]: where the shadow is read
-    if FROM_WRITE:  # the block's 16 tokens are the write's tokens ti − 15 … ti (their slots say so): read them there
+    if FROM_WRITE:  # token j of the block is read from the write where the write's token ti − 15 + j has its slot
         ti = (pid // H_KV).to(tl.int64)
         first = ti - (N - 1)
         prior = tl.load(k_off + first + t, mask=(first + t) >= 0, other=-1)
-        matched = tl.sum((prior == slot - (N - 1) + t).to(tl.int32), axis=0)
-        # the decision as [N] vectors (the same value in every lane; the interpreter takes no scalar in a mask)
-        inwrite = ((first + t * 0) >= 0) & ((matched + t * 0) == N)
+        inwrite = ((first + t) >= 0) & (prior == slot - (N - 1) + t)  # [N]
         outside = ~inwrite
         from_shadow = from_shadow & outside[:, None]
 
@@ -335,10 +333,11 @@ def encode_completed_blocks(pages: torch.Tensor, shadow: torch.Tensor, slots: to
             finds them in VRAM instead of reading them over PCIe at their first promotion
             (``kv.promotion_cache.PromotionCache.write_through``). Needs ``generation``.
         source: the write's ``(key, value)`` ``[T, H_kv, D]`` on the pages' device (the tokens of ``slots``, in the
-            shadow's dtype, channels contiguous), or None. A block whose 16 tokens are all in this write (its
-            last token's 15 predecessors in the write hold the block's other slots, in order: a prefill's
-            blocks) is encoded from them instead of from the shadow: the same bytes, read in VRAM instead of over
-            PCIe; a block started by an earlier write (decode, a chunk's first block) is read from the shadow.
+            shadow's dtype, channels contiguous), or None. Token j of a completed block whose last token is the
+            write's token i is read from the write's token i − 15 + j where that token's slot is the block's
+            j-th (a prefill's blocks: all 16; a decode token completing a block: the last; a chunk's first block:
+            its tokens from this chunk), the others from the shadow: the same bytes, this write's read in VRAM
+            instead of over PCIe, and none of them read back from the shadow this write's scatter stores into.
     """
     t = slots.numel()
     if t == 0:

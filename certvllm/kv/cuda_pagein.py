@@ -237,9 +237,9 @@ def write_tokens_on_device(
     """The CUDA write path with no host synchronisation and two launches: this step's tokens go into the shadow
     by device stores, each bumping its block's write generation (``triton_kernels.shadow_write``), then every
     block a token completes (its offset is the last of the block) is encoded into its pages and its generation
-    bumped again (``triton_kernels.encode.encode_completed_blocks``, offsets formed in the kernel; a block whose
-    16 tokens are all in this write, as a prefill's are, is read from ``key``/``value`` in VRAM, the others
-    from the shadow over PCIe). The same
+    bumped again (``triton_kernels.encode.encode_completed_blocks``, offsets formed in the kernel; a block's tokens that
+    are in this write, as all of a prefill's are, are read from ``key``/``value`` in VRAM, the others from the
+    shadow over PCIe). The same
     shadow bytes, pages and generations as ``LayerKVCache.write_shadow`` followed by
     :func:`encode_blocks_from_shadow` of the blocks it returns, which bring the slots and the keys to the host.
 

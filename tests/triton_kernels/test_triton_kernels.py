@@ -270,12 +270,13 @@ def test_device_write_path_equals_the_host_write_path(sub, gen):
     assert int(host.generation.sum()) > 0
 
 
-def test_completed_blocks_are_encoded_from_the_write_where_it_holds_all_their_tokens(gen):
-    """``encode_completed_blocks(..., source=(key, value))``: a block whose 16 tokens are all in the write (a
-    prefill's) is encoded from the write's tokens, one started earlier (a decode token completing it, a chunk's
-    first block) from the shadow. The write's tokens are made to differ from the shadow here (in serving the
-    shadow holds the same bytes) so that each block's source shows in its page; a reordered write (its slots out
-    of order) is read from the shadow too."""
+def test_completed_blocks_read_the_write_for_its_tokens_and_the_shadow_for_the_rest(gen):
+    """``encode_completed_blocks(..., source=(key, value))``: token j of a completed block is read from the write
+    where the write's token 15 − j places before the block's last one has the block's j-th slot (all 16 of a
+    prefill's block, the last token of a block a decode token completes, a chunk's tokens of the block an
+    earlier chunk began), every other token from the shadow. The write's tokens are made to differ from the
+    shadow here (in serving the shadow holds the same bytes, or is still being stored) so that each token's
+    source shows in its page; in a reordered block (two slots swapped) those two come from the shadow."""
     from certvllm.triton_kernels.encode import encode_completed_blocks
 
     from certvllm.formats.pages import encode_pages
@@ -286,25 +287,27 @@ def test_completed_blocks_are_encoded_from_the_write_where_it_holds_all_their_to
     cache = LayerKVCache(pages, shadow, lay)
     cache.enable_generations()
     shadow = ensure_device_readable(cache)
-    # blocks 1 and 2 whole in the write, block 3 begun, a decode token completing block 4, block 5 out of order
+    # blocks 1 and 2 whole in the write, block 3 begun, a decode token completing block 4, block 5 out of order,
+    # block 6's last 5 tokens (an earlier chunk wrote its first 11)
     order5 = [5 * 16 + j for j in range(16)]
     order5[3], order5[4] = order5[4], order5[3]
-    slots = list(range(16, 16 + 40)) + [4 * 16 + 15] + order5
+    slots = list(range(16, 16 + 40)) + [4 * 16 + 15] + order5 + [6 * 16 + j for j in range(11, 16)]
     kv = torch.randn(len(slots), heads, 3 * d, generator=gen).bfloat16().to(DEV)
     key, value = kv[..., :d], kv[..., d : 2 * d]  # strided views, as vLLM hands them over
     slot_t = torch.tensor(slots, dtype=torch.int64, device=DEV)
     encode_completed_blocks(cache.pages, shadow, slot_t, lay, heads, 1, cache.generation, source=(key, value))
-    for block, src in ((1, key[0:16]), (2, key[16:32])):
-        at = slot_t.tolist().index(block * 16)
-        k = src.transpose(0, 1).unsqueeze(0).cpu()  # [1, H, 16, D]
-        v = value[at : at + 16].transpose(0, 1).unsqueeze(0).cpu()
-        assert_same_pages(cache.read_pages(torch.tensor([block], device=DEV)).cpu(), encode_pages(k, v, lay), lay)
-    for block in (4, 5):  # from the shadow
-        src = cache.shadow_blocks(torch.tensor([block]))
+    from_write = {1: range(16), 2: range(16), 4: [15], 5: [j for j in range(16) if j not in (3, 4)],
+                  6: range(11, 16)}  # fmt: skip
+    for block, tokens in from_write.items():
+        src = cache.shadow_blocks(torch.tensor([block]))[0]  # [H, 2, 16, D]
+        k, v = src[:, 0].clone(), src[:, 1].clone()
+        for j in tokens:
+            at = slots.index(block * 16 + j)
+            k[:, j], v[:, j] = key[at].cpu(), value[at].cpu()
         assert_same_pages(cache.read_pages(torch.tensor([block], device=DEV)).cpu(),
-                          encode_pages(src[:, :, 0], src[:, :, 1], lay), lay)  # fmt: skip
+                          encode_pages(k.unsqueeze(0), v.unsqueeze(0), lay), lay)  # fmt: skip
     assert not bool(cache.read_pages(torch.tensor([3], device=DEV)).any())  # block 3 is not full: not encoded
-    assert cache.generation.tolist() == [0, 1, 1, 0, 1, 1, 0, 0]
+    assert cache.generation.tolist() == [0, 1, 1, 0, 1, 1, 1, 0]
 
 
 @pytest.mark.parametrize("sub", [1, _gpu_lane(2)])
