@@ -272,8 +272,9 @@ class WorkerRuntime:
             writer.settle(state.cache)
         writes = self._device_write_graphs(key.device)
         side = None
-        if writer is not None and rows is not None and key.shape[0] > self.max_decode_rows:
-            side = (writer, rows)
+        if (writer is not None and rows is not None and key.shape[0] > self.max_decode_rows
+                and not torch.cuda.is_current_stream_capturing()):  # fmt: skip
+            side = (writer, rows)  # a captured write may not fork onto another stream
         if writes is None or side is not None:
             from certvllm.kv.cuda_pagein import write_tokens_on_device
 
