@@ -135,9 +135,9 @@ class CertConfig(BaseModel):
         False,
         description="CUDA path only, opt-in until measured: a prefill's originals are stored into the host tier on "
         "a side stream while the layer's attention and the next layers run, instead of holding the stream for the "
-        "PCIe stores (certvllm.kv.shadow_writer); the certified decode rows' tokens stay on the stream, and each "
-        "layer's next write waits for its side stores. The same bytes, pages and generations either way. The CPU "
-        "path ignores it.",
+        "PCIe stores (certvllm.kv.shadow_writer); the certified decode rows' tokens stay on the stream, and every "
+        "write waits for the side stores queued before it. The same bytes, pages and generations either way. The "
+        "CPU path ignores it.",
     )
     warmup_workers: int | None = Field(
         None,

@@ -257,7 +257,7 @@ def write_tokens_on_device(
             completed blocks' keys go into their slots too.
         side: ``(writer, rows)``: store every token but those at indices ``rows`` ``[R]`` int64 (device: the
             certified decode rows') on the writer's side stream (``kv.shadow_writer``; the caller settles the
-            layer's earlier side stores first), or None: every token on the current stream.
+            side stores queued before first), or None: every token on the current stream.
     """
     from certvllm.triton_kernels.encode import encode_completed_blocks
     from certvllm.triton_kernels.shadow_write import scatter_into_shadow

@@ -266,10 +266,11 @@ class WorkerRuntime:
         else launched directly. ``key``/``value`` ``[T, H_kv, D]`` in the shadow's dtype and ``slots`` ``[T]``
         on the device. With ``CertConfig.overlap_shadow_writes``, a write of more than ``max_decode_rows`` tokens
         stores all but the tokens at indices ``rows`` ``[R]`` (device: the step's certified rows; None: all of them
-        stay) on a side stream (``kv.shadow_writer``), and every write first waits for the layer's earlier ones."""
+        stay) on a side stream (``kv.shadow_writer``), and every write first waits for the side stores queued
+        before it."""
         writer = self._shadow_writer(key.device)
         if writer is not None:
-            writer.settle(state.cache)
+            writer.settle()
         writes = self._device_write_graphs(key.device)
         side = None
         if (writer is not None and rows is not None and key.shape[0] > self.max_decode_rows

@@ -269,10 +269,10 @@ def test_device_write_path_equals_the_host_write_path(sub, gen):
         if full.numel():
             encode_blocks_from_shadow(host, full.to(DEV))
         write_tokens_on_device(device, key, value, slot_t.to(DEV))
-        writer.settle(split)
+        writer.settle()
         rows = torch.arange(0, len(slots), 3, device=DEV)
         write_tokens_on_device(split, key, value, slot_t.to(DEV), side=(writer, rows))
-    writer.settle(split)  # the side stream's stores land before the host reads the shadow
+    writer.settle()  # the side stream's stores land before the host reads the shadow
     if torch.device(DEV).type == "cuda":
         torch.cuda.synchronize()
     for cache in (device, split):
