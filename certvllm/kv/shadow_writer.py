@@ -39,7 +39,6 @@ class ShadowWriter:
         self.device = torch.device(device)
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._last: torch.cuda.Event | None = None
-        self.side_writes = 0  # writes whose stores went (in part) to the side stream
 
     def settle(self) -> None:
         """Make the current stream wait for every store queued on the side stream so far (no host
@@ -76,4 +75,3 @@ class ShadowWriter:
         for tensor in (key, value, side_slots):
             tensor.record_stream(self.stream)
         self._last = event
-        self.side_writes += 1

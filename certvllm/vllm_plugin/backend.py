@@ -388,7 +388,7 @@ class CertifiedAttentionImpl(AttentionImpl[CertifiedMetadata]):
             cache.encode_completed(slot_mapping)
         elif cache.pages.device.type == "cuda":  # device stores into the shadow, completed blocks encoded there
             rows = None  # the certified rows' tokens, whose shadow bytes this step's layer call reads back
-            if self.config.overlap_shadow_writes:
+            if self.config.overlap_shadow_writes and n > self.runtime.max_decode_rows:  # not for a decode step's write
                 meta = step_metadata(layer.layer_name)
                 rows = meta.row_tokens_dev if isinstance(meta, CertifiedMetadata) else None
             self.runtime.write_on_device(state, key[:n], value[:n], slot_mapping, rows)  # no host synchronisation
