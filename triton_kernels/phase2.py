@@ -21,8 +21,9 @@ are left as allocated): the exact-only re-run used for rungs 3/4 on the device s
 groups only, and reads back only those.
 
 The promotion pass scans the bitmasks ``PB`` blocks at a time, listing each split's needed blocks in ascending order
-(a scratch list per program), then visits the listed blocks only, one per iteration, scoring a block's 16 tokens one
-query head at a time. The attend pass takes ``BLK`` blocks per iteration ([BLK, 16, ·] tiles, the tokens of a
+with their key pages' sources (table entry and pool slot resolved in the scan, a scratch list per program), then
+visits the listed blocks only, one per iteration, scoring a block's 16 tokens one query head at a time while the next
+block's page is in flight (pipelined by hand: no load waits on another issued in the same iteration). The attend pass takes ``BLK`` blocks per iteration ([BLK, 16, ·] tiles, the tokens of a
 block in registers); on CUDA Hopper its CUDA C++ version (``attend_cuda``: ``cp.async`` page streaming, the same
 sums and bounds) runs where it builds and supports the shape, otherwise this Triton kernel.
 """
@@ -52,6 +53,29 @@ from .shape_class import JIT_OPTIONS
 from .tuning import DEFAULT_TUNING, KernelTuning
 
 
+@triton.jit
+def _load_key_page(shadow, pool, stage, nslots, src, mask, n, d, N: tl.constexpr, D: tl.constexpr,
+                   M: tl.constexpr, CHANNEL_MAJOR: tl.constexpr, USE_POOL: tl.constexpr):  # fmt: skip
+    """One block's [N, DP] key page (shadow dtype) from its listed source: ``src`` ≥ 0 the page's offset in the
+    shadow in units of N elements (channel-major or token-major as stored), < 0 slot −1 − src of the pool (slots
+    ≥ ``nslots``: the step prefetch's staging pages), token-major. Every base is a multiple of N elements and the
+    token-major strides are constants, so the loads are 16-byte vectors. Masked-off lanes are not read."""
+    ptr = shadow + src * N
+    if USE_POOL:
+        ks = -1 - src
+        ptr = tl.where(ks >= nslots, stage + (ks - nslots) * (N * D), tl.where(src < 0, pool + ks * (N * D), ptr))
+    if CHANNEL_MAJOR:
+        sn = 1
+        sd = M * N
+        if USE_POOL:
+            sn = tl.where(src < 0, D, sn)
+            sd = tl.where(src < 0, 1, sd)
+        offs = n[:, None] * sn + d[None, :] * sd
+    else:
+        offs = n[:, None] * D + d[None, :]
+    return tl.load(ptr + offs, mask=mask, other=0.0)
+
+
 @triton.jit(**JIT_OPTIONS)
 def _promote_kernel(
     qs,  # [R, H_q, D] float32 scaled queries
@@ -71,7 +95,7 @@ def _promote_kernel(
     kslot,  # [R, H_kv, B] int32 pool slot of each needed key page, −1: read the shadow (USE_POOL only)
     stage,  # [Q, N, D] prefetched key pages (device): slot nslots + i reads stage[i] (USE_POOL only)
     nslots,  # pool slots: kslot values ≥ nslots index the staging pages
-    needed,  # scratch [R·H_kv·S, BPS] int32: the split's needed blocks, listed by the scan
+    needed,  # scratch [R·H_kv·S, 2·BPS] int64: the split's needed blocks listed by the scan (entry, source)
     num_blocks, B, TB_STRIDE, S, BPS,  # the split-K arguments (``common``)
     H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, M: tl.constexpr,
     CHANNEL_MAJOR: tl.constexpr,  # shadow keys stored [D, m·N] (the CPU layout)
@@ -96,7 +120,7 @@ def _promote_kernel(
     key_bits = (1 << G) - 1
     tl.static_assert(PB <= 64, "PB: a tile's needed blocks are the bits of one int64")
     jt = tl.arange(0, PB)
-    listed = needed + (rk * S + split) * BPS
+    listed = needed + (rk * S + split) * (2 * BPS)
     count = 0
     for t in range(0, n_tiles):
         # PB blocks at once: bitmasks and INT8 block maxima (the common case: nothing promoted)
@@ -111,40 +135,58 @@ def _promote_kernel(
             need_t = bbt != 0
         else:
             need_t = (bbt & key_bits) != 0
-        # list the tile's needed blocks (their in-split positions, ascending) after the earlier tiles'
+        # the needed blocks' key-page sources, resolved here for the whole tile at once (independent loads), so
+        # the visit loop below waits on no table or slot lookup: ≥ 0 a shadow offset in units of N elements,
+        # < 0 pool or staging slot −1 − source
+        bid = tl.load(tables + r * TB_STRIDE + bt, mask=need_t, other=0)
+        bid = tl.minimum(tl.maximum(bid, 0), num_blocks - 1)
+        src_t = (((bid // M) * H + h) * 2) * (M * D) + (bid % M) * (1 if CHANNEL_MAJOR else D)  # units of N
+        if USE_POOL:
+            kst = tl.load(kslot + rk * B + bt, mask=need_t, other=-1).to(tl.int64)
+            src_t = tl.where(kst >= 0, -1 - kst, src_t)
+        # list the tile's needed blocks (in-split position and bitmask word, then source; ascending) after the
+        # earlier tiles'
         slot = tl.cumsum(need_t.to(tl.int32), axis=0) - 1
-        tl.store(listed + count + slot, it, mask=need_t)
+        entry_t = it.to(tl.int64) + (bbt.to(tl.int64) << 32)  # bits · 2³² + position (0 ≤ position < 2³¹)
+        tl.store(listed + 2 * (count + slot), entry_t, mask=need_t)
+        tl.store(listed + 2 * (count + slot) + 1, src_t, mask=need_t)
         count += tl.sum(need_t.to(tl.int32), axis=0)
     tl.debug_barrier()  # the list written by this program's threads is read by all of them
-    # the needed blocks, one per iteration: the list entry, then the block's bitmask word, table entry and slot,
-    # then its key page (pool, staging or shadow: one load through a selected base). Not software-pipelined: 3
-    # stages (cp.async key pages) were 12 % faster over a VRAM pool, 31 % slower over PCIe (docs/performance.md)
-    for i in tl.range(0, count, num_stages=1):
-        b = split * BPS + tl.load(listed + i)
-        bb = tl.load(bits + rk * B + b)
+    # The needed blocks, one per iteration, software-pipelined by hand: iteration i scores block i's key page
+    # (loaded during iteration i − 1), issues the load of block i + 1's page (its source listed at i − 1) and
+    # loads the list entries of block i + 2, so no load is used in the iteration that issues it. The arithmetic
+    # is the unpipelined loop's. Pages past the list are masked off (no read, over PCIe least of all).
+    cnt_v = n * 0 + count  # [N]: the count as a vector (masks built from it, not from a scalar)
+    e1 = tl.load(listed + 2 * tl.minimum(1, tl.maximum(count - 1, 0)), mask=count > 1, other=0)
+    s1 = tl.load(listed + 2 * tl.minimum(1, tl.maximum(count - 1, 0)) + 1, mask=count > 1, other=0)
+    e0 = tl.load(listed, mask=count > 0, other=0)
+    s0 = tl.load(listed + 1, mask=count > 0, other=0)
+    kt = _load_key_page(shadow, pool, stage, nslots, s0, (n * 0 < cnt_v)[:, None] & dm[None, :], n, d,
+                        N, D, M, CHANNEL_MAJOR, USE_POOL)  # fmt: skip
+    for i in range(0, count):
+        # list entries of block i + 2 (this program's own stores: L1/L2), used in the next iteration
+        nxt = tl.minimum(i + 2, tl.maximum(count - 1, 0))
+        e2 = tl.load(listed + 2 * nxt)
+        s2 = tl.load(listed + 2 * nxt + 1)
+        # block i + 1's key page, issued now and used in the next iteration
+        kt_next = _load_key_page(shadow, pool, stage, nslots, s1, (n * 0 + i + 1 < cnt_v)[:, None] & dm[None, :],
+                                 n, d, N, D, M, CHANNEL_MAJOR, USE_POOL)  # fmt: skip
+        bb64 = e0 >> 32
+        b = split * BPS + (e0 - (bb64 << 32))
+        bb = bb64.to(tl.int32)
         kb = (((bb >> g) & 1) != 0) & gm
-        bid = tl.load(tables + r * TB_STRIDE + b)
-        bid = tl.minimum(tl.maximum(bid, 0), num_blocks - 1)
-        kbase = (((bid // M) * H + h) * 2) * (M * N * D) + (bid % M) * N * (1 if CHANNEL_MAJOR else D)
-        src = shadow + kbase
-        sn = 1 if CHANNEL_MAJOR else D
-        sd = M * N if CHANNEL_MAJOR else 1
-        if USE_POOL:
-            ks = tl.load(kslot + rk * B + b).to(tl.int64)
-            src = tl.where(ks >= nslots, stage + (ks - nslots) * (N * D), tl.where(ks >= 0, pool + ks * (N * D), src))
-            sn = tl.where(ks >= 0, D, sn)
-            sd = tl.where(ks >= 0, 1, sd)
-        kt = tl.load(src + n[:, None] * sn + d[None, :] * sd, mask=dm[None, :], other=0.0).to(tl.float32)
+        srow = ((rk * B + b) * G + g[:, None]) * N + n[None, :]
+        if CANARY:
+            s8 = tl.load(scores + srow, mask=gm[:, None], other=0.0)
+            dl = tl.load(delta + (rk * G + g) * B + b, mask=gm, other=0.0)
+        ktf = kt.to(tl.float32)
         # the exact-key scores [GP, N], one query head at a time: [N, DP] products rather than one [GP, N, DP]
         # tile, which kept the pass at 96 registers (64 this way) and took twice its time where it waits on latency
         se = tl.zeros([GP, N], tl.float32)
         for gg in tl.static_range(G):
             qg = tl.sum(tl.where(g[:, None] == gg, q, 0.0), axis=0)  # [DP] query head gg (the others add 0)
-            se = tl.where(g[:, None] == gg, tl.sum(kt * qg[None, :], axis=1)[None, :], se)
-        srow = ((rk * B + b) * G + g[:, None]) * N + n[None, :]
+            se = tl.where(g[:, None] == gg, tl.sum(ktf * qg[None, :], axis=1)[None, :], se)
         if CANARY:
-            s8 = tl.load(scores + srow, mask=gm[:, None], other=0.0)
-            dl = tl.load(delta + (rk * G + g) * B + b, mask=gm, other=0.0)
             allowed = (dl + 2.0 * r1) * (1.0 + 2.0**-10)
             diff = tl.abs(se - s8)
             viol = ((diff > allowed[:, None]) | ~(diff < float("inf"))) & gm[:, None]
@@ -154,6 +196,10 @@ def _promote_kernel(
         run_max = tl.maximum(run_max, tl.where(kb, tl.max(se, axis=1), float("-inf")))
         sa = tl.max(tl.where(tl.abs(se) < float("inf"), tl.abs(se), 0.0), axis=1)
         run_abs = tl.maximum(run_abs, tl.where(kb, sa, 0.0))
+        kt = kt_next
+        e0 = e1
+        e1 = e2
+        s1 = s2
     tl.store(smax + (rk * G + g) * S + split, run_max, mask=gm)
     tl.store(sabs + (rk * G + g) * S + split, run_abs, mask=gm)
 
@@ -339,7 +385,7 @@ def promote(
     nslots = pool.shape[0] if use_pool else 0
     if stage is None:
         stage = pool  # placeholder: no slot reaches past the pool
-    needed = torch.empty(R * K * S * geo.blocks_per_split, dtype=torch.int32, device=qs.device)  # the scan's lists
+    needed = torch.empty(R * K * S * 2 * geo.blocks_per_split, dtype=torch.int64, device=qs.device)  # the scan's lists
     _promote_kernel[(R * K, S)](
         qs, device_arg(shadow), tables, nfull, bits, active, scores, m8, delta, round1, canary, smax, sabs,
         pool, kslot, stage, nslots, needed, geo.num_blocks, B, tables.stride(0), S, geo.blocks_per_split,
