@@ -163,7 +163,7 @@ def _promote_kernel(
     s0 = tl.load(listed + 1, mask=count > 0, other=0)
     kt = _load_key_page(shadow, pool, stage, nslots, s0, (n * 0 < cnt_v)[:, None] & dm[None, :], n, d,
                         N, D, M, CHANNEL_MAJOR, USE_POOL)  # fmt: skip
-    for i in range(0, count):
+    for i in tl.range(0, count, num_stages=1):  # pipelined by hand (above), not by the compiler
         # list entries of block i + 2 (this program's own stores: L1/L2), used in the next iteration
         nxt = tl.minimum(i + 2, tl.maximum(count - 1, 0))
         e2 = tl.load(listed + 2 * nxt)
