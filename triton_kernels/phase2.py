@@ -132,7 +132,6 @@ def _promote_kernel(
     CANARY: tl.constexpr,  # run the canary (loads keys of value-only promoted blocks too)
     PB: tl.constexpr,  # blocks per tile of the bitmask scan
     USE_POOL: tl.constexpr,  # read key pages from the promotion cache where kslot ≥ 0
-    PIPELINE: tl.constexpr,  # the hand-pipelined visit loop (KernelTuning.promote_pipeline)
 ):  # fmt: skip
     N: tl.constexpr = 16
     rk, split, r, h = split_program(H)
@@ -167,69 +166,50 @@ def _promote_kernel(
         else:
             need_t = (bbt & key_bits) != 0
         slot = tl.cumsum(need_t.to(tl.int32), axis=0) - 1
-        if PIPELINE:
-            # the needed blocks' key-page sources, resolved here for the whole tile at once (independent loads),
-            # so the visit loop waits on no table or slot lookup: ≥ 0 a shadow offset in units of N elements,
-            # < 0 pool or staging slot −1 − source; listed as (bits · 2³² + in-split position, source) pairs
-            bid = tl.load(tables + r * TB_STRIDE + bt, mask=need_t, other=0)
-            bid = tl.minimum(tl.maximum(bid, 0), num_blocks - 1)
-            src_t = (((bid // M) * H + h) * 2) * (M * D) + (bid % M) * (1 if CHANNEL_MAJOR else D)  # units of N
-            if USE_POOL:
-                kst = tl.load(kslot + rk * B + bt, mask=need_t, other=-1).to(tl.int64)
-                src_t = tl.where(kst >= 0, -1 - kst, src_t)
-            entry_t = it.to(tl.int64) + (bbt.to(tl.int64) << 32)  # 0 ≤ position < 2³¹
-            tl.store(listed + 2 * (count + slot), entry_t, mask=need_t)
-            tl.store(listed + 2 * (count + slot) + 1, src_t, mask=need_t)
-        else:
-            # the tile's needed blocks (their in-split positions, ascending) after the earlier tiles'
-            tl.store(listed + count + slot, it.to(tl.int64), mask=need_t)
+        # the needed blocks' key-page sources, resolved here for the whole tile at once (independent loads), so
+        # the visit loop waits on no table or slot lookup: ≥ 0 a shadow offset in units of N elements, < 0 pool
+        # or staging slot −1 − source; listed as (bits · 2³² + in-split position, source) pairs after the earlier
+        # tiles', ascending
+        bid = tl.load(tables + r * TB_STRIDE + bt, mask=need_t, other=0)
+        bid = tl.minimum(tl.maximum(bid, 0), num_blocks - 1)
+        src_t = (((bid // M) * H + h) * 2) * (M * D) + (bid % M) * (1 if CHANNEL_MAJOR else D)  # units of N
+        if USE_POOL:
+            kst = tl.load(kslot + rk * B + bt, mask=need_t, other=-1).to(tl.int64)
+            src_t = tl.where(kst >= 0, -1 - kst, src_t)
+        entry_t = it.to(tl.int64) + (bbt.to(tl.int64) << 32)  # 0 ≤ position < 2³¹
+        tl.store(listed + 2 * (count + slot), entry_t, mask=need_t)
+        tl.store(listed + 2 * (count + slot) + 1, src_t, mask=need_t)
         count += tl.sum(need_t.to(tl.int32), axis=0)
     tl.debug_barrier()  # the list written by this program's threads is read by all of them
-    if PIPELINE:
-        # The needed blocks, one per iteration, software-pipelined by hand: iteration i scores block i's key page
-        # (loaded during iteration i − 1), issues the load of block i + 1's page (its source listed at i − 1) and
-        # loads the list entries of block i + 2, so no load is used in the iteration that issues it. The
-        # arithmetic is the plain loop's. Pages past the list are masked off (no read, over PCIe least of all).
-        cnt_v = n * 0 + count  # [N]: the count as a vector (masks built from it, not from a scalar)
-        e1 = tl.load(listed + 2 * tl.minimum(1, tl.maximum(count - 1, 0)), mask=count > 1, other=0)
-        s1 = tl.load(listed + 2 * tl.minimum(1, tl.maximum(count - 1, 0)) + 1, mask=count > 1, other=0)
-        e0 = tl.load(listed, mask=count > 0, other=0)
-        s0 = tl.load(listed + 1, mask=count > 0, other=0)
-        kt = _load_key_page(shadow, pool, stage, nslots, s0, (n * 0 < cnt_v)[:, None] & dm[None, :], n, d,
-                            N, D, M, CHANNEL_MAJOR, USE_POOL)  # fmt: skip
-        for i in tl.range(0, count, num_stages=1):  # pipelined by hand (above), not by the compiler
-            # list entries of block i + 2 (this program's own stores: L1/L2), used in the next iteration
-            nxt = tl.minimum(i + 2, tl.maximum(count - 1, 0))
-            e2 = tl.load(listed + 2 * nxt)
-            s2 = tl.load(listed + 2 * nxt + 1)
-            # block i + 1's key page, issued now and used in the next iteration
-            kt_next = _load_key_page(shadow, pool, stage, nslots, s1,
-                                     (n * 0 + i + 1 < cnt_v)[:, None] & dm[None, :], n, d, N, D, M, CHANNEL_MAJOR,
-                                     USE_POOL)  # fmt: skip
-            bb64 = e0 >> 32
-            b = split * BPS + (e0 - (bb64 << 32))
-            run_max, run_abs = _score_block(kt, bb64.to(tl.int32), b, rk, r, q, r1, g, gm, n, scores, delta, canary,
-                                            run_max, run_abs, B, G, GP, N, CANARY)  # fmt: skip
-            kt = kt_next
-            e0 = e1
-            e1 = e2
-            s1 = s2
-    else:
-        # the needed blocks, one per iteration: the list entry, then the block's bitmask word, table entry and
-        # slot, then its key page (pool, staging or shadow: one load through a selected base)
-        for i in tl.range(0, count, num_stages=1):
-            b = split * BPS + tl.load(listed + i)
-            bb = tl.load(bits + rk * B + b)
-            bid = tl.load(tables + r * TB_STRIDE + b)
-            bid = tl.minimum(tl.maximum(bid, 0), num_blocks - 1)
-            src = (((bid // M) * H + h) * 2) * (M * D) + (bid % M) * (1 if CHANNEL_MAJOR else D)  # units of N
-            if USE_POOL:
-                ks = tl.load(kslot + rk * B + b).to(tl.int64)
-                src = tl.where(ks >= 0, -1 - ks, src)
-            kt = _load_key_page(shadow, pool, stage, nslots, src, dm[None, :], n, d, N, D, M, CHANNEL_MAJOR,
-                                USE_POOL)  # fmt: skip
-            run_max, run_abs = _score_block(kt, bb, b, rk, r, q, r1, g, gm, n, scores, delta, canary, run_max,
-                                            run_abs, B, G, GP, N, CANARY)  # fmt: skip
+    # The needed blocks, one per iteration, software-pipelined by hand: iteration i scores block i's key page
+    # (loaded during iteration i − 1), issues the load of block i + 1's page (its source listed at i − 1) and
+    # loads the list entries of block i + 2, so no load is used in the iteration that issues it (the unpipelined
+    # loop it replaced waited on four dependent loads per block and gave the same scores bit for bit). Pages past
+    # the list are masked off (no read, over PCIe least of all).
+    cnt_v = n * 0 + count  # [N]: the count as a vector (masks built from it, not from a scalar)
+    e1 = tl.load(listed + 2 * tl.minimum(1, tl.maximum(count - 1, 0)), mask=count > 1, other=0)
+    s1 = tl.load(listed + 2 * tl.minimum(1, tl.maximum(count - 1, 0)) + 1, mask=count > 1, other=0)
+    e0 = tl.load(listed, mask=count > 0, other=0)
+    s0 = tl.load(listed + 1, mask=count > 0, other=0)
+    kt = _load_key_page(shadow, pool, stage, nslots, s0, (n * 0 < cnt_v)[:, None] & dm[None, :], n, d,
+                        N, D, M, CHANNEL_MAJOR, USE_POOL)  # fmt: skip
+    for i in tl.range(0, count, num_stages=1):  # pipelined by hand (above), not by the compiler
+        # list entries of block i + 2 (this program's own stores: L1/L2), used in the next iteration
+        nxt = tl.minimum(i + 2, tl.maximum(count - 1, 0))
+        e2 = tl.load(listed + 2 * nxt)
+        s2 = tl.load(listed + 2 * nxt + 1)
+        # block i + 1's key page, issued now and used in the next iteration
+        kt_next = _load_key_page(shadow, pool, stage, nslots, s1,
+                                 (n * 0 + i + 1 < cnt_v)[:, None] & dm[None, :], n, d, N, D, M, CHANNEL_MAJOR,
+                                 USE_POOL)  # fmt: skip
+        bb64 = e0 >> 32
+        b = split * BPS + (e0 - (bb64 << 32))
+        run_max, run_abs = _score_block(kt, bb64.to(tl.int32), b, rk, r, q, r1, g, gm, n, scores, delta, canary,
+                                        run_max, run_abs, B, G, GP, N, CANARY)  # fmt: skip
+        kt = kt_next
+        e0 = e1
+        e1 = e2
+        s1 = s2
     tl.store(smax + (rk * G + g) * S + split, run_max, mask=gm)
     tl.store(sabs + (rk * G + g) * S + split, run_abs, mask=gm)
 
@@ -415,13 +395,13 @@ def promote(
     nslots = pool.shape[0] if use_pool else 0
     if stage is None:
         stage = pool  # placeholder: no slot reaches past the pool
-    # the scan's lists: (entry, source) pairs when pipelined, positions otherwise
+    # the scan's lists of (entry, source) pairs
     needed = torch.empty(R * K * S * 2 * geo.blocks_per_split, dtype=torch.int64, device=qs.device)
     _promote_kernel[(R * K, S)](
         qs, device_arg(shadow), tables, nfull, bits, active, scores, m8, delta, round1, canary, smax, sabs,
         pool, kslot, stage, nslots, needed, geo.num_blocks, B, tables.stride(0), S, geo.blocks_per_split,
         H=K, G=G, GP=next_pow2(G), D=D, DP=next_pow2(D), M=geo.sub_blocks, CHANNEL_MAJOR=geo.channel_major,
-        CANARY=run_canary, PB=64, USE_POOL=use_pool, PIPELINE=bool(geo.tuning.promote_pipeline),
+        CANARY=run_canary, PB=64, USE_POOL=use_pool,
         num_warps=4 if G <= 4 else 8,
     )  # fmt: skip
     return smax, sabs

@@ -18,9 +18,6 @@ configuration computes the same certified quantities (``tests/triton_kernels/tes
   iteration, its best layout at D = 128 (``docs/performance.md``).
 * ``prefetch_programs``, ``prefetch_unroll``: the step prefetch's staging gather: its programs and the
   pages each has in flight (``prefetch.stage_pages``).
-* ``promote_pipeline``: 1 runs the promotion pass's hand-pipelined visit loop (the key-page sources resolved in the
-  bitmask scan, block i scored while block i + 1's page is in flight), 0 the plain loop (list entry, table entry and
-  slot, then the page, one block at a time). Same arithmetic; an A/B until a GPU has measured it.
 * ``dialect``: ``"auto"`` runs the Gluon kernels and the CUDA attend kernel where they compile (CUDA, a supported
   shape) and the Triton kernels otherwise (the interpreter included); ``"triton"`` always runs the Triton kernels
   (what tests and benchmarks that compare them pass).
@@ -49,7 +46,6 @@ _RULES = {
     "resident_maxnreg": (lambda x: x == 0 or 24 <= x <= 255, "0 (no cap) or an integer in [24, 255]"),
     "prefetch_programs": (lambda x: 1 <= x <= 1024, "an integer in [1, 1024]"),
     "prefetch_unroll": (lambda x: _pow2(x) and x <= 64, "a power of two in [1, 64]"),
-    "promote_pipeline": (lambda x: x in (0, 1), "0 or 1"),
 }
 
 
@@ -66,7 +62,6 @@ class KernelTuning:
     resident_maxnreg: int = 0
     prefetch_programs: int = 8
     prefetch_unroll: int = 4
-    promote_pipeline: int = 0
     dialect: Literal["auto", "triton"] = "auto"
 
     def __post_init__(self) -> None:

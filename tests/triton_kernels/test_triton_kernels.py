@@ -868,29 +868,6 @@ def test_promotion_cache_hits_are_bit_identical_to_no_cache(fraction, gen):
             assert st["bypass"] > 0  # 3 slots for 54 pages: conflicts, served from the shadow
 
 
-@pytest.mark.parametrize("fraction", [0.05, _gpu_lane(1.0)])
-def test_pipelined_promotion_pass_is_bit_identical_to_the_plain_loop(fraction, gen):
-    """``KernelTuning.promote_pipeline`` = 1 (sources resolved in the scan, the next page in flight) against the
-    plain visit loop, over a pool that serves every page (1.0) and one whose conflicts send pages to the shadow
-    (0.05), cold and warm: the same block scores in the same order, so the same outputs and reports bit for bit."""
-    from certvllm.triton_kernels.tuning import KernelTuning
-
-    from certvllm.attention.gpu import CudaOptions
-
-    cases = [make_case("sink_and_recency", t, 8, 2, 64, torch.float16, gen) for t in (130, 261)]
-    cache, tables, lens = paged_batch(cases)
-    tables, lens = tables.to(DEV), lens.to(DEV)
-    q = torch.stack([c.q for c in cases]).to(DEV)
-    cfg = load_config("default", promotion_cache_fraction=fraction)
-    plain, piped = _to_device(cache), _to_device(cache)
-    res_plain, res_piped = Residency.for_layer(plain, fraction), Residency.for_layer(piped, fraction)
-    opts = CudaOptions(tuning=KernelTuning(promote_pipeline=1))
-    for step in range(2):  # cold pools, then warm ones with drifted queries
-        qs = q if step == 0 else (q.float() + 0.2 * torch.randn(q.shape, generator=gen).to(DEV)).half()
-        _assert_identical(_call(piped, qs, tables, lens, cfg, res_piped, cuda_options=opts),
-                          _call(plain, qs, tables, lens, cfg, res_plain))  # fmt: skip
-
-
 def test_rerun_slot_map_holds_exactly_the_current_copies(gen):
     """``rerun_inputs`` with a write-through pool: the re-run's slot map is the page id where the group is active,
     the block full and the slot's tag (page, generation) equal to (page, the block's current generation), else −1;
