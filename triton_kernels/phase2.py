@@ -21,10 +21,11 @@ are left as allocated): the exact-only re-run used for rungs 3/4 on the device s
 groups only, and reads back only those.
 
 The promotion pass scans the bitmasks ``PB`` blocks at a time, listing each split's needed blocks in ascending order
-with their key pages' sources (table entry and pool slot resolved in the scan, a scratch list per program), then
-visits the listed blocks only, one per iteration, scoring a block's 16 tokens one query head at a time while the next
-block's page is in flight (pipelined by hand: no load waits on another issued in the same iteration). The attend pass takes ``BLK`` blocks per iteration ([BLK, 16, ·] tiles, the tokens of a
-block in registers); on CUDA Hopper its CUDA C++ version (``attend_cuda``: ``cp.async`` page streaming, the same
+with their key pages' sources (table entry and pool slot resolved in the scan; a scratch list per program, 16 bytes
+per block column), then visits the listed blocks only, one per iteration, scoring a block's 16 tokens one query head
+at a time while the next block's page is in flight (pipelined by hand: no load waits on another issued in the same
+iteration). The attend pass takes ``BLK`` blocks per iteration ([BLK, 16, ·] tiles, the tokens of a block in
+registers); on CUDA Hopper its CUDA C++ version (``attend_cuda``: ``cp.async`` page streaming, the same
 sums and bounds) runs where it builds and supports the shape, otherwise this Triton kernel.
 """
 
@@ -88,7 +89,7 @@ def _score_block(kt, bb, b, rk, r, q, r1, g, gm, n, scores, delta, canary, run_m
         dl = tl.load(delta + (rk * G + g) * B + b, mask=gm, other=0.0)
     ktf = kt.to(tl.float32)
     # the exact-key scores [GP, N], one query head at a time: [N, DP] products rather than one [GP, N, DP] tile,
-    # which kept the pass at 96 registers (64 this way) and took twice its time where it waits on latency
+    # which took 96 registers against 64 in the unpipelined pass and twice its time where it waits on latency
     se = tl.zeros([GP, N], tl.float32)
     for gg in tl.static_range(G):
         qg = tl.sum(tl.where(g[:, None] == gg, q, 0.0), axis=0)  # [DP] query head gg (the others add 0)
