@@ -188,15 +188,16 @@ def _promote_kernel(
     # loop it replaced waited on four dependent loads per block and gave the same scores bit for bit). Pages past
     # the list are masked off (no read, over PCIe least of all).
     cnt_v = n * 0 + count  # [N]: the count as a vector (masks built from it, not from a scalar)
-    e1 = tl.load(listed + 2 * tl.minimum(1, tl.maximum(count - 1, 0)), mask=count > 1, other=0)
-    s1 = tl.load(listed + 2 * tl.minimum(1, tl.maximum(count - 1, 0)) + 1, mask=count > 1, other=0)
+    e1 = tl.load(listed + 2, mask=count > 1, other=0)
+    s1 = tl.load(listed + 3, mask=count > 1, other=0)
     e0 = tl.load(listed, mask=count > 0, other=0)
     s0 = tl.load(listed + 1, mask=count > 0, other=0)
     kt = _load_key_page(shadow, pool, stage, nslots, s0, (n * 0 < cnt_v)[:, None] & dm[None, :], n, d,
                         N, D, M, CHANNEL_MAJOR, USE_POOL)  # fmt: skip
     for i in tl.range(0, count, num_stages=1):  # pipelined by hand (above), not by the compiler
-        # list entries of block i + 2 (this program's own stores: L1/L2), used in the next iteration
-        nxt = tl.minimum(i + 2, tl.maximum(count - 1, 0))
+        # list entries of block i + 2 (this program's own stores: L1/L2; the last entry past the list's end),
+        # used in the next iteration
+        nxt = tl.minimum(i + 2, count - 1)
         e2 = tl.load(listed + 2 * nxt)
         s2 = tl.load(listed + 2 * nxt + 1)
         # block i + 1's key page, issued now and used in the next iteration
