@@ -1,4 +1,5 @@
-"""Write path: quantize full 16-token blocks into tier-1 pages, one Triton program per (block, KV head).
+"""Write path: quantize full 16-token blocks into tier-1 pages, one Triton program per (block, KV head), or per
+(16 consecutive tokens of a write, KV head) for the blocks a write completes.
 
 The kernel computes the function of ``certvllm.formats.pages.encode_pages`` field for field: the key
 offset/scale metadata in float64 with the same directed roundings, codes in float32 with IEEE division
@@ -85,39 +86,63 @@ def _encode_pages_kernel(
     pool_tag=None,  # WRITE_POOL: [blocks·H_KV] int64 page id of each slot
     pool_gen=None,  # WRITE_POOL: [blocks·H_KV] int64 write generation of each slot's copy
     WRITE_POOL: tl.constexpr = False,  # FROM_SLOTS and BUMP: copy each encoded block's keys into its pool slot
+    T=0,  # FROM_SLOTS: token slots in k_off
+    WINDOW: tl.constexpr = 16,  # FROM_SLOTS: consecutive tokens of the write per program
 ):
     N: tl.constexpr = 16
-    HALF: tl.constexpr = GRP // 2
     pid = tl.program_id(0)
-    if FROM_SLOTS:  # item = token · H_KV + head; only a token at its block's last offset completes the block
+    if FROM_SLOTS:  # item = window · H_KV + head; a token at its block's last offset completes the block
         head = (pid % H_KV).to(tl.int64)
-        slot = tl.load(k_off + pid // H_KV)
-        if (slot < 0) | (slot % N != N - 1):  # padding, or the block is not full yet
-            return
-        block = slot // N
-        run = M_SUB * N * D  # elements of one (engine block, head, k|v) run of the shadow
-        run_base = (block // M_SUB * H_KV + head) * 2 * run
-        koff = run_base + (block % M_SUB) * N * D
-        voff = koff + run
-        dst = ((block // M_SUB * H_KV + head) * M_SUB + block % M_SUB) * PAGE_BYTES
-        if BUMP:  # once per block (head 0): its pages changed, copies taken before are stale
-            old = tl.atomic_add(gen + block, 1, mask=head == 0)
-            if WRITE_POOL:  # head 0 tags every head's slot of the block with the generation it just made
-                for hh in tl.static_range(H_KV):
-                    tl.store(pool_tag + block * H_KV + hh, block * H_KV + hh, mask=head == 0)
-                    tl.store(pool_gen + block * H_KV + hh, old + 1, mask=head == 0)
+        first = (pid // H_KV).to(tl.int64) * WINDOW
+        for j in range(WINDOW):
+            ti = first + j
+            slot = tl.load(k_off + ti, mask=ti < T, other=-1)
+            if (slot >= 0) & (slot % N == N - 1):  # not padding, and the block is full
+                block = slot // N
+                run = M_SUB * N * D  # elements of one (engine block, head, k|v) run of the shadow
+                run_base = (block // M_SUB * H_KV + head) * 2 * run
+                koff = run_base + (block % M_SUB) * N * D
+                dst = ((block // M_SUB * H_KV + head) * M_SUB + block % M_SUB) * PAGE_BYTES
+                if BUMP:  # once per block (head 0): its pages changed, copies taken before are stale
+                    old = tl.atomic_add(gen + block, 1, mask=head == 0)
+                    if WRITE_POOL:  # head 0 tags every head's slot of the block with the generation it just made
+                        for hh in tl.static_range(H_KV):
+                            tl.store(pool_tag + block * H_KV + hh, block * H_KV + hh, mask=head == 0)
+                            tl.store(pool_gen + block * H_KV + hh, old + 1, mask=head == 0)
+                _encode_block(k_ptr, v_ptr, koff, koff + run, dst, out_u8, out_f16, out_f32, lut64, K_ST, K_SC, D,
+                              DP, GRP, NG, NGP, V_CODES, V_SCALE, V_ZERO, K_OFFSET, K_SCODE, HEADER, PAGE_BYTES,
+                              PADP, PRECISE, KL, VL, k_off, ti, slot, head, H_KV, block, src_k, src_v, KEY_T,
+                              KEY_H, VAL_T, VAL_H, FROM_WRITE, pool_k, WRITE_POOL)  # fmt: skip
     else:
-        koff = tl.load(k_off + pid)
-        voff = tl.load(v_off + pid)
         dst = tl.load(dst_off + pid)
-        if dst < 0:  # no block here (a caller's list may hold -1 where nothing is to be encoded)
-            return
+        if dst >= 0:  # a caller's list may hold -1 where nothing is to be encoded
+            _encode_block(k_ptr, v_ptr, tl.load(k_off + pid), tl.load(v_off + pid), dst, out_u8, out_f16, out_f32,
+                          lut64, K_ST, K_SC, D, DP, GRP, NG, NGP, V_CODES, V_SCALE, V_ZERO, K_OFFSET, K_SCODE,
+                          HEADER, PAGE_BYTES, PADP, PRECISE, KL, VL, k_off, 0, 0, 0, H_KV, 0, src_k, src_v, KEY_T,
+                          KEY_H, VAL_T, VAL_H, False, pool_k, False)  # fmt: skip
+
+
+@triton.jit
+def _encode_block(
+    k_ptr, v_ptr, koff, voff, dst, out_u8, out_f16, out_f32, lut64,
+    K_ST: tl.constexpr, K_SC: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, GRP: tl.constexpr,
+    NG: tl.constexpr, NGP: tl.constexpr, V_CODES: tl.constexpr, V_SCALE: tl.constexpr, V_ZERO: tl.constexpr,
+    K_OFFSET: tl.constexpr, K_SCODE: tl.constexpr, HEADER: tl.constexpr, PAGE_BYTES: tl.constexpr,
+    PADP: tl.constexpr, PRECISE: tl.constexpr, KL: tl.constexpr, VL: tl.constexpr,
+    k_off, ti, slot, head, H_KV: tl.constexpr, block, src_k, src_v, KEY_T, KEY_H, VAL_T, VAL_H,
+    FROM_WRITE: tl.constexpr, pool_k, WRITE_POOL: tl.constexpr,
+):  # fmt: skip
+    """One (16-token block, KV head) page: keys from ``k_ptr + koff``, values from ``v_ptr + voff``, into the page at
+    byte ``dst``; with FROM_WRITE the block's tokens that the write holds (its token ``ti`` completes the block
+    at ``slot``) come from ``src_k``/``src_v``; with WRITE_POOL the keys also go into the pool slot of
+    ``(block, head)``. The kernel's arguments of the same names say the rest."""
+    N: tl.constexpr = 16
+    HALF: tl.constexpr = GRP // 2
     t = tl.arange(0, N)
     d = tl.arange(0, DP)
     dm = d < D
     from_shadow = dm[None, :]  # [1, DP]: where the shadow is read
     if FROM_WRITE:  # token j of the block is read from the write where the write's token ti − 15 + j has its slot
-        ti = (pid // H_KV).to(tl.int64)
         first = ti - (N - 1)
         prior = tl.load(k_off + first + t, mask=(first + t) >= 0, other=-1)
         inwrite = ((first + t) >= 0) & (prior == slot - (N - 1) + t)  # [N]
@@ -256,6 +281,9 @@ def _encode_pages_kernel(
     tl.store(out_u8 + dst + HEADER + 10 + pad, tl.zeros([PADP], tl.uint8), mask=pad < PAGE_BYTES - HEADER - 10)
 
 
+ENCODE_WINDOW = 16
+"""Consecutive tokens of a write one program of :func:`encode_completed_blocks` looks at: a prefill's run of 16
+tokens completes one block, so its programs each encode a page instead of 15 of every 16 exiting at once."""
 _LUT64: dict[torch.device, torch.Tensor] = {}
 
 
@@ -367,11 +395,11 @@ def encode_completed_blocks(pages: torch.Tensor, shadow: torch.Tensor, slots: to
             raise ValueError("encode_completed_blocks: the source's channels must be contiguous (stride 1)")
         extra.update(src_k=key, src_v=value, KEY_T=key.stride(0), KEY_H=key.stride(1), VAL_T=value.stride(0),
                      VAL_H=value.stride(1), FROM_WRITE=True)  # fmt: skip
-    _encode_pages_kernel[(t * num_kv_heads,)](
+    _encode_pages_kernel[(triton.cdiv(t, ENCODE_WINDOW) * num_kv_heads,)](
         device_arg(shadow), device_arg(shadow), slots, slots, slots, generation if bump else slots,
         pages, pages.view(torch.float16), pages.view(torch.float32), _lut64(pages.device),
         K_ST=layout.head_dim, K_SC=1, **_layout_args(layout), FROM_SLOTS=True, H_KV=num_kv_heads,
-        M_SUB=sub_blocks, BUMP=bump, num_warps=4, **extra,
+        M_SUB=sub_blocks, BUMP=bump, T=t, WINDOW=ENCODE_WINDOW, num_warps=4, **extra,
     )  # fmt: skip
 
 
