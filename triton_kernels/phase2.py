@@ -142,7 +142,11 @@ def _promote_kernel(
     gm = g < G
     dm = d < D
     act = tl.load(active + rk)
-    n_tiles = tl.where(act != 0, tl.cdiv(BPS, PB), 0)
+    if act == 0:  # an inactive group (most of a re-run's): the maxima of no block, before any other load
+        tl.store(smax + (rk * G + g) * S + split, tl.full([GP], float("-inf"), tl.float32), mask=gm)
+        tl.store(sabs + (rk * G + g) * S + split, tl.zeros([GP], tl.float32), mask=gm)
+        return
+    n_tiles = tl.cdiv(BPS, PB)
     q = tl.load(qs + (r * (H * G) + h * G + g[:, None]) * D + d[None, :], mask=gm[:, None] & dm[None, :], other=0.0)
     r1 = tl.load(round1 + rk * G + g, mask=gm, other=0.0)
     nf = tl.load(nfull + r)
