@@ -143,16 +143,22 @@ def next_pow2(n: int) -> int:
 
 
 def split_plan(
-    num_blocks: int, groups: int, blocks_per_split: int | None = None, tuning: KernelTuning = DEFAULT_TUNING
+    num_blocks: int,
+    groups: int,
+    blocks_per_split: int | None = None,
+    tuning: KernelTuning = DEFAULT_TUNING,
+    phase2: bool = False,
 ) -> tuple[int, int]:
     """Split-K plan ``(splits, blocks_per_split)`` for ``groups`` (row, KV head) programs over
-    ``num_blocks`` blocks: at most ``tuning.programs_per_sm`` programs per multiprocessor (rounded down,
-    so that the programs fill whole waves of resident blocks), at least 4 blocks per program."""
+    ``num_blocks`` blocks: at most ``tuning.programs_per_sm`` programs per multiprocessor (``phase2``: the
+    promotion and attend passes', ``tuning.phase2_programs_per_sm`` where set; rounded down, so that the
+    programs fill whole waves of resident blocks), at least 4 blocks per program."""
     if blocks_per_split is None:
         sms = 132
         if torch.cuda.is_available() and not interpreting():
             sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
-        want = max(1, tuning.programs_per_sm * sms // max(1, groups))  # rounded down: no partial last wave of programs
+        per_sm = (tuning.phase2_programs_per_sm if phase2 else 0) or tuning.programs_per_sm
+        want = max(1, per_sm * sms // max(1, groups))  # rounded down: no partial last wave of programs
         blocks_per_split = max(4, -(-num_blocks // want))
     blocks_per_split = max(1, min(int(blocks_per_split), max(1, num_blocks)))
     return max(1, -(-num_blocks // blocks_per_split)), blocks_per_split

@@ -5,7 +5,12 @@ and whether the Gluon and CUDA kernels may run) is a field of :class:`KernelTuni
 keyword argument ``tuning`` (default :data:`DEFAULT_TUNING`). None of them changes what is certified: each
 configuration computes the same certified quantities (``tests/triton_kernels/test_gpu.py`` compares them).
 
-* ``programs_per_sm``: the split-K plan's programs per multiprocessor (``common.split_plan``).
+* ``programs_per_sm``: the split-K plan's programs per multiprocessor (``common.split_plan``) of phase 1, and of
+  the promotion and attend passes unless ``phase2_programs_per_sm`` is set.
+* ``phase2_programs_per_sm``: the promotion and attend passes' own split plan (0: ``programs_per_sm``'s). Phase 2
+  reads phase 1's outputs per block, so the two plans may differ; the passes fit different numbers of programs on a
+  multiprocessor (registers), and a plan that is a whole multiple of a pass's resident programs leaves no
+  part-empty last wave.
 * ``phase1_blk``, ``phase1_warps``: blocks per loop iteration and warps per program of phase 1 (the Gluon
   phase-1 kernel takes one block per warp, the Triton one ``phase1_blk`` blocks in one batched dot).
 * ``attend_blk``, ``attend_warps``: blocks per loop iteration of the Triton attend kernel, and warps per CUDA
@@ -38,6 +43,7 @@ def _pow2(x: int) -> bool:
 # field: (predicate, the allowed values in words)
 _RULES = {
     "programs_per_sm": (lambda x: 1 <= x <= 256, "an integer in [1, 256]"),
+    "phase2_programs_per_sm": (lambda x: 0 <= x <= 256, "0 (programs_per_sm) or an integer in [1, 256]"),
     "phase1_blk": (lambda x: _pow2(x) and x <= 64, "a power of two in [1, 64]"),
     "phase1_warps": (lambda x: _pow2(x) and x <= 32, "a power of two in [1, 32]"),
     "attend_blk": (lambda x: _pow2(x) and x <= 64, "a power of two in [1, 64]"),
@@ -54,6 +60,7 @@ class KernelTuning:
     """Launch parameters of the kernels (module docstring); validated on construction."""
 
     programs_per_sm: int = 8
+    phase2_programs_per_sm: int = 0
     phase1_blk: int = 4
     phase1_warps: int = 4
     attend_blk: int = 4

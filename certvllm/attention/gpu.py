@@ -226,7 +226,8 @@ def certified_rows(
 
     bits, widened = _select(call, p1, summary, generator)
     mark(timings, "selection")
-    geo = Phase2Geometry(cache.layout, K, G, cache.sub_blocks, cache.num_blocks, splits, bps,
+    splits2, bps2 = split_plan(B, R * K, options.blocks_per_split, tuning=options.tuning, phase2=True)
+    geo = Phase2Geometry(cache.layout, K, G, cache.sub_blocks, cache.num_blocks, splits2, bps2,
                          cache.keys_channel_major, tuning=options.tuning)  # fmt: skip
     parts, m, sabs, exact_lm, canary = _phase2(call, geo, p1, summary, bits, pagein, pool, prefetch, timings)
     out, report = _finish(call, p1, summary, parts, m, sabs, exact_lm, bits, widened, canary)

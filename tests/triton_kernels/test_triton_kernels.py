@@ -485,6 +485,37 @@ def test_split_plans_agree(gen):
     torch.testing.assert_close(one.out, many.out, rtol=1e-6, atol=1e-7)
 
 
+def test_phase2_split_plan_of_its_own(gen, monkeypatch):
+    """Phase 2 on a split plan other than phase 1's (``KernelTuning.phase2_programs_per_sm``): phase 1 splits the
+    rows 3 blocks per program, the promotion and attend passes 5 (one plan the other does not divide); the call
+    is sound (``_check``), its rungs equal the 3/3 plan's and its output agrees within float32 summation
+    order, since phase 2 reads phase 1's outputs per block."""
+    from certvllm.triton_kernels.common import split_plan
+    from certvllm.triton_kernels.tuning import KernelTuning
+
+    from certvllm.attention import gpu
+
+    assert split_plan(10_000, 4, tuning=KernelTuning(programs_per_sm=8, phase2_programs_per_sm=5), phase2=True) == (
+        split_plan(10_000, 4, tuning=KernelTuning(programs_per_sm=5))
+    )
+    cases = [make_case("sink_and_recency", t, 6, 2, 64, torch.bfloat16, gen) for t in (100, 250)]
+    cfg = load_config("default")
+    same, _, same64 = _check(cases, cfg, blocks_per_split=3)
+    planned = []
+
+    def two_plans(num_blocks, groups, blocks_per_split=None, tuning=None, phase2=False):
+        plan = split_plan(num_blocks, groups, 5 if phase2 else blocks_per_split)
+        planned.append((phase2, plan))
+        return plan
+
+    monkeypatch.setattr(gpu, "split_plan", two_plans)
+    own, _, own64 = _check(cases, cfg, blocks_per_split=3)
+    assert {p for p, _ in planned} == {False, True} and len({plan for _, plan in planned}) == 2
+    assert torch.equal(same.report.rung, own.report.rung)
+    torch.testing.assert_close(same.out, own.out, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(same64, own64, rtol=1e-6, atol=1e-9)
+
+
 @_cuda_only
 @pytest.mark.parametrize("blk", [1, 2])
 def test_attend_pass_replayed_with_other_tiles_agrees(blk, gen):
