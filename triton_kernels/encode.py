@@ -282,8 +282,12 @@ def _encode_block(
 
 
 ENCODE_WINDOW = 16
-"""Consecutive tokens of a write one program of :func:`encode_completed_blocks` looks at: a prefill's run of 16
-tokens completes one block, so its programs each encode a page instead of 15 of every 16 exiting at once."""
+"""Consecutive tokens of a write one program of :func:`encode_completed_blocks` looks at, for writes of at least
+:data:`WINDOW_MIN_TOKENS`: a prefill's run of 16 tokens completes one block, so its programs each encode a page
+instead of 15 of every 16 exiting at once."""
+WINDOW_MIN_TOKENS = 1024
+"""Shorter writes (a decode step's: one token per request, often completing blocks of several requests at the same
+step) take one token per program, so the pages they complete are encoded in parallel, not one after another."""
 _LUT64: dict[torch.device, torch.Tensor] = {}
 
 
@@ -395,11 +399,12 @@ def encode_completed_blocks(pages: torch.Tensor, shadow: torch.Tensor, slots: to
             raise ValueError("encode_completed_blocks: the source's channels must be contiguous (stride 1)")
         extra.update(src_k=key, src_v=value, KEY_T=key.stride(0), KEY_H=key.stride(1), VAL_T=value.stride(0),
                      VAL_H=value.stride(1), FROM_WRITE=True)  # fmt: skip
-    _encode_pages_kernel[(triton.cdiv(t, ENCODE_WINDOW) * num_kv_heads,)](
+    window = ENCODE_WINDOW if t >= WINDOW_MIN_TOKENS else 1
+    _encode_pages_kernel[(triton.cdiv(t, window) * num_kv_heads,)](
         device_arg(shadow), device_arg(shadow), slots, slots, slots, generation if bump else slots,
         pages, pages.view(torch.float16), pages.view(torch.float32), _lut64(pages.device),
         K_ST=layout.head_dim, K_SC=1, **_layout_args(layout), FROM_SLOTS=True, H_KV=num_kv_heads,
-        M_SUB=sub_blocks, BUMP=bump, T=t, WINDOW=ENCODE_WINDOW, num_warps=4, **extra,
+        M_SUB=sub_blocks, BUMP=bump, T=t, WINDOW=window, num_warps=4, **extra,
     )  # fmt: skip
 
 
