@@ -600,6 +600,7 @@ def main() -> None:
         "score_std": args.score_std,
         "wall_s": round(time.time() - t0, 1),
         "programs_per_sm": _tuning().programs_per_sm,
+        "phase2_programs_per_sm": _tuning().phase2_programs_per_sm,
     }  # fmt: skip
     try:
         import triton
