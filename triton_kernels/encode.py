@@ -283,11 +283,14 @@ def _encode_block(
 
 ENCODE_WINDOW = 16
 """Consecutive tokens of a write one program of :func:`encode_completed_blocks` looks at, for writes of at least
-:data:`WINDOW_MIN_TOKENS`: a prefill's run of 16 tokens completes one block, so its programs each encode a page
-instead of 15 of every 16 exiting at once."""
-WINDOW_MIN_TOKENS = 1024
-"""Shorter writes (a decode step's: one token per request, often completing blocks of several requests at the same
-step) take one token per program, so the pages they complete are encoded in parallel, not one after another."""
+:data:`WINDOW_MIN_TOKENS` tokens: a prefill's run of 16 tokens completes one block, so its programs each encode a
+page instead of 15 of every 16 exiting at once."""
+WINDOW_MIN_TOKENS: int | None = None
+"""Writes this long take :data:`ENCODE_WINDOW` tokens per program; None: every write takes one token per program
+(the launch measured on GPUs so far; ``benchmarks/bench_write.py`` compares the two). The windowed variant compiles
+to 212 registers per thread for sm_90 against 168 (offline, Triton 3.9): fewer programs, each holding more.
+Shorter writes (a decode step's: one token per request, often completing blocks of several requests at the same
+step) always take one token per program, so the pages they complete are encoded in parallel."""
 _LUT64: dict[torch.device, torch.Tensor] = {}
 
 
@@ -399,7 +402,7 @@ def encode_completed_blocks(pages: torch.Tensor, shadow: torch.Tensor, slots: to
             raise ValueError("encode_completed_blocks: the source's channels must be contiguous (stride 1)")
         extra.update(src_k=key, src_v=value, KEY_T=key.stride(0), KEY_H=key.stride(1), VAL_T=value.stride(0),
                      VAL_H=value.stride(1), FROM_WRITE=True)  # fmt: skip
-    window = ENCODE_WINDOW if t >= WINDOW_MIN_TOKENS else 1
+    window = ENCODE_WINDOW if WINDOW_MIN_TOKENS is not None and t >= WINDOW_MIN_TOKENS else 1
     _encode_pages_kernel[(triton.cdiv(t, window) * num_kv_heads,)](
         device_arg(shadow), device_arg(shadow), slots, slots, slots, generation if bump else slots,
         pages, pages.view(torch.float16), pages.view(torch.float32), _lut64(pages.device),

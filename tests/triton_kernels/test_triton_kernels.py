@@ -236,7 +236,7 @@ def test_gather_reads_current_keys_from_a_write_through_pool(sub, channel_major,
     assert torch.equal(eng.gather_blocks(cache, ids).cpu(), cache.shadow_blocks(ids))  # no pool: the shadow
 
 
-@pytest.mark.parametrize("window_min", [1, 1 << 30])
+@pytest.mark.parametrize("window_min", [1, None])
 @pytest.mark.parametrize("sub", [1, _gpu_lane(2)])
 def test_device_write_path_equals_the_host_write_path(sub, window_min, gen, monkeypatch):
     """``write_tokens_on_device`` (device stores into the shadow, generations, the completed blocks encoded)
@@ -286,7 +286,7 @@ def test_device_write_path_equals_the_host_write_path(sub, window_min, gen, monk
     assert int(host.generation.sum()) > 0
 
 
-@pytest.mark.parametrize("window_min", [1, 1 << 30])
+@pytest.mark.parametrize("window_min", [1, None])
 def test_completed_blocks_read_the_write_for_its_tokens_and_the_shadow_for_the_rest(window_min, gen, monkeypatch):
     """``encode_completed_blocks(..., source=(key, value))``: token j of a completed block is read from the write
     where the write's token 15 − j places before the block's last one has the block's j-th slot (all 16 of a
@@ -294,7 +294,7 @@ def test_completed_blocks_read_the_write_for_its_tokens_and_the_shadow_for_the_r
     earlier chunk began), every other token from the shadow. The write's tokens are made to differ from the
     shadow here (in serving the shadow holds the same bytes, or is still being stored) so that each token's
     source shows in its page; in a reordered block (two slots swapped) those two come from the shadow. In both
-    launch forms (``window_min``: writes this long take 16 tokens per program, shorter ones 1)."""
+    launch forms (``window_min``: writes this long take 16 tokens per program, shorter ones 1; None: all 1)."""
     from certvllm.triton_kernels import encode
     from certvllm.triton_kernels.encode import encode_completed_blocks
 
