@@ -1,5 +1,6 @@
-"""Write path: quantize full 16-token blocks into tier-1 pages, one Triton program per (block, KV head), or per
-(16 consecutive tokens of a write, KV head) for the blocks a write completes.
+"""Write path: quantize full 16-token blocks into tier-1 pages, one Triton program per (block, KV head) of a list,
+or, for the blocks a write completes, per (token, KV head) of the write (per 16 consecutive tokens with the
+opt-in window form, :data:`WINDOW_MIN_TOKENS`).
 
 The kernel computes the function of ``certvllm.formats.pages.encode_pages`` field for field: the key
 offset/scale metadata in float64 with the same directed roundings, codes in float32 with IEEE division
