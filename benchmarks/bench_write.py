@@ -54,12 +54,14 @@ def bench_point(tokens: int, iters: int) -> list[dict]:
     def write() -> None:
         write_tokens_on_device(cache, key, value, slots, pool)
 
-    rows = []
-    for form, window_min in (("per token", None), ("16-token window", 1)):
-        encode_module.WINDOW_MIN_TOKENS = window_min
-        rows.append({"tokens": tokens, "form": form, "encode_ms": time_eager(encode, iters),
-                     "write_ms": time_eager(write, iters)})  # fmt: skip
-    encode_module.WINDOW_MIN_TOKENS = None
+    rows, configured = [], encode_module.WINDOW_MIN_TOKENS
+    try:
+        for form, window_min in (("per token", None), ("16-token window", 1)):
+            encode_module.WINDOW_MIN_TOKENS = window_min
+            rows.append({"tokens": tokens, "form": form, "encode_ms": time_eager(encode, iters),
+                         "write_ms": time_eager(write, iters)})  # fmt: skip
+    finally:
+        encode_module.WINDOW_MIN_TOKENS = configured
     release_cache(cache)
     return rows
 

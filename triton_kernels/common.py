@@ -10,6 +10,8 @@ True when compiled (libdevice ``expf``/``rint``, ≤ 2 ulp and exact), False und
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -142,6 +144,12 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
+@functools.cache
+def _multiprocessors(index: int) -> int:
+    """Multiprocessors of CUDA device ``index`` (asked once per device: a layer call plans two splits)."""
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def split_plan(
     num_blocks: int,
     groups: int,
@@ -154,9 +162,7 @@ def split_plan(
     promotion and attend passes', ``tuning.phase2_programs_per_sm`` where set; rounded down, so that the
     programs fill whole waves of resident blocks), at least 4 blocks per program."""
     if blocks_per_split is None:
-        sms = 132
-        if torch.cuda.is_available() and not interpreting():
-            sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+        sms = _multiprocessors(torch.cuda.current_device()) if torch.cuda.is_available() and not interpreting() else 132
         per_sm = (tuning.phase2_programs_per_sm if phase2 else 0) or tuning.programs_per_sm
         want = max(1, per_sm * sms // max(1, groups))  # rounded down: no partial last wave of programs
         blocks_per_split = max(4, -(-num_blocks // want))
