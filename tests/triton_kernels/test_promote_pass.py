@@ -20,6 +20,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton", reason="triton is not installed: the Triton kernels cannot be tested")
 
 from certvllm.triton_kernels.phase2 import Phase2Geometry, promote  # noqa: E402
+from certvllm.triton_kernels.tuning import KernelTuning  # noqa: E402
 
 from certvllm.formats.layout import PageLayout  # noqa: E402
 
@@ -59,9 +60,13 @@ def _inputs(canary_bad: bool):
 
 @pytest.mark.parametrize("run_canary", [False, True])
 @pytest.mark.parametrize("canary_bad", [False, True])
-def test_promotion_pass_matches_the_torch_reference(run_canary: bool, canary_bad: bool) -> None:
+@pytest.mark.parametrize("promote_warps", [0, 1])
+def test_promotion_pass_matches_the_torch_reference(run_canary: bool, canary_bad: bool, promote_warps: int) -> None:
+    """Also with one warp per program (``KernelTuning.promote_warps``; the default is 4): another layout of
+    the same sums, within the same bounds."""
     qs, shadow, tables, nfull, bits, active, s8, m8, delta, round1, exact = _inputs(canary_bad)
-    geo = Phase2Geometry(PageLayout(D), K, G, 1, shadow.shape[0], SPLITS, BPS)
+    tuning = KernelTuning(promote_warps=promote_warps)
+    geo = Phase2Geometry(PageLayout(D), K, G, 1, shadow.shape[0], SPLITS, BPS, tuning=tuning)
     scores = s8.clone().to(DEV)
     canary = torch.zeros(R, dtype=torch.int32, device=DEV)
     smax, sabs = promote(geo, qs.to(DEV), shadow.to(DEV) if DEV.type == "cuda" else shadow, tables.to(DEV),
