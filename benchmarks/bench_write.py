@@ -6,11 +6,8 @@ D = 128, float16; CUDA only).
 Usage: python benchmarks/bench_write.py [--tokens 8192 16384] [--iters 20] [--out runs/write.json]
 
 Each point times the encode launch alone and the whole write (``kv.cuda_pagein.write_tokens_on_device``), median of
-``--iters`` CUDA-event timings after two warm calls, on one cache whose shadow holds 2x the chunk, once per launch
-form of the encode: one token per program (``encode.WINDOW_MIN_TOKENS = None``, the default) and 16 consecutive
-tokens per program (the windowed form, set to 1 here so that every point takes it). Both forms write the same bytes
-(tests/triton_kernels/test_triton_kernels.py). Prints a table and writes the rows as JSON. (``profile_serving.py``
-reports the same kernels inside vLLM.)
+``--iters`` CUDA-event timings after two warm calls, on one cache whose shadow holds 2x the chunk. Prints a table and
+writes the rows as JSON. (``profile_serving.py`` reports the same kernels inside vLLM.)
 """
 
 from __future__ import annotations
@@ -23,8 +20,7 @@ import torch
 from bench_decode import HKV, D, release_cache, time_eager
 
 
-def bench_point(tokens: int, iters: int) -> list[dict]:
-    from certvllm.triton_kernels import encode as encode_module
+def bench_point(tokens: int, iters: int) -> dict:
     from certvllm.triton_kernels.encode import encode_completed_blocks
 
     from certvllm.formats.layout import BLOCK_SIZE, PageLayout
@@ -54,16 +50,9 @@ def bench_point(tokens: int, iters: int) -> list[dict]:
     def write() -> None:
         write_tokens_on_device(cache, key, value, slots, pool)
 
-    rows, configured = [], encode_module.WINDOW_MIN_TOKENS
-    try:
-        for form, window_min in (("per token", None), ("16-token window", 1)):
-            encode_module.WINDOW_MIN_TOKENS = window_min
-            rows.append({"tokens": tokens, "form": form, "encode_ms": time_eager(encode, iters),
-                         "write_ms": time_eager(write, iters)})  # fmt: skip
-    finally:
-        encode_module.WINDOW_MIN_TOKENS = configured
+    row = {"tokens": tokens, "encode_ms": time_eager(encode, iters), "write_ms": time_eager(write, iters)}
     release_cache(cache)
-    return rows
+    return row
 
 
 def main() -> None:
@@ -74,11 +63,11 @@ def main() -> None:
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_write.py needs a CUDA device (the write path's kernels run there)")
-    rows = [row for t in args.tokens for row in bench_point(t, args.iters)]
+    rows = [bench_point(t, args.iters) for t in args.tokens]
     print(f"device: {torch.cuda.get_device_name()}")
-    print("| tokens | encode launch | encode ms | whole write ms |\n|---|---|---|---|")
+    print("| tokens | encode ms | whole write ms |\n|---|---|---|")
     for r in rows:
-        print(f"| {r['tokens']} | {r['form']} | {r['encode_ms']:.3f} | {r['write_ms']:.3f} |")
+        print(f"| {r['tokens']} | {r['encode_ms']:.3f} | {r['write_ms']:.3f} |")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows}, indent=2))
 

@@ -1,6 +1,5 @@
 """Write path: quantize full 16-token blocks into tier-1 pages, one Triton program per (block, KV head) of a list,
-or, for the blocks a write completes, per (token, KV head) of the write (per 16 consecutive tokens with the
-opt-in window form, :data:`WINDOW_MIN_TOKENS`).
+or, for the blocks a write completes, per (token, KV head) of the write.
 
 The kernel computes the function of ``certvllm.formats.pages.encode_pages`` field for field: the key
 offset/scale metadata in float64 with the same directed roundings, codes in float32 with IEEE division
@@ -87,33 +86,29 @@ def _encode_pages_kernel(
     pool_tag=None,  # WRITE_POOL: [blocks·H_KV] int64 page id of each slot
     pool_gen=None,  # WRITE_POOL: [blocks·H_KV] int64 write generation of each slot's copy
     WRITE_POOL: tl.constexpr = False,  # FROM_SLOTS and BUMP: copy each encoded block's keys into its pool slot
-    T=0,  # FROM_SLOTS: token slots in k_off
-    WINDOW: tl.constexpr = 16,  # FROM_SLOTS: consecutive tokens of the write per program
 ):
     N: tl.constexpr = 16
     pid = tl.program_id(0)
-    if FROM_SLOTS:  # item = window · H_KV + head; a token at its block's last offset completes the block
+    if FROM_SLOTS:  # item = token · H_KV + head; a token at its block's last offset completes the block
         head = (pid % H_KV).to(tl.int64)
-        first = (pid // H_KV).to(tl.int64) * WINDOW
-        for j in range(WINDOW):
-            ti = first + j
-            slot = tl.load(k_off + ti, mask=ti < T, other=-1)
-            if (slot >= 0) & (slot % N == N - 1):  # not padding, and the block is full
-                block = slot // N
-                run = M_SUB * N * D  # elements of one (engine block, head, k|v) run of the shadow
-                run_base = (block // M_SUB * H_KV + head) * 2 * run
-                koff = run_base + (block % M_SUB) * N * D
-                dst = ((block // M_SUB * H_KV + head) * M_SUB + block % M_SUB) * PAGE_BYTES
-                if BUMP:  # once per block (head 0): its pages changed, copies taken before are stale
-                    old = tl.atomic_add(gen + block, 1, mask=head == 0)
-                    if WRITE_POOL:  # head 0 tags every head's slot of the block with the generation it just made
-                        for hh in tl.static_range(H_KV):
-                            tl.store(pool_tag + block * H_KV + hh, block * H_KV + hh, mask=head == 0)
-                            tl.store(pool_gen + block * H_KV + hh, old + 1, mask=head == 0)
-                _encode_block(k_ptr, v_ptr, koff, koff + run, dst, out_u8, out_f16, out_f32, lut64, K_ST, K_SC, D,
-                              DP, GRP, NG, NGP, V_CODES, V_SCALE, V_ZERO, K_OFFSET, K_SCODE, HEADER, PAGE_BYTES,
-                              PADP, PRECISE, KL, VL, k_off, ti, slot, head, H_KV, block, src_k, src_v, KEY_T,
-                              KEY_H, VAL_T, VAL_H, FROM_WRITE, pool_k, WRITE_POOL)  # fmt: skip
+        ti = (pid // H_KV).to(tl.int64)
+        slot = tl.load(k_off + ti)
+        if (slot >= 0) & (slot % N == N - 1):  # not padding, and the block is full
+            block = slot // N
+            run = M_SUB * N * D  # elements of one (engine block, head, k|v) run of the shadow
+            run_base = (block // M_SUB * H_KV + head) * 2 * run
+            koff = run_base + (block % M_SUB) * N * D
+            dst = ((block // M_SUB * H_KV + head) * M_SUB + block % M_SUB) * PAGE_BYTES
+            if BUMP:  # once per block (head 0): its pages changed, copies taken before are stale
+                old = tl.atomic_add(gen + block, 1, mask=head == 0)
+                if WRITE_POOL:  # head 0 tags every head's slot of the block with the generation it just made
+                    for hh in tl.static_range(H_KV):
+                        tl.store(pool_tag + block * H_KV + hh, block * H_KV + hh, mask=head == 0)
+                        tl.store(pool_gen + block * H_KV + hh, old + 1, mask=head == 0)
+            _encode_block(k_ptr, v_ptr, koff, koff + run, dst, out_u8, out_f16, out_f32, lut64, K_ST, K_SC, D,
+                          DP, GRP, NG, NGP, V_CODES, V_SCALE, V_ZERO, K_OFFSET, K_SCODE, HEADER, PAGE_BYTES,
+                          PADP, PRECISE, KL, VL, k_off, ti, slot, head, H_KV, block, src_k, src_v, KEY_T,
+                          KEY_H, VAL_T, VAL_H, FROM_WRITE, pool_k, WRITE_POOL)  # fmt: skip
     else:
         dst = tl.load(dst_off + pid)
         if dst >= 0:  # a caller's list may hold -1 where nothing is to be encoded
@@ -282,16 +277,6 @@ def _encode_block(
     tl.store(out_u8 + dst + HEADER + 10 + pad, tl.zeros([PADP], tl.uint8), mask=pad < PAGE_BYTES - HEADER - 10)
 
 
-ENCODE_WINDOW = 16
-"""Consecutive tokens of a write one program of :func:`encode_completed_blocks` looks at, for writes of at least
-:data:`WINDOW_MIN_TOKENS` tokens: a prefill's run of 16 tokens completes one block, so its programs each encode a
-page instead of 15 of every 16 exiting at once."""
-WINDOW_MIN_TOKENS: int | None = None
-"""Writes this long take :data:`ENCODE_WINDOW` tokens per program; None: every write takes one token per program
-(the launch measured on GPUs so far; ``benchmarks/bench_write.py`` compares the two). The windowed variant compiles
-to 212 registers per thread for sm_90 against 168 (offline, Triton 3.9): fewer programs, each holding more.
-Shorter writes (a decode step's: one token per request, often completing blocks of several requests at the same
-step) always take one token per program, so the pages they complete are encoded in parallel."""
 _LUT64: dict[torch.device, torch.Tensor] = {}
 
 
@@ -403,12 +388,11 @@ def encode_completed_blocks(pages: torch.Tensor, shadow: torch.Tensor, slots: to
             raise ValueError("encode_completed_blocks: the source's channels must be contiguous (stride 1)")
         extra.update(src_k=key, src_v=value, KEY_T=key.stride(0), KEY_H=key.stride(1), VAL_T=value.stride(0),
                      VAL_H=value.stride(1), FROM_WRITE=True)  # fmt: skip
-    window = ENCODE_WINDOW if WINDOW_MIN_TOKENS is not None and t >= WINDOW_MIN_TOKENS else 1
-    _encode_pages_kernel[(triton.cdiv(t, window) * num_kv_heads,)](
+    _encode_pages_kernel[(t * num_kv_heads,)](
         device_arg(shadow), device_arg(shadow), slots, slots, slots, generation if bump else slots,
         pages, pages.view(torch.float16), pages.view(torch.float32), _lut64(pages.device),
         K_ST=layout.head_dim, K_SC=1, **_layout_args(layout), FROM_SLOTS=True, H_KV=num_kv_heads,
-        M_SUB=sub_blocks, BUMP=bump, T=t, WINDOW=window, num_warps=4, **extra,
+        M_SUB=sub_blocks, BUMP=bump, num_warps=4, **extra,
     )  # fmt: skip
 
 

@@ -37,10 +37,10 @@ ITEM_BLOCK_MAX = 256
 """Largest ``BLK`` of the pool and step-prefetch item kernels (block columns per program)."""
 
 RUNTIME_INTS = ("num_blocks", "B", "TB_STRIDE", "S", "S2", "BPS", "nslots", "P", "CAP", "SPARSE", "KEY_T", "KEY_H",
-                "VAL_T", "VAL_H", "ROWS", "TALLY_ROW", "GSTART", "PSTART", "T")  # fmt: skip
+                "VAL_T", "VAL_H", "ROWS", "TALLY_ROW", "GSTART", "PSTART")  # fmt: skip
 """Int arguments whose values follow the call (table width and row stride, split plan, the written keys' and
-values' strides and their token count, a report's rows and its tally row, a chunked launch's first item) or the cache (its 16-token blocks, pool slots, staging capacity and sparse threshold): never
-specialised (module docstring).
+values' strides, a report's rows and its tally row, a chunked launch's first item) or the cache (its 16-token blocks,
+pool slots, staging capacity and sparse threshold): never specialised (module docstring).
 Every kernel passes the whole tuple; Triton ignores names a kernel does not have."""
 
 CALLER_POINTERS = ("tables", "lens", "count", "tag", "tag_gen")

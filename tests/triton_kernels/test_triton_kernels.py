@@ -236,9 +236,8 @@ def test_gather_reads_current_keys_from_a_write_through_pool(sub, channel_major,
     assert torch.equal(eng.gather_blocks(cache, ids).cpu(), cache.shadow_blocks(ids))  # no pool: the shadow
 
 
-@pytest.mark.parametrize("window_min", [1, None])
 @pytest.mark.parametrize("sub", [1, _gpu_lane(2)])
-def test_device_write_path_equals_the_host_write_path(sub, window_min, gen, monkeypatch):
+def test_device_write_path_equals_the_host_write_path(sub, gen):
     """``write_tokens_on_device`` (device stores into the shadow, generations, the completed blocks encoded)
     leaves the same shadow bytes, pages and write generations as the host path it replaces
     (``LayerKVCache.write_shadow``, then ``encode_blocks_from_shadow`` of the blocks it returns), over three
@@ -247,12 +246,9 @@ def test_device_write_path_equals_the_host_write_path(sub, window_min, gen, monk
     same with the stores split between the stream and a ``ShadowWriter``'s (``overlap_shadow_writes``: every
     third token as a certified row's; inline here, where there is no side stream): the generations of the side
     tokens bumped apart, the encode reading this write's tokens from ``key``/``value``."""
-    from certvllm.triton_kernels import encode
-
     from certvllm.kv.cuda_pagein import write_tokens_on_device
     from certvllm.kv.shadow_writer import ShadowWriter
 
-    monkeypatch.setattr(encode, "WINDOW_MIN_TOKENS", window_min)  # both launch forms of the completed-block encode
     lay, heads, d = PageLayout(64), 3, 64
     caches = []
     for _ in range(3):
@@ -286,21 +282,17 @@ def test_device_write_path_equals_the_host_write_path(sub, window_min, gen, monk
     assert int(host.generation.sum()) > 0
 
 
-@pytest.mark.parametrize("window_min", [1, None])
-def test_completed_blocks_read_the_write_for_its_tokens_and_the_shadow_for_the_rest(window_min, gen, monkeypatch):
+def test_completed_blocks_read_the_write_for_its_tokens_and_the_shadow_for_the_rest(gen):
     """``encode_completed_blocks(..., source=(key, value))``: token j of a completed block is read from the write
     where the write's token 15 − j places before the block's last one has the block's j-th slot (all 16 of a
     prefill's block, the last token of a block a decode token completes, a chunk's tokens of the block an
     earlier chunk began), every other token from the shadow. The write's tokens are made to differ from the
     shadow here (in serving the shadow holds the same bytes, or is still being stored) so that each token's
-    source shows in its page; in a reordered block (two slots swapped) those two come from the shadow. In both
-    launch forms (``window_min``: writes this long take 16 tokens per program, shorter ones 1; None: all 1)."""
-    from certvllm.triton_kernels import encode
+    source shows in its page; in a reordered block (two slots swapped) those two come from the shadow."""
     from certvllm.triton_kernels.encode import encode_completed_blocks
 
     from certvllm.formats.pages import encode_pages
 
-    monkeypatch.setattr(encode, "WINDOW_MIN_TOKENS", window_min)
     lay, heads, d = PageLayout(64), 3, 64
     pages = torch.zeros(8, heads, lay.page_bytes, dtype=torch.uint8, device=DEV)
     shadow = torch.randn(8, heads, 2, BLOCK_SIZE, d, generator=gen).bfloat16()
