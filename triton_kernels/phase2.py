@@ -408,7 +408,7 @@ def promote(
         pool, kslot, stage, nslots, needed, geo.num_blocks, B, tables.stride(0), S, geo.blocks_per_split,
         H=K, G=G, GP=next_pow2(G), D=D, DP=next_pow2(D), M=geo.sub_blocks, CHANNEL_MAJOR=geo.channel_major,
         CANARY=run_canary, PB=64, USE_POOL=use_pool,
-        num_warps=geo.tuning.promote_warps or (4 if G <= 4 else 8),
+        num_warps=geo.tuning.promote_warps or (2 if G <= 4 else 8),
     )  # fmt: skip
     return smax, sabs
 

@@ -11,10 +11,10 @@ configuration computes the same certified quantities (``tests/triton_kernels/tes
   reads phase 1's outputs per block, so the two plans may differ; the passes fit different numbers of programs on a
   multiprocessor (registers), and a plan that is a whole multiple of a pass's resident programs leaves no
   part-empty last wave.
-* ``promote_warps``: warps per program of the promotion pass (0: 4, or 8 for more than 4 query heads per KV head).
+* ``promote_warps``: warps per program of the promotion pass (0: 2, or 8 for more than 4 query heads per KV head).
   The pass waits on one key page per program and iteration; fewer warps per program let more programs, and so more
-  pages, be in flight on a multiprocessor (compiled offline for sm_90 with Triton 3.9: 187 / 154 / 125 registers
-  per thread at 1 / 2 / 4 warps, i.e. 10 / 6 / 4 programs per SM).
+  pages, be in flight on a multiprocessor. Two warps measured fastest at G = 4 (``docs/performance.md``); one warp
+  takes ~200 registers per thread and was slower.
 * ``phase1_blk``, ``phase1_warps``: blocks per loop iteration and warps per program of phase 1 (the Gluon
   phase-1 kernel takes one block per warp, the Triton one ``phase1_blk`` blocks in one batched dot).
 * ``attend_blk``, ``attend_warps``: blocks per loop iteration of the Triton attend kernel, and warps per CUDA
@@ -48,7 +48,7 @@ def _pow2(x: int) -> bool:
 _RULES = {
     "programs_per_sm": (lambda x: 1 <= x <= 256, "an integer in [1, 256]"),
     "phase2_programs_per_sm": (lambda x: 0 <= x <= 256, "0 (programs_per_sm) or an integer in [1, 256]"),
-    "promote_warps": (lambda x: x == 0 or (_pow2(x) and x <= 16), "0 (4, or 8 for G > 4) or a power of two in [1, 16]"),
+    "promote_warps": (lambda x: x == 0 or (_pow2(x) and x <= 16), "0 (2, or 8 for G > 4) or a power of two in [1, 16]"),
     "phase1_blk": (lambda x: _pow2(x) and x <= 64, "a power of two in [1, 64]"),
     "phase1_warps": (lambda x: _pow2(x) and x <= 32, "a power of two in [1, 32]"),
     "attend_blk": (lambda x: _pow2(x) and x <= 64, "a power of two in [1, 64]"),

@@ -60,10 +60,10 @@ def _inputs(canary_bad: bool):
 
 @pytest.mark.parametrize("run_canary", [False, True])
 @pytest.mark.parametrize("canary_bad", [False, True])
-@pytest.mark.parametrize("promote_warps", [0, 1])
+@pytest.mark.parametrize("promote_warps", [0, 1, 4])
 def test_promotion_pass_matches_the_torch_reference(run_canary: bool, canary_bad: bool, promote_warps: int) -> None:
-    """Also with one warp per program (``KernelTuning.promote_warps``; the default is 4): another layout of
-    the same sums, within the same bounds."""
+    """Also with one and four warps per program (``KernelTuning.promote_warps``; 0 is the default, 2 here):
+    other layouts of the same sums, within the same bounds."""
     qs, shadow, tables, nfull, bits, active, s8, m8, delta, round1, exact = _inputs(canary_bad)
     tuning = KernelTuning(promote_warps=promote_warps)
     geo = Phase2Geometry(PageLayout(D), K, G, 1, shadow.shape[0], SPLITS, BPS, tuning=tuning)
