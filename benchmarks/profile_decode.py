@@ -1,7 +1,7 @@
 """Where the time of one certified decode-attention layer call goes, kernel by kernel (CUDA only).
 
 Usage: python benchmarks/profile_decode.py [--points 1x8192 8x131072] [--presets naive default]
-                                           [--tunings "" attend_warps=8] [--out runs/profile.json]
+                                           [--tunings "" attend_warps=8] [--rounds 3] [--out runs/profile.json]
 
 For each point (batch × context, the synthetic K/V of ``bench_decode``) and preset it times CUDA-graph
 replays of the call (what the table of ``bench_decode`` reports), then profiles eager calls with
@@ -11,8 +11,10 @@ latency (one graph node after another); the ranking shows which kernels are wort
 With a promotion pool it also records the pool's pages per profiled call (``pool_pages_per_call``: looked up,
 hits, fills, and bypasses, the pages read over PCIe because another page held their slot). Each preset
 runs once per ``--tunings`` entry (comma-separated ``KernelTuning`` fields, "" the defaults), labelled
-``preset[tuning]``, so two kernel choices are compared in one run. Last, the registers and spills per
-thread of every compiled certvllm kernel.
+``preset[tuning]``, so two kernel choices are compared in one run. ``--rounds N`` runs the whole list N times,
+one round after another, so the variants alternate (a variant measured right after another can read a few percent
+slower or faster: order matters at this size); each label then reports the median of its rounds and keeps every
+round's figures. Last, the registers and spills per thread of every compiled certvllm kernel.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 from collections import defaultdict
 from pathlib import Path
 
@@ -49,7 +52,8 @@ def _kernel_table(prof, calls: int) -> tuple[list[dict], int, float]:
 
 
 def profile_point(batch: int, ctx: int, presets: list[str], calls: int, top: int, tunings: list[str],
-                  score_std: float | None = None, pool_fraction: float | None = None) -> dict:  # fmt: skip
+                  score_std: float | None = None, pool_fraction: float | None = None,
+                  rounds: int = 1) -> dict:  # fmt: skip
     from certvllm.triton_kernels.tuning import KernelTuning
 
     from certvllm.attention import certified_attention
@@ -65,7 +69,8 @@ def profile_point(batch: int, ctx: int, presets: list[str], calls: int, top: int
     seq_lens = torch.tensor(lens, device=dev)
     scale = 1.0 / math.sqrt(D)
     out: dict = {"batch": batch, "context": ctx, "score_std": score_std, "pool_fraction": pool_fraction}
-    for preset, tuning in [(p, t) for p in presets for t in tunings]:
+    measured: dict[str, list[dict]] = defaultdict(list)  # label → one entry per time it ran
+    for preset, tuning in [(p, t) for _ in range(rounds) for p in presets for t in tunings]:
         cfg = load_config(preset)
         eng = CudaPageInEngine(dev)
         fraction = cfg.promotion_cache_fraction if pool_fraction is None else pool_fraction
@@ -90,17 +95,27 @@ def profile_point(batch: int, ctx: int, presets: list[str], calls: int, top: int
                 call()
             torch.cuda.synchronize()
         rows, count, total_us = _kernel_table(prof, calls)
-        out[preset] = {"graph_ms": graph_ms, "kernels_per_call": count, "kernel_us_per_call": total_us,
-                       "kernels": rows}  # fmt: skip
+        run = {"graph_ms": graph_ms, "kernels_per_call": count, "kernel_us_per_call": total_us, "kernels": rows}
         if pool is not None:  # pages per call: looked up, served from a slot, filled, read over PCIe past the pool
-            out[preset]["pool_pages_per_call"] = {k: v / calls for k, v in pool.take_stats().items()}
+            run["pool_pages_per_call"] = {k: v / calls for k, v in pool.take_stats().items()}
+        measured[preset].append(run)
         print(f"b={batch} ctx={ctx} {preset}: graph {graph_ms:.3f} ms, {count} kernels/call, "
               f"kernel sum {total_us / 1e3:.3f} ms, pool pages per call "
-              f"{out[preset].get('pool_pages_per_call')}", flush=True)  # fmt: skip
+              f"{run.get('pool_pages_per_call')}", flush=True)  # fmt: skip
         for r in rows[:top]:
             each = " (" + " + ".join(f"{u:.1f}" for u in r["us_per_launch"]) + ")" if "us_per_launch" in r else ""
             print(f"    {r['us_per_call']:9.1f} us  x{r['count_per_call']:5.1f}  {r['kernel']}{each}", flush=True)
     release_cache(cache)
+    for label, runs in measured.items():  # the first run's record, its times the medians of all runs
+        out[label] = {**runs[0], "graph_ms": statistics.median(r["graph_ms"] for r in runs),
+                      "kernel_us_per_call": statistics.median(r["kernel_us_per_call"] for r in runs),
+                      "runs": runs}  # fmt: skip
+    if any(len(runs) > 1 for runs in measured.values()):
+        print(f"b={batch} ctx={ctx}, medians over the runs of each label:")
+        for label, runs in measured.items():
+            graphs = ", ".join(f"{r['graph_ms']:.3f}" for r in runs)
+            print(f"    {label:48s} graph {out[label]['graph_ms']:.3f} ms ({graphs}), "
+                  f"kernel sum {out[label]['kernel_us_per_call'] / 1e3:.3f} ms", flush=True)  # fmt: skip
     return out
 
 
@@ -135,6 +150,7 @@ def main() -> None:
     ap.add_argument("--tunings", nargs="+", default=[""],
                     help='KernelTuning overrides per run, e.g. "" attend_warps=8')  # fmt: skip
     ap.add_argument("--calls", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=1, help="run the presets x tunings list this many times, in turn")
     ap.add_argument("--score-std", type=float, default=None, help=SCORE_STD_HELP)
     ap.add_argument("--pool-fraction", type=float, default=None,
                     help="promotion pool slots per (block, KV head) page instead of the preset's "
@@ -144,11 +160,15 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--out", type=Path, default=Path("runs/profile.json"))
     args = ap.parse_args()
+    if args.rounds < 1:
+        ap.error(f"--rounds {args.rounds}: it must be at least 1 (1 runs each preset and tuning once)")
     results = []
     for p in args.points:
         b, c = (int(x) for x in p.split("x"))
         results.append(
-            profile_point(b, c, args.presets, args.calls, args.top, args.tunings, args.score_std, args.pool_fraction)
+            profile_point(
+                b, c, args.presets, args.calls, args.top, args.tunings, args.score_std, args.pool_fraction, args.rounds
+            )
         )
     resources = compiled_kernel_resources()
     for r in resources:
