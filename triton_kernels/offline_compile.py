@@ -1,4 +1,5 @@
-"""Compile a Gluon kernel for a CUDA target on a machine without a GPU, and read what the compiler made of it.
+"""Compile a Gluon or Triton kernel for a CUDA target on a machine without a GPU, and read what the compiler made
+of it.
 
 Triton compiles to a cubin with its bundled ``ptxas`` whatever the machine, given the target
 (``GPUTarget("cuda", 90, 32)`` for the H200) and the signature a launch would infer: pointer element types,
@@ -7,7 +8,8 @@ scalar types and the constexpr values (the launchers' ``launch_constants``). Fro
 loop (the longest backward branch, minus its largest conditional forward skip: the rarely taken path)
 gives the instructions issued per iteration.
 
-Used by ``tests/triton_kernels/test_gluon_compile.py`` (the kernels compile, within register and spill bounds) and
+Used by ``tests/triton_kernels/test_gluon_compile.py`` (the Gluon kernels and the promotion pass compile, within
+register and spill bounds) and
 ``benchmarks/kernel_sass.py`` (instruction mix per iteration, to compare kernel variants before a GPU run).
 
 **One process cannot do both.** On a machine without CUDA, importing ``certvllm.triton_kernels`` sets
@@ -42,7 +44,11 @@ RESIDENT_POINTERS = {
     "tables": "*i64", "nfull": "*i64", "bits": "*i32", "active": "*i32", "acc": "*fp64", "den": "*fp64",
     "aval": "*fp64", "atail": "*fp64", "bad": "*i32", "fbits": "*i32", "canary": "*i32",
 }  # fmt: skip
-"""Pointer element types of the Gluon kernels (unnamed pointers are float32)."""
+PROMOTE_POINTERS = {
+    "shadow": "*bf16", "pool": "*bf16", "stage": "*bf16", "tables": "*i64", "nfull": "*i64", "bits": "*i32",
+    "active": "*i32", "canary": "*i32", "kslot": "*i32", "needed": "*i64",
+}  # fmt: skip
+"""Pointer element types of the compiled kernels (unnamed pointers are float32)."""
 SCALARS = {"num_blocks": "i32", "B": "i32", "TB_STRIDE": "i32", "S": "i32", "BPS": "i32", "DELTA_F": "fp32",
            "ROUND_F": "fp32", "ROUND_W": "fp32", "ROUND_P": "fp32", "ROUND_S": "fp32", "nslots": "i32"}  # fmt: skip
 """Scalar arguments of the kernels."""
@@ -81,20 +87,23 @@ def nvidia_tool(name: str) -> str:
     return path
 
 
-def compile_gluon(kernel, pointers: dict, constants: dict, arch: int = 90) -> Compiled:
-    """Compile the Gluon ``kernel`` for sm_``arch``. ``constants`` is a launcher's ``launch_constants``
-    (constexprs plus the compile options in :data:`OPTIONS`); pointers not in ``pointers`` are float32.
-    Needs a process whose Triton was imported without the interpreter (module docstring; else
-    :func:`run_jobs`)."""
+def compile_cuda(kernel, pointers: dict, constants: dict, arch: int = 90, gluon: bool = True) -> Compiled:
+    """Compile ``kernel`` (a Gluon kernel, or a Triton one with ``gluon=False``) for sm_``arch``. ``constants``
+    is a launcher's ``launch_constants`` (constexprs plus the compile options in :data:`OPTIONS`); pointers not in
+    ``pointers`` are float32. Needs a process whose Triton was imported without the interpreter (module docstring;
+    else :func:`run_jobs`)."""
     from .common import interpreting
     from .shape_class import CALLER_POINTERS
 
     if interpreting():
-        raise RuntimeError("Triton interprets kernels in this process: compile Gluon kernels with run_jobs()")
-    try:
-        from triton.experimental.gluon._runtime import GluonASTSource
-    except ImportError as err:
-        raise ToolMissing(f"this Triton has no Gluon ({err})") from err
+        raise RuntimeError("Triton interprets kernels in this process: compile kernels offline with run_jobs()")
+    if gluon:
+        try:
+            from triton.experimental.gluon._runtime import GluonASTSource as Source
+        except ImportError as err:
+            raise ToolMissing(f"this Triton has no Gluon ({err})") from err
+    else:
+        from triton.compiler import ASTSource as Source
     from triton.backends.compiler import GPUTarget
 
     cuobjdump = nvidia_tool("cuobjdump")
@@ -109,7 +118,7 @@ def compile_gluon(kernel, pointers: dict, constants: dict, arch: int = 90) -> Co
     # (``shape_class.RUNTIME_INTS``, ``CALLER_POINTERS``)
     aligned = [i for i, n in enumerate(kernel.arg_names) if signature[n].startswith("*") and n not in CALLER_POINTERS]
     attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
-    compiled = triton.compile(GluonASTSource(kernel, signature, constexprs, attrs),
+    compiled = triton.compile(Source(kernel, signature, constexprs, attrs),
                               target=GPUTarget("cuda", arch, 32), options=options)  # fmt: skip
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
@@ -204,10 +213,11 @@ def run_jobs(jobs: list[dict], timeout: float = 1200.0) -> list[dict]:
     ``stack``, ``loop_instructions`` and ``loop_top`` (the 12 most frequent opcodes of the loop), or
     ``missing`` (why this Triton cannot compile offline).
 
-    A job: ``{"kernel": "phase1" | "resident", "hq", "hkv", "d", "tuning": {KernelTuning field:
+    A job: ``{"kernel": "phase1" | "resident" | "promote", "hq", "hkv", "d", "tuning": {KernelTuning field:
     value}, "flags": {fused_gluon.launch_constants flag: value}}`` (``tuning`` optional: the launchers'
     ``DEFAULT_TUNING`` with these fields replaced; ``flags`` for ``resident`` only: the resident pass of a warm
-    pool with value pages and the canary by default). The child inherits
+    pool with value pages and the canary by default; ``promote``: the promotion pass over a pool with the canary,
+    the Triton kernel). The child inherits
     this process's environment; ``env`` sets Triton's own switch off in it before Python starts."""
     cmd = ["env", "TRITON_INTERPRET=0", sys.executable, "-m", "certvllm.triton_kernels.offline_compile"]
     proc = subprocess.run(cmd, input=json.dumps(jobs), capture_output=True, text=True, timeout=timeout)
@@ -220,13 +230,14 @@ def run_jobs(jobs: list[dict], timeout: float = 1200.0) -> list[dict]:
 def _run_job(spec: dict) -> dict:
     from certvllm.formats.layout import PageLayout
 
-    from . import fused_gluon, phase1_mma_gluon
+    from . import fused_gluon, phase1_mma_gluon, phase2
     from .fused import CANARY_SLACK, FusedGeometry
     from .tuning import KernelTuning
 
     tuning = KernelTuning(**spec.get("tuning", {}))
     try:
         hq, hkv, d = spec["hq"], spec["hkv"], spec["d"]
+        gluon = True
         if spec["kernel"] == "resident":
             geo = FusedGeometry(PageLayout(d), hkv, hq // hkv, 1, 1024, 4, 64)
             flags = {"use_pool": True, "pool_values": True, "use_bits": False, "use_active": False,
@@ -238,9 +249,12 @@ def _run_job(spec: dict) -> dict:
         elif spec["kernel"] == "phase1":
             kernel, pointers = phase1_mma_gluon._phase1_mma_gluon_kernel, PHASE1_POINTERS
             consts = phase1_mma_gluon.launch_constants(PageLayout(d), hkv, hq // hkv, 1, tuning.phase1_warps)
+        elif spec["kernel"] == "promote":
+            kernel, pointers, gluon = phase2._promote_kernel, PROMOTE_POINTERS, False
+            consts = phase2.promote_launch_constants(hkv, hq // hkv, d, 1, False, True, True, tuning)
         else:
-            raise ValueError(f"job kernel {spec['kernel']!r}: it must be 'phase1' or 'resident'")
-        c = compile_gluon(kernel, pointers, consts)
+            raise ValueError(f"job kernel {spec['kernel']!r}: it must be 'phase1', 'resident' or 'promote'")
+        c = compile_cuda(kernel, pointers, consts, gluon=gluon)
         return {"registers": c.registers, "stack": c.stack, "loop_instructions": c.loop_instructions,
                 "common_path_instructions": sum(c.common.values()), "loop_top": dict(c.loop.most_common(12))}  # fmt: skip
     except ToolMissing as err:

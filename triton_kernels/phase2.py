@@ -406,11 +406,21 @@ def promote(
     _promote_kernel[(R * K, S)](
         qs, device_arg(shadow), tables, nfull, bits, active, scores, m8, delta, round1, canary, smax, sabs,
         pool, kslot, stage, nslots, needed, geo.num_blocks, B, tables.stride(0), S, geo.blocks_per_split,
-        H=K, G=G, GP=next_pow2(G), D=D, DP=next_pow2(D), M=geo.sub_blocks, CHANNEL_MAJOR=geo.channel_major,
-        CANARY=run_canary, PB=64, USE_POOL=use_pool,
-        num_warps=geo.tuning.promote_warps or (2 if G <= 4 else 8),
+        **promote_launch_constants(K, G, D, geo.sub_blocks, geo.channel_major, run_canary, use_pool, geo.tuning),
     )  # fmt: skip
     return smax, sabs
+
+
+def promote_launch_constants(num_kv_heads: int, group: int, head_dim: int, sub_blocks: int, channel_major: bool,
+                             run_canary: bool, use_pool: bool, tuning: KernelTuning = DEFAULT_TUNING) -> dict:  # fmt: skip
+    """The compile-time arguments of :func:`_promote_kernel` (constexprs and ``num_warps``), for its launch and for
+    compiling it offline (``offline_compile``). Warps: ``tuning.promote_warps``, else 2 for G ≤ 4 (more programs
+    in flight per multiprocessor, measured faster on an H100) and 8 for larger groups."""
+    return dict(
+        H=num_kv_heads, G=group, GP=next_pow2(group), D=head_dim, DP=next_pow2(head_dim), M=sub_blocks,
+        CHANNEL_MAJOR=channel_major, CANARY=run_canary, PB=64, USE_POOL=use_pool,
+        num_warps=tuning.promote_warps or (2 if group <= 4 else 8),
+    )  # fmt: skip
 
 
 @dataclass

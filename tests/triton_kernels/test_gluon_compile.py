@@ -1,4 +1,4 @@
-"""The Gluon kernels compile for the H200 (sm_90) on this machine, without a GPU.
+"""The Gluon kernels and the promotion pass compile for the H200 (sm_90) on this machine, without a GPU.
 
 Triton's interpreter does not run Gluon kernels, so the CPU test-suite cannot execute them; the GPU tests
 (``pytest -m gpu``) can, but only on a CUDA machine. This test compiles them with the installed Triton and
@@ -24,6 +24,16 @@ RESIDENT_CASES = [
     (14, 2, 64, {"pool_values": False}, 256),  # G = 7 (Qwen2.5-0.5B), a keys-only pool (≤ 64 / 128 B)
     (8, 8, 256, {"use_pool": False, "run_canary": False}, 64),
 ]
+PROMOTE_CASES = [
+    # hq, hkv, d, most registers accepted. At G <= 4 the pass runs 2 warps per program so that 6 or more programs,
+    # each waiting on its own key page, fit a multiprocessor (what made 2 warps faster than 4 on an H100): at most
+    # 168 registers (Triton 3.9 here: 154 at LLaMA-3.1-8B's shape; 3.6 on the H100: 128). Larger groups: 8 warps.
+    (32, 8, 128, 168),
+    (8, 8, 128, 168),
+    (32, 8, 64, 168),
+    (14, 2, 64, 255),
+    (64, 8, 128, 255),
+]
 
 
 @pytest.fixture(scope="module")
@@ -31,6 +41,7 @@ def compiled() -> dict:
     """Every case compiled once (one child process), keyed by its parameters."""
     jobs = [{"kernel": "phase1", "hq": hq, "hkv": hkv, "d": d} for hq, hkv, d in PHASE1_CASES]
     jobs += [{"kernel": "resident", "hq": hq, "hkv": hkv, "d": d, "flags": f} for hq, hkv, d, f, _ in RESIDENT_CASES]
+    jobs += [{"kernel": "promote", "hq": hq, "hkv": hkv, "d": d} for hq, hkv, d, _ in PROMOTE_CASES]
     results = run_jobs(jobs)
     missing = [r["missing"] for r in results if "missing" in r]
     if missing:
@@ -55,6 +66,16 @@ def test_resident_kernel_compiles_for_sm90(hq, hkv, d, flags, max_stack, compile
     assert fused_gluon.supported(d, hq // hkv, 16, False, 4, 4)
     use = compiled[repr({"kernel": "resident", "hq": hq, "hkv": hkv, "d": d, "flags": flags})]
     assert use["registers"] <= 255 and use["stack"] <= max_stack, use
+    assert use["loop_instructions"] > 0
+
+
+@pytest.mark.parametrize("hq,hkv,d,max_registers", PROMOTE_CASES)
+def test_promotion_pass_compiles_for_sm90_without_spills(hq, hkv, d, max_registers, compiled):
+    """The promotion pass (a Triton kernel) with its launcher's constants (``phase2.promote_launch_constants``: the
+    default warps, a pool, the canary): no spills, and registers within the bound that keeps its programs in
+    flight."""
+    use = compiled[repr({"kernel": "promote", "hq": hq, "hkv": hkv, "d": d})]
+    assert use["stack"] == 0 and use["registers"] <= max_registers, use
     assert use["loop_instructions"] > 0
 
 
