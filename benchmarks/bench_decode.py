@@ -31,6 +31,7 @@ structured workload.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import platform
@@ -599,8 +600,7 @@ def main() -> None:
         "shapes": {"H_q": HQ, "H_kv": HKV, "D": D}, "iters": args.iters, "diffuse_mass": args.diffuse_mass,
         "score_std": args.score_std,
         "wall_s": round(time.time() - t0, 1),
-        "programs_per_sm": _tuning().programs_per_sm,
-        "phase2_programs_per_sm": _tuning().phase2_programs_per_sm,
+        "tuning": dataclasses.asdict(_tuning()),  # every launch choice (split plans, warps, dialect)
     }  # fmt: skip
     try:
         import triton

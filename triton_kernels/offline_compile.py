@@ -237,7 +237,6 @@ def _run_job(spec: dict) -> dict:
     tuning = KernelTuning(**spec.get("tuning", {}))
     try:
         hq, hkv, d = spec["hq"], spec["hkv"], spec["d"]
-        gluon = True
         if spec["kernel"] == "resident":
             geo = FusedGeometry(PageLayout(d), hkv, hq // hkv, 1, 1024, 4, 64)
             flags = {"use_pool": True, "pool_values": True, "use_bits": False, "use_active": False,
@@ -250,11 +249,11 @@ def _run_job(spec: dict) -> dict:
             kernel, pointers = phase1_mma_gluon._phase1_mma_gluon_kernel, PHASE1_POINTERS
             consts = phase1_mma_gluon.launch_constants(PageLayout(d), hkv, hq // hkv, 1, tuning.phase1_warps)
         elif spec["kernel"] == "promote":
-            kernel, pointers, gluon = phase2._promote_kernel, PROMOTE_POINTERS, False
+            kernel, pointers = phase2._promote_kernel, PROMOTE_POINTERS
             consts = phase2.promote_launch_constants(hkv, hq // hkv, d, 1, False, True, True, tuning)
         else:
             raise ValueError(f"job kernel {spec['kernel']!r}: it must be 'phase1', 'resident' or 'promote'")
-        c = compile_cuda(kernel, pointers, consts, gluon=gluon)
+        c = compile_cuda(kernel, pointers, consts, gluon=spec["kernel"] != "promote")  # the pass is a Triton kernel
         return {"registers": c.registers, "stack": c.stack, "loop_instructions": c.loop_instructions,
                 "common_path_instructions": sum(c.common.values()), "loop_top": dict(c.loop.most_common(12))}  # fmt: skip
     except ToolMissing as err:
