@@ -2,10 +2,8 @@
 for every (row, KV head, query head), written straight into the phase-2 promotion bitmask.
 
 The same decisions as ``certvllm.attention.selection.select_keys`` / ``select_values`` (the reference;
-read it first), without their ~60 torch launches per layer call. Two programs per (row, KV head, query
-head), one for the keys' decisions (1–2) and one for the values' (3), which do not depend on each other: each
-holds the head's ``B`` blocks in registers (``BP`` = next power of two), and the call takes the time of one
-sort instead of two in sequence:
+read it first), without their ~60 torch launches per layer call. One program per (row, KV head, query
+head) holds the head's ``B`` blocks in registers (``BP`` = next power of two):
 
 1. p̂_b = exp(ℓ⁸_b − lse) on full blocks (0 elsewhere); a stable descending argsort as one ``tl.sort`` of
    int64 keys ``bits(p̂_b) << 32 | (BP − 1 − b)`` (p̂ ≥ 0, so its float bits sort like the value, and the
@@ -15,7 +13,7 @@ sort instead of two in sequence:
    clamps and rung 1, exactly the reference's expressions;
 3. rung 2: ρ̄_b·η_b sorted the same way, promoted greedily until the remaining estimate meets the budget;
 4. ``bits[r, h, b] |= 1 << g`` for promoted keys (``(1 << G) − 1``, every head of the group, under the
-   budget rule) and ``1 << (G + g)`` for promoted values (atomic OR: the 2G programs of a (row, KV head) share
+   budget rule) and ``1 << (G + g)`` for promoted values (atomic OR: the G programs of a (row, KV head) share
    the words).
 
 Tested against the torch reference under the interpreter (``tests/triton_kernels/test_triton_kernels.py``); the
@@ -227,60 +225,56 @@ def _select_kernel(
         row = pid * B
         vbudget = tl.load(budget + rk)
 
-        if BP <= W:  # positions q of the descending order: all of it, or a window of W (K* ≤ KMAX1 < W)
+        # ---- keys: top-K*, rung 1 (selection.select_keys); positions q of the descending order
+        if BP <= W:
             q = pos
-        else:
+            smass, order = _sorted_desc(mass, pos, B, BP)
+            alpha = _suffix_sum(smass)
+            dsuf = tl.associative_scan(tl.load(delta + row + order, mask=q < B, other=0.0), 0, _max, reverse=True)
+        else:  # only the first W positions can matter: K* ≤ ``policy.k_max_widened`` < W
             q = tl.arange(0, W)
-        LO = tl.maximum(KMAX1 + 1, W // 2)  # the fewest sorted positions a window holds (K* ≤ KMAX1)
-        # the keys' decisions and the values' are independent: program_id(1) takes one of them
-        if tl.program_id(1) == 0:
-            # ---- keys: top-K*, rung 1 (selection.select_keys)
-            if BP <= W:
-                smass, order = _sorted_desc(mass, pos, B, BP)
-                alpha = _suffix_sum(smass)
-                dsuf = tl.associative_scan(tl.load(delta + row + order, mask=q < B, other=0.0), 0, _max, reverse=True)
-            else:  # only the first W positions can matter: K* ≤ ``policy.k_max_widened`` < W
-                smass, order, sel, _ = _top_window(mass, pos, B, scratch + pid * 2 * W, LO, W, BP, LOG2BP)
-                rest = tl.sum(tl.where(sel, 0.0, mass).to(tl.float64), 0)
-                alpha = (tl.cumsum(smass.to(tl.float64), 0, reverse=True) + rest).to(tl.float32)
-                wdelta = tl.load(delta + row + order, mask=order >= 0, other=0.0)
-                dsuf = tl.maximum(tl.associative_scan(wdelta, 0, _max, reverse=True), tl.max(tl.where(sel, 0.0, dl), 0))
-            kmin = tl.minimum(nf, KMIN)
-            kmax = tl.minimum(nf, KMAX)
-            kmax1 = tl.minimum(nf, KMAX1)
-            est = _key_estimate(alpha, dsuf, delta_all, rr, GS, PRECISE)
-            ok = (est <= KEY_TOL) & (q <= kmax1) & (q < B)
-            if BUDGET:  # the fewest blocks (≥ K_min) whose estimated E_key fits key_tol
-                base = _first((est <= KEY_TOL) & (q >= kmin) & (q < B), q, kmax, BP + W)
-                base = tl.maximum(tl.minimum(base, kmax), kmin)
-                trigger = _at(est, q, base) > KEY_TOL
-                key_bits = ((q * 0 + 1) << G) - 1  # every query head of the KV head reads the union
-            else:  # the paper's coverage rule
-                base = _first((alpha <= TAU1) & (q < B), q, nf, BP + W)
-                base = tl.maximum(tl.minimum(base, kmax), kmin)
-                trigger = (_at(alpha, q, base) > THR1) | (_at(est, q, base) > KEY_TOL)
-                ok = ok & (alpha <= THR1)
-                key_bits = (q * 0 + 1) << g
-            ok = ok & (q >= base)
-            k_star = tl.where(trigger, tl.maximum(_first(ok, q, kmax1, BP + W), base), base)
-            tl.store(widened + pid, (k_star > base).to(tl.int8))
-            take = (q < k_star) & (order >= 0) & (order < nf) & (q < B)
-            tl.atomic_or(bits + rk * B + order, key_bits, mask=take)
+            LO = tl.maximum(KMAX1 + 1, W // 2)  # the fewest sorted positions a window holds (K* ≤ KMAX1)
+            smass, order, sel, _ = _top_window(mass, pos, B, scratch + pid * 2 * W, LO, W, BP, LOG2BP)
+            rest = tl.sum(tl.where(sel, 0.0, mass).to(tl.float64), 0)
+            alpha = (tl.cumsum(smass.to(tl.float64), 0, reverse=True) + rest).to(tl.float32)
+            wdelta = tl.load(delta + row + order, mask=order >= 0, other=0.0)
+            dsuf = tl.maximum(tl.associative_scan(wdelta, 0, _max, reverse=True), tl.max(tl.where(sel, 0.0, dl), 0))
+        kmin = tl.minimum(nf, KMIN)
+        kmax = tl.minimum(nf, KMAX)
+        kmax1 = tl.minimum(nf, KMAX1)
+        est = _key_estimate(alpha, dsuf, delta_all, rr, GS, PRECISE)
+        ok = (est <= KEY_TOL) & (q <= kmax1) & (q < B)
+        if BUDGET:  # the fewest blocks (≥ K_min) whose estimated E_key fits key_tol
+            base = _first((est <= KEY_TOL) & (q >= kmin) & (q < B), q, kmax, BP + W)
+            base = tl.maximum(tl.minimum(base, kmax), kmin)
+            trigger = _at(est, q, base) > KEY_TOL
+            key_bits = ((q * 0 + 1) << G) - 1  # every query head of the KV head reads the union
+        else:  # the paper's coverage rule
+            base = _first((alpha <= TAU1) & (q < B), q, nf, BP + W)
+            base = tl.maximum(tl.minimum(base, kmax), kmin)
+            trigger = (_at(alpha, q, base) > THR1) | (_at(est, q, base) > KEY_TOL)
+            ok = ok & (alpha <= THR1)
+            key_bits = (q * 0 + 1) << g
+        ok = ok & (q >= base)
+        k_star = tl.where(trigger, tl.maximum(_first(ok, q, kmax1, BP + W), base), base)
+        tl.store(widened + pid, (k_star > base).to(tl.int8))
+        take = (q < k_star) & (order >= 0) & (order < nf) & (q < B)
+        tl.atomic_or(bits + rk * B + order, key_bits, mask=take)
+
+        # ---- values: rung 2 (selection.select_values)
+        if BP <= W:
+            _promote_values_full(err, pos, B, nf, vbudget, VKMAX, bits + rk * B, G + g, BP)
         else:
-            # ---- values: rung 2 (selection.select_values)
-            if BP <= W:
+            serr, vorder, vsel, _ = _top_window(err, pos, B, scratch + (pid * 2 + 1) * W, LO, W, BP, LOG2BP)
+            vrest = tl.sum(tl.where(vsel, 0.0, err).to(tl.float64), 0)
+            remaining = (tl.cumsum(serr.to(tl.float64), 0, reverse=True) + vrest).to(tl.float32)
+            count = _first((remaining <= vbudget) & (q < B), q, -1, W)
+            if count >= 0:
+                count = tl.where(VKMAX >= 0, tl.minimum(count, VKMAX), count)
+                take_v = (q < count) & (vorder >= 0) & (vorder < nf)
+                tl.atomic_or(bits + rk * B + vorder, (q * 0 + 1) << (G + g), mask=take_v)
+            else:  # the greedy runs past the window (many blocks with large ρ̄·η): the full order, as the reference
                 _promote_values_full(err, pos, B, nf, vbudget, VKMAX, bits + rk * B, G + g, BP)
-            else:
-                serr, vorder, vsel, _ = _top_window(err, pos, B, scratch + (pid * 2 + 1) * W, LO, W, BP, LOG2BP)
-                vrest = tl.sum(tl.where(vsel, 0.0, err).to(tl.float64), 0)
-                remaining = (tl.cumsum(serr.to(tl.float64), 0, reverse=True) + vrest).to(tl.float32)
-                count = _first((remaining <= vbudget) & (q < B), q, -1, W)
-                if count >= 0:
-                    count = tl.where(VKMAX >= 0, tl.minimum(count, VKMAX), count)
-                    take_v = (q < count) & (vorder >= 0) & (vorder < nf)
-                    tl.atomic_or(bits + rk * B + vorder, (q * 0 + 1) << (G + g), mask=take_v)
-                else:  # the greedy runs past the window (many blocks with large ρ̄·η): the full order, as the reference
-                    _promote_values_full(err, pos, B, nf, vbudget, VKMAX, bits + rk * B, G + g, BP)
 
 
 def select_blocks(
@@ -329,7 +323,7 @@ def select_blocks(
     l8, lse, delta, rounding = l8.contiguous(), lse.contiguous(), delta.contiguous(), rounding.contiguous()
     eta, value_budget = eta.contiguous(), value_budget.contiguous()
     warps = min(16, max(4, bp // 512))
-    _select_kernel[(R * K * G, 2)](
+    _select_kernel[(R * K * G,)](
         l8, lse, delta, rounding, nfull, eta, value_budget, bits, widened, widened if active is None else active,
         scratch, B, GAMMA_SLACK, 1.0 - policy.tau_cov, policy.k_min, policy.k_max, kmax1, policy.rung1_tail_threshold,
         policy.key_tol, policy.value_k_max, BUDGET=policy.key_budget, H=K, G=G, BP=bp, W=w,
