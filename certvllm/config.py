@@ -131,14 +131,6 @@ class CertConfig(BaseModel):
         "from inside a call, which a per-layer graph cannot hold, so it is off while this is on. The CPU path "
         "ignores it.",
     )
-    overlap_shadow_writes: bool = Field(
-        False,
-        description="CUDA path only, opt-in until measured: a prefill's originals are stored into the host tier on "
-        "a side stream while the layer's attention and the next layers run, instead of holding the stream for the "
-        "PCIe stores (certvllm.kv.shadow_writer); the certified decode rows' tokens stay on the stream, and every "
-        "write waits for the side stores queued before it. The same bytes, pages and generations either way. The "
-        "CPU path ignores it.",
-    )
     warmup_workers: int | None = Field(
         None,
         ge=0,

@@ -31,7 +31,6 @@ from certvllm.kv.pagein import DirectKeys, PageInEngine, PageInStats
 if TYPE_CHECKING:
     from certvllm.kv.cache import LayerKVCache
     from certvllm.kv.promotion_cache import PromotionCache
-    from certvllm.kv.shadow_writer import ShadowWriter
 
 logger = logging.getLogger("certvllm")
 
@@ -233,12 +232,7 @@ class CudaPageInEngine(PageInEngine):
 
 
 def write_tokens_on_device(
-    cache: LayerKVCache,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    slots: torch.Tensor,
-    pool: PromotionCache | None = None,
-    side: tuple[ShadowWriter, torch.Tensor] | None = None,
+    cache: LayerKVCache, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor, pool: PromotionCache | None = None
 ) -> None:
     """The CUDA write path with no host synchronisation and two launches: this step's tokens go into the shadow
     by device stores, each bumping its block's write generation (``triton_kernels.shadow_write``), then every
@@ -255,9 +249,6 @@ def write_tokens_on_device(
         slots: ``[T]`` token slots (16-token block · 16 + offset) on the device; negative: padding, skipped.
         pool: the layer's promotion pool; when it is write-through (``PromotionCache.write_through``) the
             completed blocks' keys go into their slots too.
-        side: ``(writer, rows)``: store every token but those at indices ``rows`` ``[R]`` int64 (device: the
-            certified decode rows') on the writer's side stream (``kv.shadow_writer``; the caller settles the
-            side stores queued before first), or None: every token on the current stream.
     """
     from certvllm.triton_kernels.encode import encode_completed_blocks
     from certvllm.triton_kernels.shadow_write import scatter_into_shadow
@@ -268,10 +259,7 @@ def write_tokens_on_device(
         raise ValueError(f"the device write path encodes 16-token blocks, the layout has {cache.layout.block_size}")
     shadow = ensure_device_readable(cache)
     slots = slots.to(cache.pages.device, torch.int64)
-    if side is None:
-        scatter_into_shadow(shadow, key, value, slots, cache.sub_blocks, 16, cache.generation)
-    else:
-        side[0].scatter(cache, shadow, key, value, slots, side[1])
+    scatter_into_shadow(shadow, key, value, slots, cache.sub_blocks, 16, cache.generation)
     encode_completed_blocks(cache.pages, shadow, slots, cache.layout, cache.num_kv_heads, cache.sub_blocks,
                             cache.generation, None if pool is None else pool.write_through_tensors(),
                             source=(key, value))  # fmt: skip

@@ -148,15 +148,3 @@ def varlen_flash_attention(head_size: int) -> Any | None:
                                fa_version=version)  # fmt: skip
 
     return run
-
-
-def step_metadata(layer_name: str) -> Any | None:
-    """This step's attention metadata of ``layer_name`` from vLLM's forward context (``get_attention_context`` of
-    ``vllm.model_executor.layers.attention.attention``, the same in 0.26–0.33), or None outside a forward or where
-    the context holds none for the layer."""
-    from vllm.model_executor.layers.attention.attention import get_attention_context
-
-    try:
-        return get_attention_context(layer_name)[0]
-    except (AssertionError, KeyError):  # no forward context set, or no entry for the layer
-        return None

@@ -39,7 +39,7 @@ from vllm.v1.kv_cache_interface import AttentionSpec
 from certvllm.config import CertConfig
 from certvllm.formats.layout import BLOCK_SIZE
 from certvllm.vllm_plugin import settings
-from certvllm.vllm_plugin._compat import KV_CACHE_DTYPE, lbhnc_layouts, step_metadata
+from certvllm.vllm_plugin._compat import KV_CACHE_DTYPE, lbhnc_layouts
 from certvllm.vllm_plugin.exact import ExactAttention, ExactPlan
 from certvllm.vllm_plugin.runtime import WorkerRuntime
 
@@ -387,11 +387,7 @@ class CertifiedAttentionImpl(AttentionImpl[CertifiedMetadata]):
                                            self._exact_runtime(kv_cache).isa)  # fmt: skip
             cache.encode_completed(slot_mapping)
         elif cache.pages.device.type == "cuda":  # device stores into the shadow, completed blocks encoded there
-            rows = None  # the certified rows' tokens, whose shadow bytes this step's layer call reads back
-            if self.config.overlap_shadow_writes and n > self.runtime.max_decode_rows:  # not for a decode step's write
-                meta = step_metadata(layer.layer_name)
-                rows = meta.row_tokens_dev if isinstance(meta, CertifiedMetadata) else None
-            self.runtime.write_on_device(state, key[:n], value[:n], slot_mapping, rows)  # no host synchronisation
+            self.runtime.write_on_device(state, key[:n], value[:n], slot_mapping)  # no host synchronisation
         else:
             cache.write(key[:n], value[:n], slot_mapping)
 

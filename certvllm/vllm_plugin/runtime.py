@@ -88,7 +88,6 @@ class WorkerRuntime:
         self._warmed: set[tuple[Any, ...]] = set()
         self._graphs: dict[torch.device, Any] = {}  # device → certvllm.attention.graphs.LayerCallGraphs
         self._write_graphs: dict[torch.device, Any] = {}  # device → certvllm.kv.write_graphs.WriteGraphs
-        self._shadow_writers: dict[torch.device, Any] = {}  # device → certvllm.kv.shadow_writer.ShadowWriter
         self.max_decode_rows = DEFAULT_MAX_DECODE_ROWS  # the engine's max_num_seqs once warm_up has run
         # the layer whose calls count the step's exact tokens (once per step): the model's first certified layer
         # (:meth:`note_layers`; layer 0 until then, and in a model without native layers)
@@ -257,29 +256,18 @@ class WorkerRuntime:
             torch.cuda.empty_cache()
 
     # -- per step -----------------------------------------------------------------------------------
-    def write_on_device(self, state: LayerState, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor,
-                        rows: torch.Tensor | None = None) -> None:  # fmt: skip
+    def write_on_device(self, state: LayerState, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
         """One layer's new tokens by the device write path (``write_tokens_on_device``: the shadow scatter and the
         encoding of the blocks they complete, whose keys also fill the layer's pool where it is write-through),
         replayed from the layer's write graph where this worker graphs its writes (``CertConfig.cuda_graphs``, at
         most ``max_decode_rows`` tokens: decode steps),
         else launched directly. ``key``/``value`` ``[T, H_kv, D]`` in the shadow's dtype and ``slots`` ``[T]``
-        on the device. With ``CertConfig.overlap_shadow_writes``, a write of more than ``max_decode_rows`` tokens
-        stores all but the tokens at indices ``rows`` ``[R]`` (device: the step's certified rows; None: all of them
-        stay) on a side stream (``kv.shadow_writer``), and every write first waits for the side stores queued
-        before it."""
-        writer = self._shadow_writer(key.device)
-        if writer is not None:
-            writer.settle()
+        on the device."""
         writes = self._device_write_graphs(key.device)
-        side = None
-        if (writer is not None and rows is not None and key.shape[0] > self.max_decode_rows
-                and not torch.cuda.is_current_stream_capturing()):  # fmt: skip
-            side = (writer, rows)  # a captured write may not fork onto another stream
-        if writes is None or side is not None:
+        if writes is None:
             from certvllm.kv.cuda_pagein import write_tokens_on_device
 
-            write_tokens_on_device(state.cache, key, value, slots, state.residency.pool, side)
+            write_tokens_on_device(state.cache, key, value, slots, state.residency.pool)
         else:
             writes.write((state.name, state.cache.pages.data_ptr()), state.cache, key, value,
                          slots.to(torch.int64), state.residency.pool)  # fmt: skip
@@ -413,16 +401,6 @@ class WorkerRuntime:
                         "(row, width) bucket (cuda_graphs: true; the step prefetch is off with them)",
                         self.max_decode_rows)  # fmt: skip
         return self._graphs[device]
-
-    def _shadow_writer(self, device: torch.device) -> Any:
-        """The device's ``ShadowWriter`` (made on first use) where ``overlap_shadow_writes`` is on, else None."""
-        if not self.config.overlap_shadow_writes or device.type != "cuda":
-            return None
-        if device not in self._shadow_writers:
-            from certvllm.kv.shadow_writer import ShadowWriter
-
-            self._shadow_writers[device] = ShadowWriter(device)
-        return self._shadow_writers[device]
 
     def _device_write_graphs(self, device: torch.device) -> Any:
         """The device's ``WriteGraphs`` (made on first use), or None off CUDA or with ``cuda_graphs`` off."""
