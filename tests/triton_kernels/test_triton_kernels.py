@@ -275,7 +275,7 @@ def test_completed_blocks_read_the_write_for_its_tokens_and_the_shadow_for_the_r
     where the write's token 15 − j places before the block's last one has the block's j-th slot (all 16 of a
     prefill's block, the last token of a block a decode token completes, a chunk's tokens of the block an
     earlier chunk began), every other token from the shadow. The write's tokens are made to differ from the
-    shadow here (in serving the shadow holds the same bytes, or is still being stored) so that each token's
+    shadow here (in serving the shadow holds the same bytes) so that each token's
     source shows in its page; in a reordered block (two slots swapped) those two come from the shadow."""
     from certvllm.triton_kernels.encode import encode_completed_blocks
 
