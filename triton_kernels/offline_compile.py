@@ -48,7 +48,11 @@ PROMOTE_POINTERS = {
     "shadow": "*bf16", "pool": "*bf16", "stage": "*bf16", "tables": "*i64", "nfull": "*i64", "bits": "*i32",
     "active": "*i32", "canary": "*i32", "kslot": "*i32", "needed": "*i64",
 }  # fmt: skip
-"""Pointer element types of the compiled kernels (unnamed pointers are float32)."""
+SELECT_POINTERS = {
+    "nfull": "*i64", "bits": "*i32", "widened": "*i8", "active": "*i32", "scratch": "*i64", "GS": "fp32",
+    "TAU1": "fp32", "THR1": "fp32", "KEY_TOL": "fp32", "KMIN": "i32", "KMAX": "i32", "KMAX1": "i32", "VKMAX": "i32",
+}  # fmt: skip
+"""Pointer element types of the compiled kernels (unnamed pointers are float32), and the selection's scalars."""
 SCALARS = {"num_blocks": "i32", "B": "i32", "TB_STRIDE": "i32", "S": "i32", "BPS": "i32", "DELTA_F": "fp32",
            "ROUND_F": "fp32", "ROUND_W": "fp32", "ROUND_P": "fp32", "ROUND_S": "fp32", "nslots": "i32"}  # fmt: skip
 """Scalar arguments of the kernels."""
@@ -213,11 +217,12 @@ def run_jobs(jobs: list[dict], timeout: float = 1200.0) -> list[dict]:
     ``stack``, ``loop_instructions`` and ``loop_top`` (the 12 most frequent opcodes of the loop), or
     ``missing`` (why this Triton cannot compile offline).
 
-    A job: ``{"kernel": "phase1" | "resident" | "promote", "hq", "hkv", "d", "tuning": {KernelTuning field:
+    A job: ``{"kernel": "phase1" | "resident" | "promote" | "select", "hq", "hkv", "d", "tuning": {KernelTuning field:
     value}, "flags": {fused_gluon.launch_constants flag: value}}`` (``tuning`` optional: the launchers'
     ``DEFAULT_TUNING`` with these fields replaced; ``flags`` for ``resident`` only: the resident pass of a warm
     pool with value pages and the canary by default; ``promote``: the promotion pass over a pool with the canary,
-    the Triton kernel). The child inherits
+    the Triton kernel; ``select``: the selection kernel for a table of ``"blocks"`` columns, with ``"key_budget"`` and
+    ``"k_max_widened"`` of the ladder, by default the ``default`` preset's: True and 512). The child inherits
     this process's environment; ``env`` sets Triton's own switch off in it before Python starts."""
     cmd = ["env", "TRITON_INTERPRET=0", sys.executable, "-m", "certvllm.triton_kernels.offline_compile"]
     proc = subprocess.run(cmd, input=json.dumps(jobs), capture_output=True, text=True, timeout=timeout)
@@ -230,7 +235,7 @@ def run_jobs(jobs: list[dict], timeout: float = 1200.0) -> list[dict]:
 def _run_job(spec: dict) -> dict:
     from certvllm.formats.layout import PageLayout
 
-    from . import fused_gluon, phase1_mma_gluon, phase2
+    from . import fused_gluon, phase1_mma_gluon, phase2, select
     from .fused import CANARY_SLACK, FusedGeometry
     from .tuning import KernelTuning
 
@@ -251,9 +256,14 @@ def _run_job(spec: dict) -> dict:
         elif spec["kernel"] == "promote":
             kernel, pointers = phase2._promote_kernel, PROMOTE_POINTERS
             consts = phase2.promote_launch_constants(hkv, hq // hkv, d, 1, False, True, True, tuning)
+        elif spec["kernel"] == "select":
+            kernel, pointers = select._select_kernel, SELECT_POINTERS
+            consts = select.select_launch_constants(spec["blocks"], hkv, hq // hkv, spec.get("key_budget", True),
+                                                    spec.get("k_max_widened", 512), tuning=tuning)  # fmt: skip
         else:
-            raise ValueError(f"job kernel {spec['kernel']!r}: it must be 'phase1', 'resident' or 'promote'")
-        c = compile_cuda(kernel, pointers, consts, gluon=spec["kernel"] != "promote")  # the pass is a Triton kernel
+            raise ValueError(f"job kernel {spec['kernel']!r}: it must be 'phase1', 'resident', 'promote' or 'select'")
+        triton_kernel = spec["kernel"] in ("promote", "select")
+        c = compile_cuda(kernel, pointers, consts, gluon=not triton_kernel)
         return {"registers": c.registers, "stack": c.stack, "loop_instructions": c.loop_instructions,
                 "common_path_instructions": sum(c.common.values()), "loop_top": dict(c.loop.most_common(12))}  # fmt: skip
     except ToolMissing as err:

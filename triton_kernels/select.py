@@ -41,6 +41,7 @@ from .common import (
     tail_mass_upper,
 )
 from .shape_class import JIT_OPTIONS, width_class
+from .tuning import DEFAULT_TUNING, KernelTuning
 
 MAX_BLOCKS = GLUE_MAX_BLOCKS
 
@@ -184,6 +185,61 @@ def _key_estimate(alpha, dsuf, delta_all, rr, GS, PRECISE: tl.constexpr):
     return tl.where(abar > 0, abar * growth, 0.0)
 
 
+@triton.jit
+def _key_choice(alpha, dsuf, q, cnt, nf, g, delta_all, rr, B, GS, TAU1, KMIN, KMAX, KMAX1, THR1, KEY_TOL,
+                BUDGET: tl.constexpr, G: tl.constexpr, BP: tl.constexpr, W: tl.constexpr,
+                PRECISE: tl.constexpr):  # fmt: skip
+    """The K* rule with the K_min/K_max clamps and rung 1 over the first positions ``q`` of the descending order
+    (α̂ and the Δ suffix maxima at each): ``(k_star, base, key_bits, resolved)``. ``resolved``: every position the
+    rule looked at to decide is one of the first ``cnt`` (a window's entries), so a wider window decides the same."""
+    kmin = tl.minimum(nf, KMIN)
+    kmax = tl.minimum(nf, KMAX)
+    kmax1 = tl.minimum(nf, KMAX1)
+    est = _key_estimate(alpha, dsuf, delta_all, rr, GS, PRECISE)
+    ok = (est <= KEY_TOL) & (q <= kmax1) & (q < B)
+    if BUDGET:  # the fewest blocks (≥ K_min) whose estimated E_key fits key_tol
+        found = _first((est <= KEY_TOL) & (q >= kmin) & (q < B), q, -1, BP + W)
+        base = tl.maximum(tl.minimum(tl.where(found >= 0, found, kmax), kmax), kmin)
+        trigger = _at(est, q, base) > KEY_TOL
+        key_bits = ((q * 0 + 1) << G) - 1  # every query head of the KV head reads the union
+    else:  # the paper's coverage rule
+        found = _first((alpha <= TAU1) & (q < B), q, -1, BP + W)
+        base = tl.maximum(tl.minimum(tl.where(found >= 0, found, nf), kmax), kmin)
+        trigger = (_at(alpha, q, base) > THR1) | (_at(est, q, base) > KEY_TOL)
+        ok = ok & (alpha <= THR1)
+        key_bits = (q * 0 + 1) << g
+    ok = ok & (q >= base)
+    first_ok = _first(ok, q, -1, BP + W)
+    k_star = tl.where(trigger, tl.maximum(tl.where(first_ok >= 0, first_ok, kmax1), base), base)
+    resolved = (found >= 0) & (found < cnt) & (base < cnt) & ((trigger == 0) | ((first_ok >= 0) & (first_ok < cnt)))
+    return k_star, base, key_bits, resolved
+
+
+@triton.jit
+def _window_keys(mass, dl, delta, row, pos, q, B, scratch, LO, W: tl.constexpr, BP: tl.constexpr,
+                 LOG2BP: tl.constexpr):  # fmt: skip
+    """The first ``cnt`` (LO ≤ cnt ≤ W) positions of the descending mass order (``_top_window``) with α̂ (the mass
+    past each position, the rest of the table included) and the Δ suffix maxima: ``(order, alpha, dsuf, cnt)``."""
+    smass, order, sel, cnt = _top_window(mass, pos, B, scratch, LO, W, BP, LOG2BP)
+    rest = tl.sum(tl.where(sel, 0.0, mass).to(tl.float64), 0)
+    alpha = (tl.cumsum(smass.to(tl.float64), 0, reverse=True) + rest).to(tl.float32)
+    wdelta = tl.load(delta + row + order, mask=order >= 0, other=0.0)
+    dsuf = tl.maximum(tl.associative_scan(wdelta, 0, _max, reverse=True), tl.max(tl.where(sel, 0.0, dl), 0))
+    return order, alpha, dsuf, cnt
+
+
+@triton.jit
+def _window_values(err, pos, q, B, vbudget, VKMAX, scratch, LO, W: tl.constexpr, BP: tl.constexpr,
+                   LOG2BP: tl.constexpr):  # fmt: skip
+    """Rung 2's greedy count over a window of the descending ρ̄·η order: ``(vorder, count)``, count −1 when the
+    greedy runs past the window (then a wider one, or the whole order, decides)."""
+    serr, vorder, vsel, _ = _top_window(err, pos, B, scratch, LO, W, BP, LOG2BP)
+    vrest = tl.sum(tl.where(vsel, 0.0, err).to(tl.float64), 0)
+    remaining = (tl.cumsum(serr.to(tl.float64), 0, reverse=True) + vrest).to(tl.float32)
+    count = _first((remaining <= vbudget) & (q < B), q, -1, W)
+    return vorder, tl.where((count >= 0) & (VKMAX >= 0), tl.minimum(count, VKMAX), count)
+
+
 @triton.jit(**JIT_OPTIONS)
 def _select_kernel(
     l8,  # [R, H, G, B] float32 block log-mass ℓ⁸_b (−inf past the last full block)
@@ -211,6 +267,7 @@ def _select_kernel(
     G: tl.constexpr,
     BP: tl.constexpr,
     W: tl.constexpr,  # window of the sorted order (BP ≤ W: sort everything)
+    WS: tl.constexpr,  # a first, smaller window tried before W (0: none; BP > W > WS)
     LOG2BP: tl.constexpr,
     USE_ACTIVE: tl.constexpr,
     PRECISE: tl.constexpr,
@@ -224,57 +281,67 @@ def _select_kernel(
                                                                     B, GS, BP, PRECISE)  # fmt: skip
         row = pid * B
         vbudget = tl.load(budget + rk)
+        bits_row = bits + rk * B
 
         # ---- keys: top-K*, rung 1 (selection.select_keys); positions q of the descending order
         if BP <= W:
-            q = pos
             smass, order = _sorted_desc(mass, pos, B, BP)
             alpha = _suffix_sum(smass)
-            dsuf = tl.associative_scan(tl.load(delta + row + order, mask=q < B, other=0.0), 0, _max, reverse=True)
+            dsuf = tl.associative_scan(tl.load(delta + row + order, mask=pos < B, other=0.0), 0, _max, reverse=True)
+            k_star, base, key_bits, unused = _key_choice(alpha, dsuf, pos, BP, nf, g, delta_all, rr, B, GS, TAU1, KMIN,
+                                                         KMAX, KMAX1, THR1, KEY_TOL, BUDGET, G, BP, W,
+                                                         PRECISE)  # fmt: skip
+            tl.store(widened + pid, (k_star > base).to(tl.int8))
+            tl.atomic_or(bits_row + order, key_bits, mask=(pos < k_star) & (order >= 0) & (order < nf) & (pos < B))
         else:  # only the first W positions can matter: K* ≤ ``policy.k_max_widened`` < W
-            q = tl.arange(0, W)
             LO = tl.maximum(KMAX1 + 1, W // 2)  # the fewest sorted positions a window holds (K* ≤ KMAX1)
-            smass, order, sel, _ = _top_window(mass, pos, B, scratch + pid * 2 * W, LO, W, BP, LOG2BP)
-            rest = tl.sum(tl.where(sel, 0.0, mass).to(tl.float64), 0)
-            alpha = (tl.cumsum(smass.to(tl.float64), 0, reverse=True) + rest).to(tl.float32)
-            wdelta = tl.load(delta + row + order, mask=order >= 0, other=0.0)
-            dsuf = tl.maximum(tl.associative_scan(wdelta, 0, _max, reverse=True), tl.max(tl.where(sel, 0.0, dl), 0))
-        kmin = tl.minimum(nf, KMIN)
-        kmax = tl.minimum(nf, KMAX)
-        kmax1 = tl.minimum(nf, KMAX1)
-        est = _key_estimate(alpha, dsuf, delta_all, rr, GS, PRECISE)
-        ok = (est <= KEY_TOL) & (q <= kmax1) & (q < B)
-        if BUDGET:  # the fewest blocks (≥ K_min) whose estimated E_key fits key_tol
-            base = _first((est <= KEY_TOL) & (q >= kmin) & (q < B), q, kmax, BP + W)
-            base = tl.maximum(tl.minimum(base, kmax), kmin)
-            trigger = _at(est, q, base) > KEY_TOL
-            key_bits = ((q * 0 + 1) << G) - 1  # every query head of the KV head reads the union
-        else:  # the paper's coverage rule
-            base = _first((alpha <= TAU1) & (q < B), q, nf, BP + W)
-            base = tl.maximum(tl.minimum(base, kmax), kmin)
-            trigger = (_at(alpha, q, base) > THR1) | (_at(est, q, base) > KEY_TOL)
-            ok = ok & (alpha <= THR1)
-            key_bits = (q * 0 + 1) << g
-        ok = ok & (q >= base)
-        k_star = tl.where(trigger, tl.maximum(_first(ok, q, kmax1, BP + W), base), base)
-        tl.store(widened + pid, (k_star > base).to(tl.int8))
-        take = (q < k_star) & (order >= 0) & (order < nf) & (q < B)
-        tl.atomic_or(bits + rk * B + order, key_bits, mask=take)
+            done = (nf < 0).to(tl.int32)  # 0
+            if WS > 0:  # a first window of WS positions decides where K* falls inside it
+                qs = tl.arange(0, WS)
+                order_s, alpha_s, dsuf_s, cnt_s = _window_keys(mass, dl, delta, row, pos, qs, B, scratch + pid * 2 * W,
+                                                               WS // 2, WS, BP, LOG2BP)  # fmt: skip
+                k_star_s, base_s, key_bits_s, resolved = _key_choice(alpha_s, dsuf_s, qs, cnt_s, nf, g, delta_all, rr, B,
+                                                                     GS, TAU1, KMIN, KMAX, KMAX1, THR1, KEY_TOL, BUDGET,
+                                                                     G, BP, WS, PRECISE)  # fmt: skip
+                done = resolved.to(tl.int32)
+                if resolved:
+                    tl.store(widened + pid, (k_star_s > base_s).to(tl.int8))
+                    take_s = (qs < k_star_s) & (order_s >= 0) & (order_s < nf) & (qs < B)
+                    tl.atomic_or(bits_row + order_s, key_bits_s, mask=take_s)
+            if done == 0:
+                q = tl.arange(0, W)
+                order, alpha, dsuf, cnt = _window_keys(mass, dl, delta, row, pos, q, B, scratch + pid * 2 * W, LO, W,
+                                                       BP, LOG2BP)  # fmt: skip
+                k_star, base, key_bits, unused = _key_choice(alpha, dsuf, q, W, nf, g, delta_all, rr, B, GS, TAU1, KMIN,
+                                                             KMAX, KMAX1, THR1, KEY_TOL, BUDGET, G, BP, W,
+                                                             PRECISE)  # fmt: skip
+                tl.store(widened + pid, (k_star > base).to(tl.int8))
+                take = (q < k_star) & (order >= 0) & (order < nf) & (q < B)
+                tl.atomic_or(bits_row + order, key_bits, mask=take)
 
         # ---- values: rung 2 (selection.select_values)
         if BP <= W:
-            _promote_values_full(err, pos, B, nf, vbudget, VKMAX, bits + rk * B, G + g, BP)
+            _promote_values_full(err, pos, B, nf, vbudget, VKMAX, bits_row, G + g, BP)
         else:
-            serr, vorder, vsel, _ = _top_window(err, pos, B, scratch + (pid * 2 + 1) * W, LO, W, BP, LOG2BP)
-            vrest = tl.sum(tl.where(vsel, 0.0, err).to(tl.float64), 0)
-            remaining = (tl.cumsum(serr.to(tl.float64), 0, reverse=True) + vrest).to(tl.float32)
-            count = _first((remaining <= vbudget) & (q < B), q, -1, W)
-            if count >= 0:
-                count = tl.where(VKMAX >= 0, tl.minimum(count, VKMAX), count)
-                take_v = (q < count) & (vorder >= 0) & (vorder < nf)
-                tl.atomic_or(bits + rk * B + vorder, (q * 0 + 1) << (G + g), mask=take_v)
-            else:  # the greedy runs past the window (many blocks with large ρ̄·η): the full order, as the reference
-                _promote_values_full(err, pos, B, nf, vbudget, VKMAX, bits + rk * B, G + g, BP)
+            LO = tl.maximum(KMAX1 + 1, W // 2)
+            vdone = (nf < 0).to(tl.int32)  # 0
+            if WS > 0:
+                qs = tl.arange(0, WS)
+                vorder_s, count_s = _window_values(err, pos, qs, B, vbudget, VKMAX, scratch + (pid * 2 + 1) * W,
+                                                   WS // 2, WS, BP, LOG2BP)  # fmt: skip
+                vdone = (count_s >= 0).to(tl.int32)
+                if count_s >= 0:
+                    take_v_s = (qs < count_s) & (vorder_s >= 0) & (vorder_s < nf)
+                    tl.atomic_or(bits_row + vorder_s, (qs * 0 + 1) << (G + g), mask=take_v_s)
+            if vdone == 0:
+                q = tl.arange(0, W)
+                vorder, count = _window_values(err, pos, q, B, vbudget, VKMAX, scratch + (pid * 2 + 1) * W, LO, W, BP,
+                                               LOG2BP)  # fmt: skip
+                if count >= 0:
+                    take_v = (q < count) & (vorder >= 0) & (vorder < nf)
+                    tl.atomic_or(bits_row + vorder, (q * 0 + 1) << (G + g), mask=take_v)
+                else:  # the greedy runs past the window (many blocks with large ρ̄·η): the full order, as the reference
+                    _promote_values_full(err, pos, B, nf, vbudget, VKMAX, bits_row, G + g, BP)
 
 
 def select_blocks(
@@ -288,6 +355,7 @@ def select_blocks(
     policy: LadderPolicy,
     window: int = WINDOW,
     active: torch.Tensor | None = None,
+    tuning: KernelTuning = DEFAULT_TUNING,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rungs 0–2 selection for a layer call.
 
@@ -303,6 +371,8 @@ def select_blocks(
             power of two above ``policy.k_max_widened``); the greedy value promotion falls back to the
             full order inside the kernel if it needs more.
         active: ``[R, K]`` int32: the groups to select for (the others get no bits and no rung 1), or None (all).
+        tuning: ``select_warps`` (warps per program) and ``select_first_window`` (a smaller window tried first on
+            the windowed path: where K* and rung 2's count fall inside it, the wide window's sorts are skipped).
 
     Returns:
         ``bits`` ``[R, K, B]`` int32 (bit g: keys of block b promoted for query head g; bit G + g: its
@@ -314,19 +384,34 @@ def select_blocks(
         raise ValueError(f"select_blocks: {B} block-table columns, the kernel holds at most {MAX_BLOCKS}")
     if 2 * G > 31:
         raise ValueError(f"select_blocks: {G} query heads per KV head, at most 15 fit the int32 bitmask")
-    bp = width_class(B).bp
-    kmax1 = policy.k_max_widened
-    w = max(next_pow2(window), next_pow2(kmax1 + 1))
+    consts = select_launch_constants(B, K, G, policy.key_budget, policy.k_max_widened, window, active is not None,
+                                     tuning)  # fmt: skip
+    w = consts["W"]
     bits = torch.zeros(R, K, B, dtype=torch.int32, device=l8.device)
     widened = (torch.empty if active is None else torch.zeros)(R, K, G, dtype=torch.int8, device=l8.device)
-    scratch = torch.empty(R * K * G * 2 * w if bp > w else 1, dtype=torch.int64, device=l8.device)
+    scratch = torch.empty(R * K * G * 2 * w if consts["BP"] > w else 1, dtype=torch.int64, device=l8.device)
     l8, lse, delta, rounding = l8.contiguous(), lse.contiguous(), delta.contiguous(), rounding.contiguous()
     eta, value_budget = eta.contiguous(), value_budget.contiguous()
-    warps = min(16, max(4, bp // 512))
     _select_kernel[(R * K * G,)](
         l8, lse, delta, rounding, nfull, eta, value_budget, bits, widened, widened if active is None else active,
-        scratch, B, GAMMA_SLACK, 1.0 - policy.tau_cov, policy.k_min, policy.k_max, kmax1, policy.rung1_tail_threshold,
-        policy.key_tol, policy.value_k_max, BUDGET=policy.key_budget, H=K, G=G, BP=bp, W=w,
-        LOG2BP=width_class(B).log2bp, USE_ACTIVE=active is not None, PRECISE=precise(), num_warps=warps,
+        scratch, B, GAMMA_SLACK, 1.0 - policy.tau_cov, policy.k_min, policy.k_max, policy.k_max_widened,
+        policy.rung1_tail_threshold, policy.key_tol, policy.value_k_max, **consts,
     )  # fmt: skip
     return bits, widened.bool()
+
+
+def select_launch_constants(num_blocks: int, num_kv_heads: int, group: int, key_budget: bool, k_max_widened: int,
+                            window: int = WINDOW, use_active: bool = False,
+                            tuning: KernelTuning = DEFAULT_TUNING) -> dict:  # fmt: skip
+    """The compile-time arguments of :func:`_select_kernel` (constexprs and ``num_warps``) for a table of
+    ``num_blocks`` columns and a ladder's rule (``LadderPolicy.key_budget``, ``.k_max_widened``), for its launch
+    and for compiling it offline (``offline_compile``): the window ``W`` (``window`` raised to hold
+    ``k_max_widened`` + 1 positions), the first window ``WS`` (``tuning.select_first_window`` where it is smaller
+    than ``W``, else 0) and the warps (``tuning.select_warps``, else 4, or BP/512 up to 16)."""
+    cls = width_class(num_blocks)
+    w = max(next_pow2(window), next_pow2(k_max_widened + 1))
+    return dict(
+        BUDGET=key_budget, H=num_kv_heads, G=group, BP=cls.bp, W=w,
+        WS=tuning.select_first_window if tuning.select_first_window < w else 0, LOG2BP=cls.log2bp,
+        USE_ACTIVE=use_active, PRECISE=precise(), num_warps=tuning.select_warps or min(16, max(4, cls.bp // 512)),
+    )  # fmt: skip

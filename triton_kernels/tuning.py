@@ -15,6 +15,12 @@ configuration computes the same certified quantities (``tests/triton_kernels/tes
   The pass waits on one key page per program and iteration; fewer warps per program let more programs, and so more
   pages, be in flight on a multiprocessor. Two warps measured fastest at G = 4 (``docs/performance.md``); one warp
   takes ~200 registers per thread and was slower.
+* ``select_warps``: warps per program of the selection kernel (0: 4, more for tables over 2,048 blocks: ``BP/512``
+  up to 16). Each program holds its head's whole table in registers; more warps spread it thinner.
+* ``select_first_window``: on the selection's windowed path (tables wider than its window of ``W`` sorted positions,
+  ``W`` ≥ ``k_max_widened`` + 1), a first window of this many positions (a power of two, 0: none) is sorted first;
+  where K* and rung 2's greedy count fall inside it, the ``W``-position sorts are skipped (the same decisions), else
+  they run as before. A concentrated head decides in a few dozen blocks; a spread one pays for both windows.
 * ``phase1_blk``, ``phase1_warps``: blocks per loop iteration and warps per program of phase 1 (the Gluon
   phase-1 kernel takes one block per warp, the Triton one ``phase1_blk`` blocks in one batched dot).
 * ``attend_blk``, ``attend_warps``: blocks per loop iteration of the Triton attend kernel, and warps per CUDA
@@ -49,6 +55,8 @@ _RULES = {
     "programs_per_sm": (lambda x: 1 <= x <= 256, "an integer in [1, 256]"),
     "phase2_programs_per_sm": (lambda x: 0 <= x <= 256, "0 (programs_per_sm) or an integer in [1, 256]"),
     "promote_warps": (lambda x: x == 0 or (_pow2(x) and x <= 16), "0 (2, or 8 for G > 4) or a power of two in [1, 16]"),
+    "select_warps": (lambda x: x == 0 or (_pow2(x) and x <= 16), "0 (4, BP/512 up to 16) or a power of two ≤ 16"),
+    "select_first_window": (lambda x: x == 0 or (_pow2(x) and 4 <= x <= 1024), "0 or a power of two in [4, 1024]"),
     "phase1_blk": (lambda x: _pow2(x) and x <= 64, "a power of two in [1, 64]"),
     "phase1_warps": (lambda x: _pow2(x) and x <= 32, "a power of two in [1, 32]"),
     "attend_blk": (lambda x: _pow2(x) and x <= 64, "a power of two in [1, 64]"),
@@ -67,6 +75,8 @@ class KernelTuning:
     programs_per_sm: int = 8
     phase2_programs_per_sm: int = 0
     promote_warps: int = 0
+    select_warps: int = 0
+    select_first_window: int = 0
     phase1_blk: int = 4
     phase1_warps: int = 4
     attend_blk: int = 4

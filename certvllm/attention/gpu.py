@@ -224,7 +224,7 @@ def certified_rows(
                             lens % cache.layout.block_size, p1.nu, p1.eta, p1.amax.amax(dim=-1),
                             p1.rmax.amax(dim=-1), p1.l8)  # fmt: skip
 
-    bits, widened = _select(call, p1, summary, generator)
+    bits, widened = _select(call, p1, summary, generator, options.tuning)
     mark(timings, "selection")
     splits2, bps2 = split_plan(B, R * K, options.blocks_per_split, tuning=options.tuning, phase2=True)
     geo = Phase2Geometry(cache.layout, K, G, cache.sub_blocks, cache.num_blocks, splits2, bps2,
@@ -236,7 +236,7 @@ def certified_rows(
 
 
 def _select(
-    call: _Call, p1: Phase1Out, summary: Phase1Summary, generator: torch.Generator | None
+    call: _Call, p1: Phase1Out, summary: Phase1Summary, generator: torch.Generator | None, tuning: KernelTuning
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rungs 0–2: the ``[R, K, B]`` int32 promotion bitmask (bit g: keys for query head g, bit G + g: values)
     and the ``[R, K, G]`` bool rung-1 flags."""
@@ -252,7 +252,7 @@ def _select(
     if call.glue_kernels:
         budget = (cfg.v_tol * summary.v_max.squeeze(-1)) / VALUE_BUDGET_MARGIN
         bits, widened = select_blocks(p1.l8, summary.lse, p1.delta, summary.round1, call.nfull, p1.eta, budget,
-                                      cfg.ladder)  # fmt: skip
+                                      cfg.ladder, tuning=tuning)  # fmt: skip
         if cfg.exploration_rate > 0:
             draw = torch.rand((R, K, G, B), generator=gen, device=dev)
             bits |= (((draw < cfg.exploration_rate) & valid4).to(torch.int32) << shifts).sum(dim=2, dtype=torch.int32)

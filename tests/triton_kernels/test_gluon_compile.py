@@ -35,6 +35,12 @@ PROMOTE_CASES = [
     (64, 8, 128, 255),
 ]
 
+SELECT_CASES = [
+    # hq, hkv, d, table columns, KernelTuning fields: LLaMA-3.1-8B at 32K under the default ladder (k_max 256: a
+    # window of 1,024 sorted positions) with a first window of 64, which compiles both windows' code
+    (32, 8, 128, 2048, {"select_first_window": 64}),
+]
+
 
 @pytest.fixture(scope="module")
 def compiled() -> dict:
@@ -42,6 +48,10 @@ def compiled() -> dict:
     jobs = [{"kernel": "phase1", "hq": hq, "hkv": hkv, "d": d} for hq, hkv, d in PHASE1_CASES]
     jobs += [{"kernel": "resident", "hq": hq, "hkv": hkv, "d": d, "flags": f} for hq, hkv, d, f, _ in RESIDENT_CASES]
     jobs += [{"kernel": "promote", "hq": hq, "hkv": hkv, "d": d} for hq, hkv, d, _ in PROMOTE_CASES]
+    jobs += [
+        {"kernel": "select", "hq": hq, "hkv": hkv, "d": d, "blocks": b, "tuning": t}
+        for hq, hkv, d, b, t in SELECT_CASES
+    ]
     results = run_jobs(jobs)
     missing = [r["missing"] for r in results if "missing" in r]
     if missing:
@@ -77,6 +87,15 @@ def test_promotion_pass_compiles_for_sm90_without_spills(hq, hkv, d, max_registe
     use = compiled[repr({"kernel": "promote", "hq": hq, "hkv": hkv, "d": d})]
     assert use["stack"] == 0 and use["registers"] <= max_registers, use
     assert use["loop_instructions"] > 0
+
+
+@pytest.mark.parametrize("hq,hkv,d,blocks,tuning", SELECT_CASES)
+def test_selection_kernel_compiles_for_sm90(hq, hkv, d, blocks, tuning, compiled):
+    """The selection kernel with its launcher's constants (``select.select_launch_constants``) compiles for sm_90:
+    the interpreter that runs it in the CPU tests does not check what the compiler checks (a value's type must be
+    the same on both sides of a branch). Within 255 registers, no spills (Triton 3.9 here: 224 registers)."""
+    use = compiled[repr({"kernel": "select", "hq": hq, "hkv": hkv, "d": d, "blocks": blocks, "tuning": tuning})]
+    assert use["stack"] == 0 and use["registers"] <= 255, use
 
 
 def test_a_gluon_kernel_that_fails_to_compile_falls_back_once_and_loudly():

@@ -589,7 +589,26 @@ def test_selection_kernel_equals_the_torch_reference(kind, B, preset, window, ge
     value masks and the same rung-1 flags, block for block (K_min/K_max clamps, rung 1, value caps). A
     window smaller than the table runs the windowed path (a threshold by bisection, the keys above it compacted,
     and the full order when the value greedy runs past the window: ``flat``/``huge_delta``)."""
+    _check_selection(kind, B, preset, window, gen)
+
+
+@pytest.mark.parametrize("kind", SELECTION_KINDS)
+@pytest.mark.parametrize("preset,first", [("default", 4), ("coverage", 8)])
+def test_selection_first_window_decides_as_the_reference(kind, preset, first, gen):
+    """``KernelTuning.select_first_window``: a first window of 4 or 8 sorted positions before the wide one (16
+    here; 100 blocks) leaves every decision the reference's, both where K* and the value count fall inside it
+    (``peak``: one dominant block) and where the wide window has to decide (``flat``: rung 1 widens;
+    ``huge_delta``: the estimate never meets key_tol, K* = K_max)."""
+    from certvllm.triton_kernels.tuning import KernelTuning
+
+    _check_selection(kind, 100, preset, 16, gen, KernelTuning(select_first_window=first))
+
+
+def _check_selection(kind, B, preset, window, gen, tuning=None) -> None:
+    """The selection kernel's bits and rung-1 flags against ``select_keys``/``select_values`` on a phase-1 summary
+    of ``_phase1_summary``'s ``kind`` (3 rows, 2 KV heads, 3 query heads each)."""
     from certvllm.triton_kernels.select import select_blocks
+    from certvllm.triton_kernels.tuning import DEFAULT_TUNING
 
     from certvllm.attention.selection import VALUE_BUDGET_MARGIN, select_keys, select_values
 
@@ -603,7 +622,8 @@ def test_selection_kernel_equals_the_torch_reference(kind, B, preset, window, ge
     budget = (cfg.v_tol * ph1.v_max.squeeze(-1)) / VALUE_BUDGET_MARGIN
     bits, widened_k = select_blocks(ph1.log_mass.to(DEV), lse.squeeze(-1).to(DEV), ph1.delta.to(DEV),
                                     ph1.rounding.to(DEV), nfull.to(DEV), ph1.eta.squeeze(2).to(DEV),
-                                    budget.to(DEV), cfg.ladder, window=window)  # fmt: skip
+                                    budget.to(DEV), cfg.ladder, window=window,
+                                    tuning=tuning or DEFAULT_TUNING)  # fmt: skip
     shifts = torch.arange(G).view(1, 1, G, 1)
     bits = bits.cpu().unsqueeze(2)
     assert torch.equal(((bits >> shifts) & 1).bool(), key_mask)
