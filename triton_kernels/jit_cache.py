@@ -20,6 +20,7 @@ LAUNCHED: dict[str, tuple[str, ...]] = {
     "phase1_mma_gluon": ("_phase1_mma_gluon_kernel",),
     "phase2": ("_promote_kernel", "_attend_kernel"),
     "phase2_glue": ("_global_max_kernel", "_rerun_inputs_kernel", "_promotion_counts_kernel"),
+    "call_inputs": ("_call_inputs_kernel",),
     "prepare": ("_prepare_kernel",),
     "select": ("_select_kernel",),
     "finalize": ("_finalize_kernel", "_combine_exact_kernel"),

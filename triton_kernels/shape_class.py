@@ -43,9 +43,9 @@ values' strides, a report's rows and its tally row, a chunked launch's first ite
 pool slots, staging capacity and sparse threshold): never specialised (module docstring).
 Every kernel passes the whole tuple; Triton ignores names a kernel does not have."""
 
-CALLER_POINTERS = ("tables", "lens", "count", "tag", "tag_gen")
-"""Pointer arguments that may arrive as views at any offset (a caller's block table and lengths, a slice of a
-step counter, a ring slot's tags): never specialised on 16-byte alignment. Their rows start at offsets of
+CALLER_POINTERS = ("tables", "lens", "count", "tag", "tag_gen", "q_in")
+"""Pointer arguments that may arrive as views at any offset (a caller's block table, lengths and queries, a slice of
+a step counter, a ring slot's tags): never specialised on 16-byte alignment. Their rows start at offsets of
 unknown alignment anyway (``RUNTIME_INTS`` strides), so the alignment bought no vector width."""
 
 JIT_OPTIONS = {"do_not_specialize": RUNTIME_INTS, "do_not_specialize_on_alignment": CALLER_POINTERS}

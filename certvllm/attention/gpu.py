@@ -41,6 +41,7 @@ from certvllm.kv.cache import LayerKVCache
 from certvllm.kv.cuda_pagein import CudaPageInEngine, ensure_device_readable
 from certvllm.kv.pagein import PageInEngine
 from certvllm.kv.promotion_cache import PromotionCache
+from certvllm.triton_kernels.call_inputs import call_inputs
 from certvllm.triton_kernels.common import split_plan
 from certvllm.triton_kernels.finalize import combine_exact, finalize
 from certvllm.triton_kernels.phase1 import Phase1Out, phase1
@@ -174,22 +175,27 @@ class DeviceRerun:
         out.copy_(torch.where(exact.unsqueeze(-1), exact_out, out))
 
 
+def _channels_contiguous(q: torch.Tensor) -> torch.Tensor:
+    """``q`` where its last dimension is contiguous (what ``call_inputs`` reads), else a contiguous copy."""
+    return q if q.stride(-1) == 1 else q.contiguous()
+
+
 def begin_call(layer_call: LayerCall, glue_kernels) -> tuple[_Call, torch.Tensor, object]:
     """What every CUDA layer call starts with: the checks, the call's tensors on the pages' device (scaled
-    float32 queries, int64 tables and lengths, full-block counts and masks; ``glue_kernels(width)`` says whether
-    the glue runs as kernels), and the gather of each row's trailing partial block from the shadow, on the side
-    stream where the page-in engine has one: ``(call, tail_raw [R, H_kv, 2, N, D], event or None)``."""
+    float32 queries, int64 tables and lengths, full-block counts and masks, in one launch: ``call_inputs``;
+    ``glue_kernels(width)`` says whether the glue runs as kernels), and the gather of each row's trailing
+    partial block from the shadow, on the side stream where the page-in engine has one: ``(call, tail_raw
+    [R, H_kv, 2, N, D], event or None)``."""
     q, cache, pagein = layer_call.q, layer_call.cache, layer_call.pagein
     check_group(q.shape[1], cache.num_kv_heads)
     dev = cache.pages.device
     ensure_device_readable(cache)
-    tables = layer_call.tables.to(dev, torch.int64).contiguous()
-    lens = layer_call.lens.to(dev, torch.int64)
-    nfull = lens // cache.layout.block_size
-    B = tables.shape[1]
-    call = _Call(cache, layer_call.cfg, (q.to(dev).float() * layer_call.scale).contiguous(), tables, lens, nfull,
-                 torch.arange(B, device=dev) < nfull.unsqueeze(1), glue_kernels(B))  # fmt: skip
-    tail_ids = tables.gather(1, nfull.clamp(max=B - 1).unsqueeze(1)).squeeze(1).clamp(0, cache.num_blocks - 1)
+    tables = layer_call.tables.to(dev)
+    qs, tables, lens, nfull, bvalid, tail_ids = call_inputs(
+        _channels_contiguous(q.to(dev)), tables if tables.stride(-1) == 1 else tables.contiguous(),
+        layer_call.lens.to(dev), layer_call.scale, cache.layout.block_size, cache.num_blocks,
+    )  # fmt: skip
+    call = _Call(cache, layer_call.cfg, qs, tables, lens, nfull, bvalid, glue_kernels(tables.shape[1]))
     if isinstance(pagein, CudaPageInEngine):
         tail_raw, tail_event = pagein.gather_blocks_async(cache, tail_ids)
     else:
