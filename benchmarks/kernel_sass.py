@@ -16,31 +16,18 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import fields
 from pathlib import Path
 
 
 def parse_tuning(items: list[str]) -> dict:
-    """``["resident_maxnreg=168", ...]`` → ``{"resident_maxnreg": 168, ...}``, checked by ``KernelTuning``."""
-    from certvllm.triton_kernels.tuning import KernelTuning
+    """``["resident_maxnreg=168", ...]`` → ``{"resident_maxnreg": 168, ...}``, checked by ``KernelTuning``
+    (``tuning.tuning_overrides``); a bad entry exits with its message."""
+    from certvllm.triton_kernels.tuning import tuning_overrides
 
-    out: dict = {}
-    known = [f.name for f in fields(KernelTuning)]
     try:
-        for item in items:
-            name, sep, value = item.partition("=")
-            if not sep:
-                raise ValueError(f"{item!r}: write FIELD=VALUE, e.g. resident_maxnreg=168")
-            if name not in known:
-                raise ValueError(f"{name!r} is not a KernelTuning field; the fields are {', '.join(known)}")
-            if name == "dialect":
-                out[name] = value
-            else:
-                out[name] = int(value)
-        KernelTuning(**out)
-    except (TypeError, ValueError) as err:
+        return tuning_overrides(items)
+    except ValueError as err:
         raise SystemExit(f"--tuning: {err}") from err
-    return out
 
 
 def main() -> None:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from certvllm.bounds.policy import FORCED_RUNGS, LadderPolicy
 
@@ -139,6 +139,13 @@ class CertConfig(BaseModel):
         "per two CPUs, at most 8, fewer when free device memory is short (2 GiB each); 0 or 1: the serial warm-up "
         "alone. A child that fails costs only its time: the serial pass compiles what it did not.",
     )
+    kernel_tuning: str = Field(
+        "",
+        description="CUDA path only: kernel launch parameters that differ from the defaults, as comma-separated "
+        "FIELD=VALUE pairs of certvllm.triton_kernels.tuning.KernelTuning (e.g. 'select_first_window=64,"
+        "promote_warps=4'; docs/troubleshooting.md lists the fields and their defaults). They change how fast the "
+        "certified quantities are computed, never what is certified. Empty: the defaults.",
+    )
     dense_backend: Literal["auto", "sdpa", "xformers"] = Field(
         "auto",
         description="Kernel of the exact dense recompute on the reference and CPU paths (rungs 3/4, dense mode): "
@@ -169,6 +176,15 @@ class CertConfig(BaseModel):
         description="Testing and audits: escalate every head to rung 3 (head) or every row to rung 4 (layer) after "
         "the certified computation, so the exact path can be checked against the dense backend.",
     )
+
+    @field_validator("kernel_tuning")
+    @classmethod
+    def _check_kernel_tuning(cls, value: str) -> str:
+        if value.strip():  # the kernel package is imported only where a tuning is asked for
+            from certvllm.triton_kernels.tuning import parse_tuning
+
+            parse_tuning(value)  # a ValueError names the entry and the fix
+        return value
 
     @model_validator(mode="after")
     def _check_relations(self) -> CertConfig:

@@ -71,3 +71,28 @@ def test_a_renamed_preset_names_its_replacement():
 def test_promotion_cache_fraction_default_and_off():
     assert load_config().promotion_cache_fraction == 0.0625  # 16 of 512 FP16 bytes per token at D = 128
     assert load_config("default", promotion_cache_fraction=0).promotion_cache_fraction == 0.0
+
+
+def test_kernel_tuning_reaches_the_served_calls_and_bad_entries_name_the_fix():
+    """``kernel_tuning``: comma-separated ``KernelTuning`` fields, checked when the config is built; the CUDA op runs
+    with them (``gpu.options_for``, what ``certified_attention`` uses when no test options are given)."""
+    from certvllm.triton_kernels.tuning import DEFAULT_TUNING, KernelTuning, parse_tuning
+
+    from certvllm.attention import gpu
+
+    cfg = load_config("default", kernel_tuning="select_first_window=64, promote_warps=4")
+    assert parse_tuning(cfg.kernel_tuning) == KernelTuning(select_first_window=64, promote_warps=4)
+    assert gpu.options_for(cfg.kernel_tuning).tuning == KernelTuning(select_first_window=64, promote_warps=4)
+    assert gpu.options_for(load_config("default").kernel_tuning) is gpu.DEFAULT_OPTIONS
+    assert parse_tuning("") is DEFAULT_TUNING
+    for text, needle in [
+        (
+            "promote_stages=3",
+            r"kernel_tuning.*'promote_stages' is not a KernelTuning field; the fields are .*select_warps",
+        ),
+        ("attend_warps=3", r"kernel_tuning.*KernelTuning.attend_warps=3 is out of range.*--cert-kernel-tuning"),
+        ("attend_warps=four", r"KernelTuning.attend_warps='four' is not an integer; write e.g. attend_warps=2"),
+        ("attend_warps", r"'attend_warps': write FIELD=VALUE"),
+    ]:
+        with pytest.raises(CertConfigError, match=needle):
+            load_config("default", kernel_tuning=text)

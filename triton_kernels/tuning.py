@@ -40,6 +40,7 @@ configuration computes the same certified quantities (``tests/triton_kernels/tes
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, fields
 from typing import Literal
 
@@ -106,3 +107,34 @@ class KernelTuning:
 
 DEFAULT_TUNING = KernelTuning()
 """The tuning every launcher uses unless given another."""
+
+
+def tuning_overrides(items: list[str]) -> dict:
+    """``["promote_warps=4", "dialect=triton", ...]`` → the ``KernelTuning`` keyword arguments they spell, checked
+    by building one. Raises ``ValueError`` naming the entry and the fix: an entry without ``=``, a name that is not
+    a field (the fields are listed), a value out of range (``KernelTuning``'s message)."""
+    known = [f.name for f in fields(KernelTuning)]
+    out: dict = {}
+    for item in items:
+        name, sep, value = (part.strip() for part in item.partition("="))
+        if not sep:
+            raise ValueError(f"{item!r}: write FIELD=VALUE, e.g. promote_warps=2")
+        if name not in known:
+            raise ValueError(f"{name!r} is not a KernelTuning field; the fields are {', '.join(known)}")
+        if name == "dialect":
+            out[name] = value
+        else:
+            try:
+                out[name] = int(value)
+            except ValueError:
+                raise ValueError(f"KernelTuning.{name}={value!r} is not an integer; write e.g. {name}=2") from None
+    KernelTuning(**out)
+    return out
+
+
+@functools.lru_cache(maxsize=64)
+def parse_tuning(text: str) -> KernelTuning:
+    """A ``KernelTuning`` from comma-separated ``FIELD=VALUE`` pairs (``CertConfig.kernel_tuning``, the benchmarks'
+    ``--tunings`` entries); ``""`` is :data:`DEFAULT_TUNING`. Raises ``ValueError`` as :func:`tuning_overrides`."""
+    items = [x for x in text.split(",") if x.strip()]
+    return KernelTuning(**tuning_overrides(items)) if items else DEFAULT_TUNING

@@ -24,6 +24,7 @@ the lengths, so the host never reads ``seq_lens``.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Literal
 
@@ -50,7 +51,7 @@ from certvllm.triton_kernels.phase2_glue import global_max, promotion_counts, re
 from certvllm.triton_kernels.prepare import prepare
 from certvllm.triton_kernels.select import select_blocks
 from certvllm.triton_kernels.shape_class import width_class
-from certvllm.triton_kernels.tuning import DEFAULT_TUNING, KernelTuning
+from certvllm.triton_kernels.tuning import DEFAULT_TUNING, KernelTuning, parse_tuning
 
 Glue = Literal["auto", "torch"]
 MAX_GROUP = 15
@@ -76,6 +77,12 @@ class CudaOptions:
 
 
 DEFAULT_OPTIONS = CudaOptions()
+
+
+@functools.lru_cache(maxsize=16)
+def options_for(kernel_tuning: str) -> CudaOptions:
+    """The options a served call runs with: the defaults, with ``CertConfig.kernel_tuning``'s launch parameters."""
+    return CudaOptions(tuning=parse_tuning(kernel_tuning)) if kernel_tuning.strip() else DEFAULT_OPTIONS
 
 
 def _lut(device: torch.device) -> torch.Tensor:

@@ -141,7 +141,7 @@ def certified_attention(
         residency: the layer's device-resident state (promotion pool, step prefetch; ``cuda`` only).
         exact_rows: the engine's exact attention for rungs 3/4 and the dense mode (see the module docstring).
         backend: the implementation (module docstring).
-        cuda_options: ``gpu.CudaOptions`` (tests and benchmarks).
+        cuda_options: ``gpu.CudaOptions`` (tests and benchmarks); default: ``config.kernel_tuning``'s.
         timings: a dict to record CUDA events at stage boundaries in (``cuda`` only; ``gpu.stage_times``).
         force_exact: ``[R]`` bool on the pages' device, or None: rows recomputed exactly (rung 4) whatever the
             ladder decided (the audit's fallback, ``certvllm.attention.audit``); read without a synchronisation
@@ -174,7 +174,7 @@ def certified_attention(
             from certvllm.attention import gpu
 
             res = residency or Residency()
-            options = cuda_options or gpu.DEFAULT_OPTIONS
+            options = cuda_options or gpu.options_for(config.kernel_tuning)
             if config.decode_pass == "resident" and resident_supported(block_tables.shape[1]):
                 from certvllm.attention.resident import resident_rows
 

@@ -23,6 +23,7 @@ from certvllm.kv.cuda_pagein import CudaPageInEngine, write_tokens_on_device
 from certvllm.kv.prefetch import StepPrefetcher
 from certvllm.kv.promotion_cache import PromotionCache
 from certvllm.kv.residency import Residency, pool_values
+from certvllm.triton_kernels.tuning import parse_tuning
 
 
 def engine_sub_blocks(block_size_tokens: int) -> int:
@@ -112,7 +113,8 @@ class SyntheticLayer:
         res = Residency.for_layer(self.cache, cfg.promotion_cache_fraction, pool_values(cfg.decode_pass))
         if cfg.step_prefetch_fraction > 0:
             if self._prefetcher is None:
-                self._prefetcher = StepPrefetcher.for_cache(self.cache, cfg.step_prefetch_fraction)
+                self._prefetcher = StepPrefetcher.for_cache(self.cache, cfg.step_prefetch_fraction,
+                                                            tuning=parse_tuning(cfg.kernel_tuning))  # fmt: skip
             res.prefetcher, res.prefetch_index = self._prefetcher, self._prefetcher.register(self.cache)
         return res
 

@@ -199,9 +199,11 @@ class WorkerRuntime:
             if planned else "")  # fmt: skip
         if self.config.step_prefetch_fraction > 0:
             from certvllm.kv.prefetch import StepPrefetcher
+            from certvllm.triton_kernels.tuning import parse_tuning
 
             if self.prefetcher is None or self._prefetch_blocks != cache.num_blocks:  # the real cache: a new one
-                self.prefetcher = StepPrefetcher.for_cache(cache, self.config.step_prefetch_fraction)
+                self.prefetcher = StepPrefetcher.for_cache(cache, self.config.step_prefetch_fraction,
+                                                           tuning=parse_tuning(self.config.kernel_tuning))  # fmt: skip
                 self._prefetch_blocks = cache.num_blocks
                 self._prefetch_index = {}
             index = self.prefetcher.register(cache, self._prefetch_index.get(name))  # forward order
