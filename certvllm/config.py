@@ -234,8 +234,18 @@ def _format_errors(err: ValidationError, source: str) -> str:
     return "\n".join(lines)
 
 
+REMOVED_FIELDS = {
+    "overlap_shadow_writes": "was removed on 2026-12-07: measured in serving, storing the originals from a side "
+    "stream slowed every prefill (docs/performance.md, eleventh session); delete it from the config",
+}
+"""Config fields that no longer exist, and what to do instead."""
+
+
 def make_config(source: str = "<arguments>", **values: Any) -> CertConfig:
     """Build a config, turning validation errors into a :class:`CertConfigError`."""
+    removed = [f"{name} {REMOVED_FIELDS[name]}" for name in values if name in REMOVED_FIELDS]
+    if removed:
+        raise CertConfigError(f"invalid certvllm config ({source}): " + "; ".join(removed))
     try:
         return CertConfig(**values)
     except ValidationError as err:

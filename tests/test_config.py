@@ -96,3 +96,10 @@ def test_kernel_tuning_reaches_the_served_calls_and_bad_entries_name_the_fix():
     ]:
         with pytest.raises(CertConfigError, match=needle):
             load_config("default", kernel_tuning=text)
+
+
+def test_a_removed_field_says_it_was_removed():
+    with pytest.raises(
+        CertConfigError, match="overlap_shadow_writes was removed on 2026-12-07.*delete it from the config"
+    ):
+        load_config("default", overlap_shadow_writes=True)
