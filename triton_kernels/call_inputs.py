@@ -91,7 +91,13 @@ def call_inputs(
     if R:
         _call_inputs_kernel[(R,)](
             q, q.stride(0), q.stride(1), tables, tables.stride(0), lens, scale, qs, tables64, lens64, nfull, bvalid,
-            tail_ids, B, num_blocks, HQ=HQ, D=D, HP=next_pow2(HQ), DP=next_pow2(D), N=block_size, BLOCK=BLOCK,
-            num_warps=4,
+            tail_ids, B, num_blocks, **launch_constants(HQ, D, block_size),
         )  # fmt: skip
     return qs, tables64, lens64, nfull, bvalid, tail_ids
+
+
+def launch_constants(num_q_heads: int, head_dim: int, block_size: int) -> dict:
+    """The compile-time arguments of :func:`_call_inputs_kernel` (constexprs and ``num_warps``), for its launch and
+    for compiling it offline (``offline_compile``)."""
+    return dict(HQ=num_q_heads, D=head_dim, HP=next_pow2(num_q_heads), DP=next_pow2(head_dim), N=block_size,
+                BLOCK=BLOCK, num_warps=4)  # fmt: skip

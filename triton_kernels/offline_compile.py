@@ -52,7 +52,13 @@ SELECT_POINTERS = {
     "nfull": "*i64", "bits": "*i32", "widened": "*i8", "active": "*i32", "scratch": "*i64", "GS": "fp32",
     "TAU1": "fp32", "THR1": "fp32", "KEY_TOL": "fp32", "KMIN": "i32", "KMAX": "i32", "KMAX1": "i32", "VKMAX": "i32",
 }  # fmt: skip
-"""Pointer element types of the compiled kernels (unnamed pointers are float32), and the selection's scalars."""
+CALL_INPUTS_POINTERS = {
+    "q_in": "*fp16", "Q_R": "i32", "Q_H": "i32", "tables": "*i32", "TB_STRIDE": "i32", "lens": "*i32",
+    "scale": "fp32", "tables64": "*i64", "lens64": "*i64", "nfull": "*i64", "bvalid": "*i1", "tail_ids": "*i64",
+    "num_blocks": "i32",
+}  # fmt: skip
+"""Pointer element types of the compiled kernels (unnamed pointers are float32), and the selection's and the call
+inputs' scalars (the call inputs as vLLM passes them: float16 queries, int32 tables and lengths)."""
 SCALARS = {"num_blocks": "i32", "B": "i32", "TB_STRIDE": "i32", "S": "i32", "BPS": "i32", "DELTA_F": "fp32",
            "ROUND_F": "fp32", "ROUND_W": "fp32", "ROUND_P": "fp32", "ROUND_S": "fp32", "nslots": "i32"}  # fmt: skip
 """Scalar arguments of the kernels."""
@@ -217,12 +223,13 @@ def run_jobs(jobs: list[dict], timeout: float = 1200.0) -> list[dict]:
     ``stack``, ``loop_instructions`` and ``loop_top`` (the 12 most frequent opcodes of the loop), or
     ``missing`` (why this Triton cannot compile offline).
 
-    A job: ``{"kernel": "phase1" | "resident" | "promote" | "select", "hq", "hkv", "d", "tuning": {KernelTuning field:
+    A job: ``{"kernel": "phase1" | "resident" | "promote" | "select" | "call_inputs", "hq", "hkv", "d", "tuning": {KernelTuning field:
     value}, "flags": {fused_gluon.launch_constants flag: value}}`` (``tuning`` optional: the launchers'
     ``DEFAULT_TUNING`` with these fields replaced; ``flags`` for ``resident`` only: the resident pass of a warm
     pool with value pages and the canary by default; ``promote``: the promotion pass over a pool with the canary,
     the Triton kernel; ``select``: the selection kernel for a table of ``"blocks"`` columns, with ``"key_budget"`` and
-    ``"k_max_widened"`` of the ladder, by default the ``default`` preset's: True and 512). The child inherits
+    ``"k_max_widened"`` of the ladder, by default the ``default`` preset's: True and 512; ``call_inputs``: the
+    layer call's input kernel for 16-token blocks). The child inherits
     this process's environment; ``env`` sets Triton's own switch off in it before Python starts."""
     cmd = ["env", "TRITON_INTERPRET=0", sys.executable, "-m", "certvllm.triton_kernels.offline_compile"]
     proc = subprocess.run(cmd, input=json.dumps(jobs), capture_output=True, text=True, timeout=timeout)
@@ -235,7 +242,7 @@ def run_jobs(jobs: list[dict], timeout: float = 1200.0) -> list[dict]:
 def _run_job(spec: dict) -> dict:
     from certvllm.formats.layout import PageLayout
 
-    from . import fused_gluon, phase1_mma_gluon, phase2, select
+    from . import call_inputs, fused_gluon, phase1_mma_gluon, phase2, select
     from .fused import CANARY_SLACK, FusedGeometry
     from .tuning import KernelTuning
 
@@ -260,9 +267,13 @@ def _run_job(spec: dict) -> dict:
             kernel, pointers = select._select_kernel, SELECT_POINTERS
             consts = select.select_launch_constants(spec["blocks"], hkv, hq // hkv, spec.get("key_budget", True),
                                                     spec.get("k_max_widened", 512), tuning=tuning)  # fmt: skip
+        elif spec["kernel"] == "call_inputs":
+            kernel, pointers = call_inputs._call_inputs_kernel, CALL_INPUTS_POINTERS
+            consts = call_inputs.launch_constants(hq, d, 16)
         else:
-            raise ValueError(f"job kernel {spec['kernel']!r}: it must be 'phase1', 'resident', 'promote' or 'select'")
-        triton_kernel = spec["kernel"] in ("promote", "select")
+            raise ValueError(f"job kernel {spec['kernel']!r}: it must be 'phase1', 'resident', 'promote', 'select' "
+                             "or 'call_inputs'")  # fmt: skip
+        triton_kernel = spec["kernel"] in ("promote", "select", "call_inputs")
         c = compile_cuda(kernel, pointers, consts, gluon=not triton_kernel)
         return {"registers": c.registers, "stack": c.stack, "loop_instructions": c.loop_instructions,
                 "common_path_instructions": sum(c.common.values()), "loop_top": dict(c.loop.most_common(12))}  # fmt: skip

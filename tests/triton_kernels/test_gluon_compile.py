@@ -41,6 +41,8 @@ SELECT_CASES = [
     (32, 8, 128, 2048, {"select_first_window": 64}),
 ]
 
+CALL_INPUT_CASES = [(32, 8, 128), (14, 2, 64)]  # LLaMA-3.1-8B; Qwen2.5-0.5B (14 query heads: padded to 16)
+
 
 @pytest.fixture(scope="module")
 def compiled() -> dict:
@@ -52,6 +54,7 @@ def compiled() -> dict:
         {"kernel": "select", "hq": hq, "hkv": hkv, "d": d, "blocks": b, "tuning": t}
         for hq, hkv, d, b, t in SELECT_CASES
     ]
+    jobs += [{"kernel": "call_inputs", "hq": hq, "hkv": hkv, "d": d} for hq, hkv, d in CALL_INPUT_CASES]
     results = run_jobs(jobs)
     missing = [r["missing"] for r in results if "missing" in r]
     if missing:
@@ -96,6 +99,13 @@ def test_selection_kernel_compiles_for_sm90(hq, hkv, d, blocks, tuning, compiled
     the same on both sides of a branch). Within 255 registers, no spills (Triton 3.9 here: 224 registers)."""
     use = compiled[repr({"kernel": "select", "hq": hq, "hkv": hkv, "d": d, "blocks": blocks, "tuning": tuning})]
     assert use["stack"] == 0 and use["registers"] <= 255, use
+
+
+@pytest.mark.parametrize("hq,hkv,d", CALL_INPUT_CASES)
+def test_call_inputs_kernel_compiles_for_sm90(hq, hkv, d, compiled):
+    """The layer call's input kernel (``call_inputs.launch_constants``) compiles for sm_90, no spills."""
+    use = compiled[repr({"kernel": "call_inputs", "hq": hq, "hkv": hkv, "d": d})]
+    assert use["stack"] == 0 and use["registers"] <= 128, use
 
 
 def test_a_gluon_kernel_that_fails_to_compile_falls_back_once_and_loudly():
