@@ -28,7 +28,6 @@ from pathlib import Path
 
 import torch
 from bench_decode import SCORE_STD_HELP, D, build_cache, release_cache, synthetic_kv, time_graph
-from kernel_sass import parse_tuning
 from torch.profiler import ProfilerActivity, profile
 
 
@@ -54,7 +53,7 @@ def _kernel_table(prof, calls: int) -> tuple[list[dict], int, float]:
 def profile_point(batch: int, ctx: int, presets: list[str], calls: int, top: int, tunings: list[str],
                   score_std: float | None = None, pool_fraction: float | None = None,
                   rounds: int = 1) -> dict:  # fmt: skip
-    from certvllm.triton_kernels.tuning import KernelTuning
+    from certvllm.triton_kernels.tuning import parse_tuning
 
     from certvllm.attention import certified_attention
     from certvllm.attention.gpu import CudaOptions
@@ -75,7 +74,7 @@ def profile_point(batch: int, ctx: int, presets: list[str], calls: int, top: int
         eng = CudaPageInEngine(dev)
         fraction = cfg.promotion_cache_fraction if pool_fraction is None else pool_fraction
         residency = Residency.for_layer(cache, fraction if cfg.mode == "certified" else 0.0)
-        options = CudaOptions(tuning=KernelTuning(**parse_tuning([x for x in tuning.split(",") if x])))
+        options = CudaOptions(tuning=parse_tuning(tuning))
         if tuning:
             preset = f"{preset}[{tuning}]"
 
@@ -162,6 +161,13 @@ def main() -> None:
     args = ap.parse_args()
     if args.rounds < 1:
         ap.error(f"--rounds {args.rounds}: it must be at least 1 (1 runs each preset and tuning once)")
+    from certvllm.triton_kernels.tuning import parse_tuning
+
+    for tuning in args.tunings:  # every entry checked before the first run
+        try:
+            parse_tuning(tuning)
+        except ValueError as err:
+            ap.error(f"--tunings {tuning!r}: {err}")
     results = []
     for p in args.points:
         b, c = (int(x) for x in p.split("x"))

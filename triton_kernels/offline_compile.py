@@ -53,9 +53,8 @@ SELECT_POINTERS = {
     "TAU1": "fp32", "THR1": "fp32", "KEY_TOL": "fp32", "KMIN": "i32", "KMAX": "i32", "KMAX1": "i32", "VKMAX": "i32",
 }  # fmt: skip
 CALL_INPUTS_POINTERS = {
-    "q_in": "*fp16", "Q_R": "i32", "Q_H": "i32", "tables": "*i32", "TB_STRIDE": "i32", "lens": "*i32",
-    "scale": "fp32", "tables64": "*i64", "lens64": "*i64", "nfull": "*i64", "bvalid": "*i1", "tail_ids": "*i64",
-    "num_blocks": "i32",
+    "q_in": "*fp16", "Q_R": "i32", "Q_H": "i32", "tables": "*i32", "lens": "*i32", "scale": "fp32",
+    "tables64": "*i64", "lens64": "*i64", "nfull": "*i64", "bvalid": "*i1", "tail_ids": "*i64",
 }  # fmt: skip
 """Pointer element types of the compiled kernels (unnamed pointers are float32), and the selection's and the call
 inputs' scalars (the call inputs as vLLM passes them: float16 queries, int32 tables and lengths)."""
@@ -223,8 +222,8 @@ def run_jobs(jobs: list[dict], timeout: float = 1200.0) -> list[dict]:
     ``stack``, ``loop_instructions`` and ``loop_top`` (the 12 most frequent opcodes of the loop), or
     ``missing`` (why this Triton cannot compile offline).
 
-    A job: ``{"kernel": "phase1" | "resident" | "promote" | "select" | "call_inputs", "hq", "hkv", "d", "tuning": {KernelTuning field:
-    value}, "flags": {fused_gluon.launch_constants flag: value}}`` (``tuning`` optional: the launchers'
+    A job: ``{"kernel": "phase1" | "resident" | "promote" | "select" | "call_inputs", "hq", "hkv", "d",
+    "tuning": {KernelTuning field: value}, "flags": {fused_gluon.launch_constants flag: value}}`` (``tuning`` optional: the launchers'
     ``DEFAULT_TUNING`` with these fields replaced; ``flags`` for ``resident`` only: the resident pass of a warm
     pool with value pages and the canary by default; ``promote``: the promotion pass over a pool with the canary,
     the Triton kernel; ``select``: the selection kernel for a table of ``"blocks"`` columns, with ``"key_budget"`` and

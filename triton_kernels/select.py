@@ -282,6 +282,7 @@ def _select_kernel(
         row = pid * B
         vbudget = tl.load(budget + rk)
         bits_row = bits + rk * B
+        LO = tl.maximum(KMAX1 + 1, W // 2)  # the fewest sorted positions a wide window holds (K* ≤ KMAX1)
 
         # ---- keys: top-K*, rung 1 (selection.select_keys); positions q of the descending order
         if BP <= W:
@@ -294,7 +295,6 @@ def _select_kernel(
             tl.store(widened + pid, (k_star > base).to(tl.int8))
             tl.atomic_or(bits_row + order, key_bits, mask=(pos < k_star) & (order >= 0) & (order < nf) & (pos < B))
         else:  # only the first W positions can matter: K* ≤ ``policy.k_max_widened`` < W
-            LO = tl.maximum(KMAX1 + 1, W // 2)  # the fewest sorted positions a window holds (K* ≤ KMAX1)
             done = (nf < 0).to(tl.int32)  # 0
             if WS > 0:  # a first window of WS positions decides where K* falls inside it
                 qs = tl.arange(0, WS)
@@ -323,7 +323,6 @@ def _select_kernel(
         if BP <= W:
             _promote_values_full(err, pos, B, nf, vbudget, VKMAX, bits_row, G + g, BP)
         else:
-            LO = tl.maximum(KMAX1 + 1, W // 2)
             vdone = (nf < 0).to(tl.int32)  # 0
             if WS > 0:
                 qs = tl.arange(0, WS)

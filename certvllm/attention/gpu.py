@@ -182,9 +182,9 @@ class DeviceRerun:
         out.copy_(torch.where(exact.unsqueeze(-1), exact_out, out))
 
 
-def _channels_contiguous(q: torch.Tensor) -> torch.Tensor:
-    """``q`` where its last dimension is contiguous (what ``call_inputs`` reads), else a contiguous copy."""
-    return q if q.stride(-1) == 1 else q.contiguous()
+def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
+    """``t`` where its last dimension is contiguous (what ``call_inputs`` reads), else a contiguous copy."""
+    return t if t.stride(-1) == 1 else t.contiguous()
 
 
 def begin_call(layer_call: LayerCall, glue_kernels) -> tuple[_Call, torch.Tensor, object]:
@@ -197,9 +197,8 @@ def begin_call(layer_call: LayerCall, glue_kernels) -> tuple[_Call, torch.Tensor
     check_group(q.shape[1], cache.num_kv_heads)
     dev = cache.pages.device
     ensure_device_readable(cache)
-    tables = layer_call.tables.to(dev)
     qs, tables, lens, nfull, bvalid, tail_ids = call_inputs(
-        _channels_contiguous(q.to(dev)), tables if tables.stride(-1) == 1 else tables.contiguous(),
+        _last_dim_contiguous(q.to(dev)), _last_dim_contiguous(layer_call.tables.to(dev)),
         layer_call.lens.to(dev), layer_call.scale, cache.layout.block_size, cache.num_blocks,
     )  # fmt: skip
     call = _Call(cache, layer_call.cfg, qs, tables, lens, nfull, bvalid, glue_kernels(tables.shape[1]))
