@@ -146,6 +146,14 @@ class CertConfig(BaseModel):
         "promote_warps=4'; docs/troubleshooting.md lists the fields and their defaults). They change how fast the "
         "certified quantities are computed, never what is certified. Empty: the defaults.",
     )
+    shadow_writes: Literal["sm_stores", "copy_engine"] = Field(
+        "sm_stores",
+        description="CUDA path only: how a prefill's originals reach the host tier. sm_stores: every token's rows "
+        "are stored over PCIe from the SMs, on the layer's stream. copy_engine: the engine blocks a prefill fills "
+        "completely are staged on the device and copied by DMA on a side stream (certvllm.kv.shadow_copy), the "
+        "other tokens stored from the SMs; it reads the block table's host copy from vLLM's GPU model runner and "
+        "keeps the SM stores where there is none. The same shadow bytes either way. The CPU path ignores it.",
+    )
     dense_backend: Literal["auto", "sdpa", "xformers"] = Field(
         "auto",
         description="Kernel of the exact dense recompute on the reference and CPU paths (rungs 3/4, dense mode): "

@@ -18,7 +18,7 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
@@ -31,6 +31,7 @@ from certvllm.kv.pagein import DirectKeys, PageInEngine, PageInStats
 if TYPE_CHECKING:
     from certvllm.kv.cache import LayerKVCache
     from certvllm.kv.promotion_cache import PromotionCache
+    from certvllm.kv.shadow_copy import ShadowCopier, ShadowRun
 
 logger = logging.getLogger("certvllm")
 
@@ -232,7 +233,13 @@ class CudaPageInEngine(PageInEngine):
 
 
 def write_tokens_on_device(
-    cache: LayerKVCache, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor, pool: PromotionCache | None = None
+    cache: LayerKVCache,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    slots: torch.Tensor,
+    pool: PromotionCache | None = None,
+    runs: Sequence[ShadowRun] = (),
+    copier: ShadowCopier | None = None,
 ) -> None:
     """The CUDA write path with no host synchronisation and two launches: this step's tokens go into the shadow
     by device stores, each bumping its block's write generation (``triton_kernels.shadow_write``), then every
@@ -249,6 +256,9 @@ def write_tokens_on_device(
         slots: ``[T]`` token slots (16-token block · 16 + offset) on the device; negative: padding, skipped.
         pool: the layer's promotion pool; when it is write-through (``PromotionCache.write_through``) the
             completed blocks' keys go into their slots too.
+        runs, copier: engine blocks the write fills completely (``shadow_copy.full_block_runs``) and the device's
+            :class:`~certvllm.kv.shadow_copy.ShadowCopier`: those tokens reach the shadow by the copy engines, the
+            rest by the SM stores (same bytes and generations).
     """
     from certvllm.triton_kernels.encode import encode_completed_blocks
     from certvllm.triton_kernels.shadow_write import scatter_into_shadow
@@ -259,7 +269,12 @@ def write_tokens_on_device(
         raise ValueError(f"the device write path encodes 16-token blocks, the layout has {cache.layout.block_size}")
     shadow = ensure_device_readable(cache)
     slots = slots.to(cache.pages.device, torch.int64)
-    scatter_into_shadow(shadow, key, value, slots, cache.sub_blocks, 16, cache.generation)
+    stores = slots
+    if runs:
+        if copier is None:
+            raise ValueError("runs of full blocks to copy need the device's ShadowCopier")
+        stores = copier.write(cache, key, value, slots, runs)
+    scatter_into_shadow(shadow, key, value, stores, cache.sub_blocks, 16, cache.generation)
     encode_completed_blocks(cache.pages, shadow, slots, cache.layout, cache.num_kv_heads, cache.sub_blocks,
                             cache.generation, None if pool is None else pool.write_through_tensors(),
                             source=(key, value))  # fmt: skip

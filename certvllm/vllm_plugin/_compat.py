@@ -148,3 +148,21 @@ def varlen_flash_attention(head_size: int) -> Any | None:
                                fa_version=version)  # fmt: skip
 
     return run
+
+
+def host_block_table(runner: Any, device_table: torch.Tensor) -> torch.Tensor | None:
+    """The host copy of the block table whose device rows are ``device_table`` (the step's
+    ``CommonAttentionMetadata.block_table_tensor``), or None where ``runner`` keeps none that matches.
+
+    vLLM's GPU model runner keeps one block table per KV cache group as a pinned host tensor and a device tensor
+    (``input_batch.block_table.block_tables[g].block_table``: ``.cpu``/``.gpu``); the host one is filled first and
+    copied up before the step's metadata is built, so it holds this step's rows in the batch's order. The group is
+    the one whose device tensor the metadata's table is a view of."""
+    tables = getattr(getattr(getattr(runner, "input_batch", None), "block_table", None), "block_tables", None)
+    for table in tables or ():
+        buffer = getattr(table, "block_table", None)
+        gpu, cpu = getattr(buffer, "gpu", None), getattr(buffer, "cpu", None)
+        if (isinstance(gpu, torch.Tensor) and isinstance(cpu, torch.Tensor) and cpu.shape == gpu.shape
+                and gpu.data_ptr() == device_table.data_ptr()):  # fmt: skip
+            return cpu
+    return None

@@ -38,8 +38,9 @@ from vllm.v1.kv_cache_interface import AttentionSpec
 
 from certvllm.config import CertConfig
 from certvllm.formats.layout import BLOCK_SIZE
+from certvllm.kv.shadow_copy import ShadowRun, full_block_runs
 from certvllm.vllm_plugin import settings
-from certvllm.vllm_plugin._compat import KV_CACHE_DTYPE, lbhnc_layouts
+from certvllm.vllm_plugin._compat import KV_CACHE_DTYPE, host_block_table, lbhnc_layouts
 from certvllm.vllm_plugin.exact import ExactAttention, ExactPlan
 from certvllm.vllm_plugin.runtime import WorkerRuntime
 
@@ -213,14 +214,23 @@ class CertifiedMetadataBuilder(AttentionMetadataBuilder[CertifiedMetadata]):
         self.exact = ExactAttention(num_heads, kv_cache_spec.num_kv_heads, kv_cache_spec.head_size, model.dtype,
                                     1.0, kv_cache_spec.block_size, device.type == "cpu",
                                     self.config.dense_backend)  # fmt: skip
-        if self.runtime.ledger is not None:
+        copy_engine = self.config.shadow_writes == "copy_engine" and device.type == "cuda"
+        if self.runtime.ledger is not None or copy_engine:
             self._runner = find_model_runner()
-            if self._runner is None:  # rows would name no request: every certificate would read 0, a false one
-                raise RuntimeError(
-                    "certvllm: per-request certificates need the model runner that builds the batch (vLLM's "
-                    "GPUModelRunner or CPUModelRunner), and none constructs this metadata builder; start without "
-                    "--cert-return-certificate"
-                )
+        # shadow_writes: copy_engine reads the step's block table rows on the host, from the runner's copy
+        self._layer_names = list(layer_names)
+        self._copy_shadow = copy_engine and self._runner is not None
+        if copy_engine and not self._copy_shadow:
+            logger.warning("certvllm: shadow_writes=copy_engine needs vLLM's GPU model runner (its host copy of the "
+                           "block table) and none builds this metadata; layers %s keep the SM stores",
+                           ", ".join(layer_names))  # fmt: skip
+        if self.runtime.ledger is not None and self._runner is None:
+            # rows would name no request: every certificate would read 0, a false one
+            raise RuntimeError(
+                "certvllm: per-request certificates need the model runner that builds the batch (vLLM's "
+                "GPUModelRunner or CPUModelRunner), and none constructs this metadata builder; start without "
+                "--cert-return-certificate"
+            )
         # before the engine reports ready: no request may wait on a kernel compile
         self.runtime.warm_up(num_heads, kv_cache_spec.num_kv_heads, kv_cache_spec.head_size, model.dtype,
                              model.max_model_len, vllm_config.scheduler_config.max_num_seqs,
@@ -269,6 +279,8 @@ class CertifiedMetadataBuilder(AttentionMetadataBuilder[CertifiedMetadata]):
             sub_qsl = torch.cat((torch.zeros(1, dtype=torch.int64), sub_q.cumsum(0)))
             plan = self.exact.plan(sub_qsl, seq_lens[idx], block_table[self._to_device(idx)])
             exact_tokens = torch.cat([torch.arange(int(qsl[i]), int(qsl[i + 1])) for i in exact_req])
+        if self._copy_shadow:  # every step: a step without runs must not reuse the last one's
+            self.runtime.set_shadow_runs(self._layer_names, self._shadow_runs(cm, n_req, qsl, q_lens, context))
         slots_dev, exact_requests = self._requests(n_req, q_lens, context, cat(row_req))
         sub = self.kv_cache_spec.block_size // BLOCK_SIZE
         row_lens = cat(row_len)
@@ -316,6 +328,24 @@ class CertifiedMetadataBuilder(AttentionMetadataBuilder[CertifiedMetadata]):
                 exact.append((rid, reason, ql))
         slots = ledger.slots([ids[i] for i in rows_req.tolist()], self.device)
         return self._to_device(slots), tuple(exact)
+
+    def _shadow_runs(self, cm: CommonAttentionMetadata, n_req: int, qsl: torch.Tensor, q_lens: torch.Tensor,
+                     context: torch.Tensor) -> tuple[ShadowRun, ...]:  # fmt: skip
+        """The engine blocks this step's write fills completely, as runs of consecutive block ids in the step's
+        token order (``shadow_copy.full_block_runs`` per request of at least one block's tokens); () where the
+        runner's host block table is not the one this metadata reads."""
+        size = self.kv_cache_spec.block_size
+        long = [i for i in range(n_req) if int(q_lens[i]) >= size]
+        if not long:
+            return ()
+        host = host_block_table(self._runner, cm.block_table_tensor)
+        if host is None:
+            return ()
+        runs: list[ShadowRun] = []
+        for i in long:
+            ctx, ql = int(context[i]), int(q_lens[i])
+            runs += full_block_runs(int(qsl[i]), ctx, ql, host[i, : (ctx + ql) // size].numpy(), size)
+        return tuple(runs)
 
     def _host_seq_lens(self, cm: CommonAttentionMetadata, n_req: int) -> torch.Tensor:
         """``[n_req]`` int64 lengths on the host: vLLM's CPU copy where it is exact (its upper bound is the length

@@ -88,6 +88,10 @@ class WorkerRuntime:
         self._warmed: set[tuple[Any, ...]] = set()
         self._graphs: dict[torch.device, Any] = {}  # device → certvllm.attention.graphs.LayerCallGraphs
         self._write_graphs: dict[torch.device, Any] = {}  # device → certvllm.kv.write_graphs.WriteGraphs
+        # shadow_writes: copy_engine: the device's copier, and per layer the step's runs of full engine blocks
+        # (set by the metadata builder of the layer's group when it builds the step)
+        self._copiers: dict[torch.device, Any] = {}  # device → certvllm.kv.shadow_copy.ShadowCopier
+        self._shadow_runs: dict[str, tuple[Any, ...]] = {}
         self.max_decode_rows = DEFAULT_MAX_DECODE_ROWS  # the engine's max_num_seqs once warm_up has run
         # the layer whose calls count the step's exact tokens (once per step): the model's first certified layer
         # (:meth:`note_layers`; layer 0 until then, and in a model without native layers)
@@ -265,6 +269,14 @@ class WorkerRuntime:
         most ``max_decode_rows`` tokens: decode steps),
         else launched directly. ``key``/``value`` ``[T, H_kv, D]`` in the shadow's dtype and ``slots`` ``[T]``
         on the device."""
+        runs = self._shadow_runs.get(state.name, ())
+        # a prefill's full blocks by the copy engines (never under a capture: the copies are host calls)
+        if runs and key.device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
+            from certvllm.kv.cuda_pagein import write_tokens_on_device
+
+            write_tokens_on_device(state.cache, key, value, slots, state.residency.pool, runs=runs,
+                                   copier=self._copier(key.device))  # fmt: skip
+            return
         writes = self._device_write_graphs(key.device)
         if writes is None:
             from certvllm.kv.cuda_pagein import write_tokens_on_device
@@ -414,6 +426,20 @@ class WorkerRuntime:
             self._write_graphs[device] = WriteGraphs(device, self.max_decode_rows)
         return self._write_graphs[device]
 
+    def _copier(self, device: torch.device) -> Any:
+        """The device's ``ShadowCopier`` (made on first use)."""
+        if device not in self._copiers:
+            from certvllm.kv.shadow_copy import ShadowCopier
+
+            self._copiers[device] = ShadowCopier(device)
+        return self._copiers[device]
+
+    def set_shadow_runs(self, layer_names: list[str], runs: tuple[Any, ...]) -> None:
+        """The step's runs of full engine blocks (``shadow_copy.full_block_runs``, in the step's token order) that
+        the writes of ``layer_names`` send to the shadow by the copy engines (empty: SM stores only)."""
+        for name in layer_names:
+            self._shadow_runs[name] = runs
+
     def pagein(self, device: torch.device) -> PageInEngine:
         """The page-in engine of ``device`` (zero-copy gathers on a side stream on CUDA)."""
         if device not in self._pageins:
@@ -423,6 +449,9 @@ class WorkerRuntime:
     def begin_step(self) -> None:
         """The batch of a step is built: read what the last step left unread (:meth:`end_step`), and start
         staging the first layers' pages (CUDA step prefetch)."""
+        capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+        for copier in () if capturing else self._copiers.values():  # the last step's copies land before this
+            copier.fence()  # step reads the shadow
         self.end_step()
         if self.prefetcher is not None:
             self.prefetcher.begin_step()
