@@ -5,7 +5,9 @@ D = 128, float16; CUDA only).
 
 Usage: python benchmarks/bench_write.py [--tokens 8192 16384] [--iters 20] [--out runs/write.json]
 
-Each point times the encode launch alone and the whole write (``kv.cuda_pagein.write_tokens_on_device``), median of
+Each point times the encode launch alone, the whole write (``kv.cuda_pagein.write_tokens_on_device``) with the SM
+stores, and with ``shadow_writes: copy_engine``'s copies (``kv.shadow_copy``): the time on the layer's stream, and
+the time until the copies have landed (the stream fenced after them), median of
 ``--iters`` CUDA-event timings after two warm calls, on one cache whose shadow holds 2x the chunk. Prints a table and
 writes the rows as JSON. (``profile_serving.py`` reports the same kernels inside vLLM.)
 """
@@ -28,6 +30,7 @@ def bench_point(tokens: int, iters: int) -> dict:
     from certvllm.kv.cuda_pagein import ensure_device_readable, write_tokens_on_device
     from certvllm.kv.host import allocate_host
     from certvllm.kv.promotion_cache import PromotionCache
+    from certvllm.kv.shadow_copy import ShadowCopier, ShadowRun
 
     dev = torch.device("cuda")
     lay = PageLayout(D)
@@ -50,7 +53,19 @@ def bench_point(tokens: int, iters: int) -> dict:
     def write() -> None:
         write_tokens_on_device(cache, key, value, slots, pool)
 
-    row = {"tokens": tokens, "encode_ms": time_eager(encode, iters), "write_ms": time_eager(write, iters)}
+    copier = ShadowCopier(dev)
+    runs = [ShadowRun(0, 1, tokens // BLOCK_SIZE)]  # shadow_writes: copy_engine, every block whole (ids 1 …)
+
+    def write_copy_engine() -> None:
+        write_tokens_on_device(cache, key, value, slots, pool, runs=runs, copier=copier)
+
+    def write_copy_engine_landed() -> None:
+        write_copy_engine()
+        copier.fence()  # the layer's stream waits for the copies: what the write costs if nothing overlaps them
+
+    row = {"tokens": tokens, "encode_ms": time_eager(encode, iters), "write_ms": time_eager(write, iters),
+           "copy_engine_write_ms": time_eager(write_copy_engine, iters),
+           "copy_engine_landed_ms": time_eager(write_copy_engine_landed, iters)}  # fmt: skip
     release_cache(cache)
     return row
 
@@ -65,9 +80,11 @@ def main() -> None:
         raise SystemExit("bench_write.py needs a CUDA device (the write path's kernels run there)")
     rows = [bench_point(t, args.iters) for t in args.tokens]
     print(f"device: {torch.cuda.get_device_name()}")
-    print("| tokens | encode ms | whole write ms |\n|---|---|---|")
+    print("| tokens | encode ms | whole write, SM stores ms | copy engine: layer's stream ms | copy engine: copies "
+          "landed ms |\n|---|---|---|---|---|")  # fmt: skip
     for r in rows:
-        print(f"| {r['tokens']} | {r['encode_ms']:.3f} | {r['write_ms']:.3f} |")
+        print(f"| {r['tokens']} | {r['encode_ms']:.3f} | {r['write_ms']:.3f} | {r['copy_engine_write_ms']:.3f} | "
+              f"{r['copy_engine_landed_ms']:.3f} |")  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows}, indent=2))
 
