@@ -14,8 +14,10 @@ Supported: vLLM 0.26 (the newest release built for torch 2.11, what the lent H20
 from __future__ import annotations
 
 import logging
+import sys
 from typing import Any, Literal, get_args
 
+import numpy as np
 import torch
 
 KV_CACHE_DTYPE = "certified"
@@ -150,19 +152,88 @@ def varlen_flash_attention(head_size: int) -> Any | None:
     return run
 
 
-def host_block_table(runner: Any, device_table: torch.Tensor) -> torch.Tensor | None:
-    """The host copy of the block table whose device rows are ``device_table`` (the step's
-    ``CommonAttentionMetadata.block_table_tensor``), or None where ``runner`` keeps none that matches.
+class HostBlockTable:
+    """The step's block table rows on the host, in the batch's order, from either of vLLM's GPU model runners
+    (``shadow_writes: copy_engine`` copies the blocks a prefill fills by their ids, which must be known on the host).
 
-    vLLM's GPU model runner keeps one block table per KV cache group as a pinned host tensor and a device tensor
-    (``input_batch.block_table.block_tables[g].block_table``: ``.cpu``/``.gpu``); the host one is filled first and
-    copied up before the step's metadata is built, so it holds this step's rows in the batch's order. The group is
-    the one whose device tensor the metadata's table is a view of."""
-    tables = getattr(getattr(getattr(runner, "input_batch", None), "block_table", None), "block_tables", None)
-    for table in tables or ():
-        buffer = getattr(table, "block_table", None)
-        gpu, cpu = getattr(buffer, "gpu", None), getattr(buffer, "cpu", None)
-        if (isinstance(gpu, torch.Tensor) and isinstance(cpu, torch.Tensor) and cpu.shape == gpu.shape
-                and gpu.data_ptr() == device_table.data_ptr()):  # fmt: skip
-            return cpu
+    * The V1 runner (``gpu_model_runner.GPUModelRunner``) keeps each KV cache group's table as a host tensor and a
+      device tensor (``input_batch.block_table.block_tables[g].block_table``: ``.cpu``/``.gpu``); the host one is
+      filled first and copied up before the step's metadata is built, in the batch's order.
+    * Model runner V2 (``gpu/model_runner.GPUModelRunner``, vLLM 0.26's default for LLaMA-type models) keeps the
+      tables on the device only, by request slot, written through ``block_tables.append_block_ids`` from the
+      scheduler's block ids; the batch's rows are gathered on the device by ``input_batch.idx_mapping``. Here every
+      such write is mirrored into host arrays (the method is wrapped on the runner's object, once, at the first
+      step), and the batch's slots come from the ``input_batch`` of the frame that builds the metadata. A slot
+      written before the mirror existed stays unknown (its row reads −1) until a new request takes it.
+
+    :meth:`rows` returns None where neither applies (another runner, another vLLM): the SM stores stay.
+    """
+
+    def __init__(self, runner: Any) -> None:
+        self.runner = runner
+        self._mirror: list[Any] | None = None  # V2: per group, [slots, max_blocks] int32 numpy, −1 unknown
+
+    def rows(self, device_table: torch.Tensor, num_reqs: int, max_depth: int = 40) -> Any:
+        """``[num_reqs, width]`` host block ids (numpy or a CPU tensor; −1 where unknown) of the batch whose device
+        table ``device_table`` (``CommonAttentionMetadata.block_table_tensor``) is, or None."""
+        v1 = self._v1_table(device_table)
+        if v1 is not None:
+            return v1[:num_reqs]
+        tables = getattr(self.runner, "block_tables", None)
+        if tables is None or not hasattr(tables, "append_block_ids"):
+            return None
+        group = next((g for g, t in enumerate(getattr(tables, "input_block_tables", ()))
+                      if t.data_ptr() == device_table.data_ptr()), None)  # fmt: skip
+        if group is None:
+            return None
+        if self._mirror is None:
+            self._attach(tables)
+        slots = _caller_local("input_batch", "idx_mapping_np", sys._getframe(1), max_depth)
+        if slots is None or len(slots) < num_reqs:
+            return None
+        return self._mirror[group][np.asarray(slots[:num_reqs])]
+
+    def _v1_table(self, device_table: torch.Tensor) -> torch.Tensor | None:
+        batch_tables = getattr(getattr(getattr(self.runner, "input_batch", None), "block_table", None),
+                               "block_tables", None)  # fmt: skip
+        for table in batch_tables or ():
+            buffer = getattr(table, "block_table", None)
+            gpu, cpu = getattr(buffer, "gpu", None), getattr(buffer, "cpu", None)
+            if (isinstance(gpu, torch.Tensor) and isinstance(cpu, torch.Tensor) and cpu.shape == gpu.shape
+                    and gpu.data_ptr() == device_table.data_ptr()):  # fmt: skip
+                return cpu
+        return None
+
+    def _attach(self, tables: Any) -> None:
+        """Mirror every later ``append_block_ids`` of the V2 runner's ``BlockTables`` (same arguments, same
+        expansion into kernel blocks, the same start: after the row's current blocks unless it is overwritten)."""
+        mirror = [np.full(tuple(t.gpu.shape), -1, dtype=np.int64) for t in tables.block_tables]
+        original = tables.append_block_ids
+
+        def append_block_ids(req_index: int, new_block_ids: Any, overwrite: bool) -> None:
+            for g, ids in enumerate(new_block_ids):
+                per = tables.blocks_per_kv_block[g]
+                ids = [b * per + k for b in ids for k in range(per)] if per > 1 else list(ids)
+                row = mirror[g][req_index]
+                start = 0 if overwrite else int(tables.num_blocks.np[g, req_index])
+                if overwrite:
+                    row[:] = -1
+                elif row[0] < 0 and start > 0:  # a slot the mirror never saw from its start: leave it unknown
+                    continue
+                row[start : start + len(ids)] = ids
+            original(req_index, new_block_ids, overwrite)
+
+        tables.append_block_ids = append_block_ids
+        self._mirror = mirror
+
+
+def _caller_local(name: str, attribute: str, frame: Any, max_depth: int) -> Any:
+    """``getattr(x, attribute)`` of the nearest local ``name`` up the stack that has it, or None."""
+    for _ in range(max_depth):
+        if frame is None:
+            return None
+        value = getattr(frame.f_locals.get(name), attribute, None)
+        if value is not None:
+            return value
+        frame = frame.f_back
     return None

@@ -24,6 +24,7 @@ import sys
 from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 from vllm.config import VllmConfig, get_current_vllm_config
 from vllm.v1.attention.backend import (
@@ -40,7 +41,7 @@ from certvllm.config import CertConfig
 from certvllm.formats.layout import BLOCK_SIZE
 from certvllm.kv.shadow_copy import ShadowRun, full_block_runs
 from certvllm.vllm_plugin import settings
-from certvllm.vllm_plugin._compat import KV_CACHE_DTYPE, host_block_table, lbhnc_layouts
+from certvllm.vllm_plugin._compat import KV_CACHE_DTYPE, HostBlockTable, lbhnc_layouts
 from certvllm.vllm_plugin.exact import ExactAttention, ExactPlan
 from certvllm.vllm_plugin.runtime import WorkerRuntime
 
@@ -166,20 +167,22 @@ def attention_layer_kinds(vllm_config: VllmConfig) -> dict[str, bool]:
             if isinstance(getattr(layer, "kv_cache_dtype", None), str)}  # fmt: skip
 
 
-def find_model_runner(max_depth: int = 40) -> Any:
+def find_model_runner(max_depth: int = 40, holds: tuple[str, ...] = ("input_batch",)) -> Any:
     """The vLLM model runner that is constructing the caller (None if there is none on the stack).
 
     vLLM 0.32's attention metadata carries no request ids (``CommonAttentionMetadata.req_idx`` is model runner V2
     only), but the runner that builds it holds the step's batch: request ``i`` of ``build()``'s metadata is
     ``runner.input_batch.req_ids[i]``. The builder is constructed by the runner itself
     (``GPUModelRunner.initialize_attn_backend``, also the CPU runner's), so the runner is the ``self`` of a frame
-    above: looked up once, read each step (a list the runner keeps, no copy)."""
+    above: looked up once, read each step (a list the runner keeps, no copy). ``holds``: attributes of which the
+    runner must have one (model runner V2 has ``req_states`` and no ``input_batch``)."""
     frame = sys._getframe(1)
     for _ in range(max_depth):
         if frame is None:
             return None
         owner = frame.f_locals.get("self")
-        if owner is not None and type(owner).__name__.endswith("ModelRunner") and hasattr(owner, "input_batch"):
+        if (owner is not None and type(owner).__name__.endswith("ModelRunner")
+                and any(hasattr(owner, name) for name in holds)):  # fmt: skip
             return owner
         frame = frame.f_back
     return None
@@ -214,16 +217,19 @@ class CertifiedMetadataBuilder(AttentionMetadataBuilder[CertifiedMetadata]):
         self.exact = ExactAttention(num_heads, kv_cache_spec.num_kv_heads, kv_cache_spec.head_size, model.dtype,
                                     1.0, kv_cache_spec.block_size, device.type == "cpu",
                                     self.config.dense_backend)  # fmt: skip
-        copy_engine = self.config.shadow_writes == "copy_engine" and device.type == "cuda"
-        if self.runtime.ledger is not None or copy_engine:
+        if self.runtime.ledger is not None:
             self._runner = find_model_runner()
-        # shadow_writes: copy_engine reads the step's block table rows on the host, from the runner's copy
+        # shadow_writes: copy_engine reads the step's block table rows on the host (_compat.HostBlockTable)
         self._layer_names = list(layer_names)
-        self._copy_shadow = copy_engine and self._runner is not None
-        if copy_engine and not self._copy_shadow:
-            logger.warning("certvllm: shadow_writes=copy_engine needs vLLM's GPU model runner (its host copy of the "
-                           "block table) and none builds this metadata; layers %s keep the SM stores",
-                           ", ".join(layer_names))  # fmt: skip
+        self._host_table: HostBlockTable | None = None
+        if self.config.shadow_writes == "copy_engine" and device.type == "cuda":
+            runner = find_model_runner(holds=("input_batch", "req_states"))
+            if runner is None:
+                logger.warning("certvllm: shadow_writes=copy_engine needs vLLM's GPU model runner (the block table's "
+                               "rows on the host) and none builds this metadata; layers %s keep the SM stores",
+                               ", ".join(layer_names))  # fmt: skip
+            else:
+                self._host_table = HostBlockTable(runner)
         if self.runtime.ledger is not None and self._runner is None:
             # rows would name no request: every certificate would read 0, a false one
             raise RuntimeError(
@@ -279,7 +285,7 @@ class CertifiedMetadataBuilder(AttentionMetadataBuilder[CertifiedMetadata]):
             sub_qsl = torch.cat((torch.zeros(1, dtype=torch.int64), sub_q.cumsum(0)))
             plan = self.exact.plan(sub_qsl, seq_lens[idx], block_table[self._to_device(idx)])
             exact_tokens = torch.cat([torch.arange(int(qsl[i]), int(qsl[i + 1])) for i in exact_req])
-        if self._copy_shadow:  # every step: a step without runs must not reuse the last one's
+        if self._host_table is not None:  # every step: a step without runs must not reuse the last one's
             self.runtime.set_shadow_runs(self._layer_names, self._shadow_runs(cm, n_req, qsl, q_lens, context))
         slots_dev, exact_requests = self._requests(n_req, q_lens, context, cat(row_req))
         sub = self.kv_cache_spec.block_size // BLOCK_SIZE
@@ -333,18 +339,22 @@ class CertifiedMetadataBuilder(AttentionMetadataBuilder[CertifiedMetadata]):
                      context: torch.Tensor) -> tuple[ShadowRun, ...]:  # fmt: skip
         """The engine blocks this step's write fills completely, as runs of consecutive block ids in the step's
         token order (``shadow_copy.full_block_runs`` per request of at least one block's tokens); () where the
-        runner's host block table is not the one this metadata reads."""
+        block table's rows are not known on the host (``HostBlockTable.rows``), and no run for a request whose row
+        is not (−1)."""
         size = self.kv_cache_spec.block_size
         long = [i for i in range(n_req) if int(q_lens[i]) >= size]
-        if not long:
+        if not long or self._host_table is None:
             return ()
-        host = host_block_table(self._runner, cm.block_table_tensor)
+        host = self._host_table.rows(cm.block_table_tensor, n_req)
         if host is None:
             return ()
         runs: list[ShadowRun] = []
         for i in long:
             ctx, ql = int(context[i]), int(q_lens[i])
-            runs += full_block_runs(int(qsl[i]), ctx, ql, host[i, : (ctx + ql) // size].numpy(), size)
+            ids = np.asarray(host[i, : (ctx + ql) // size])
+            if ids.shape[0] and int(ids.min()) < 0:
+                continue
+            runs += full_block_runs(int(qsl[i]), ctx, ql, ids, size)
         return tuple(runs)
 
     def _host_seq_lens(self, cm: CommonAttentionMetadata, n_req: int) -> torch.Tensor:
