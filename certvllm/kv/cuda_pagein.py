@@ -269,12 +269,14 @@ def write_tokens_on_device(
         raise ValueError(f"the device write path encodes 16-token blocks, the layout has {cache.layout.block_size}")
     shadow = ensure_device_readable(cache)
     slots = slots.to(cache.pages.device, torch.int64)
-    stores = slots
     if runs:
         if copier is None:
             raise ValueError("runs of full blocks to copy need the device's ShadowCopier")
-        stores = copier.write(cache, key, value, slots, runs)
-    scatter_into_shadow(shadow, key, value, stores, cache.sub_blocks, 16, cache.generation)
+        for start, end in copier.write(cache, key, value, runs):  # the tokens the copies leave to the SM stores
+            scatter_into_shadow(shadow, key[start:end], value[start:end], slots[start:end], cache.sub_blocks, 16,
+                                cache.generation)  # fmt: skip
+    else:
+        scatter_into_shadow(shadow, key, value, slots, cache.sub_blocks, 16, cache.generation)
     encode_completed_blocks(cache.pages, shadow, slots, cache.layout, cache.num_kv_heads, cache.sub_blocks,
                             cache.generation, None if pool is None else pool.write_through_tensors(),
                             source=(key, value))  # fmt: skip

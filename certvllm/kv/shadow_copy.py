@@ -75,6 +75,21 @@ def full_block_runs(first_token: int, context: int, query_len: int, block_ids: S
             for s, e in zip(starts, ends, strict=True)]  # fmt: skip
 
 
+def uncovered_ranges(total: int, covered: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The ranges of ``[0, total)`` outside the ``covered`` ones (``(start, end)``, any order, not overlapping), in
+    order, empty ones left out."""
+    out, at = [], 0
+    for start, end in sorted(covered):
+        if start < at:
+            raise ValueError(f"token ranges overlap at {start} (the previous one ends at {at})")
+        if start > at:
+            out.append((at, start))
+        at = end
+    if at < total:
+        out.append((at, total))
+    return out
+
+
 class ShadowCopier:
     """Copies runs of a write's full engine blocks to the shadow (module docstring); one per device."""
 
@@ -84,17 +99,16 @@ class ShadowCopier:
         self._pending = False
         self.bytes_copied = 0  # host-side count of bytes handed to the copy engines (or copied, off CUDA)
 
-    def write(self, cache: LayerKVCache, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor,
-              runs: Sequence[ShadowRun]) -> torch.Tensor:  # fmt: skip
+    def write(self, cache: LayerKVCache, key: torch.Tensor, value: torch.Tensor,
+              runs: Sequence[ShadowRun]) -> list[tuple[int, int]]:  # fmt: skip
         """Stage the tokens of ``runs`` and queue their copies to ``cache.shadow``; add one write per token to their
-        16-token blocks' generations (as the SM stores do). Returns ``slots`` with those tokens set to −1, for the SM
-        stores of the rest.
+        16-token blocks' generations (as the SM stores do). Returns the token ranges ``[(start, end), ...]`` of the
+        write that the runs leave to the SM stores, in order.
 
         Args:
             cache: the layer's cache (token-major shadow ``[E, H_kv, 2, M·N, D]``).
             key, value: ``[T, H_kv, D]`` in the shadow's dtype (channel stride 1), on the pages' device.
-            slots: ``[T]`` int64 token slots on the same device.
-            runs: from :func:`full_block_runs`; every run's tokens within ``[0, T)``.
+            runs: from :func:`full_block_runs`; every run's tokens within ``[0, T)``, no two overlapping.
         """
         shadow = cache.shadow
         if cache.keys_channel_major:
@@ -104,17 +118,16 @@ class ShadowCopier:
         for r in runs:
             if r.blocks <= 0 or r.token < 0 or r.token + r.blocks * mn > t or not 0 <= r.block <= e - r.blocks:
                 raise ValueError(f"{r} does not fit a write of {t} tokens into {e} engine blocks of {mn} tokens")
+        rest = uncovered_ranges(t, [(r.token, r.token + r.blocks * mn) for r in runs])
         if not runs:
-            return slots
+            return rest
         stage = torch.empty((sum(r.blocks for r in runs), h, 2, mn, d), dtype=shadow.dtype, device=key.device)
-        rest = slots.clone()
         at = 0
         for r in runs:
             n = r.blocks * mn
             for half, src in ((0, key), (1, value)):
                 stage[at : at + r.blocks, :, half].copy_(src[r.token : r.token + n].unflatten(0, (r.blocks, mn))
                                                          .transpose(1, 2))  # fmt: skip
-            rest[r.token : r.token + n] = -1
             if cache.generation is not None:  # the SM stores add 1 per token to its 16-token block
                 m, per = cache.sub_blocks, mn // cache.sub_blocks
                 cache.generation[r.block * m : (r.block + r.blocks) * m] += per

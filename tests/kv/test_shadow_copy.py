@@ -21,7 +21,7 @@ pytest.importorskip("triton", reason="triton is not installed: the device write 
 
 from certvllm.formats.layout import BLOCK_SIZE, PageLayout  # noqa: E402
 from certvllm.kv.cache import LayerKVCache  # noqa: E402
-from certvllm.kv.shadow_copy import ShadowCopier, ShadowRun, full_block_runs  # noqa: E402
+from certvllm.kv.shadow_copy import ShadowCopier, ShadowRun, full_block_runs, uncovered_ranges  # noqa: E402
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -60,11 +60,20 @@ def _twin_caches(sub: int, heads: int, d: int, blocks: int = 8) -> list[LayerKVC
 def test_runs_that_do_not_fit_are_refused():
     cache = _twin_caches(1, 2, 64)[0]
     key = torch.zeros(32, 2, 64, dtype=torch.bfloat16, device=DEV)
-    slots = torch.arange(32, dtype=torch.int64, device=DEV)
     copier = ShadowCopier(DEV)
     for bad in (ShadowRun(20, 1, 1), ShadowRun(0, 7, 2), ShadowRun(0, 0, 0)):
         with pytest.raises(ValueError, match="does not fit"):
-            copier.write(cache, key, key, slots, [bad])
+            copier.write(cache, key, key, [bad])
+    with pytest.raises(ValueError, match="overlap"):
+        copier.write(cache, key, key, [ShadowRun(0, 1, 1), ShadowRun(8, 3, 1)])
+    assert copier.write(cache, key, key, []) == [(0, 32)]  # no run: every token to the SM stores
+
+
+def test_uncovered_ranges_are_the_gaps_between_the_runs():
+    assert uncovered_ranges(100, [(10, 30), (50, 60)]) == [(0, 10), (30, 50), (60, 100)]
+    assert uncovered_ranges(60, [(50, 60), (0, 50)]) == []
+    assert uncovered_ranges(5, []) == [(0, 5)]
+    assert uncovered_ranges(0, []) == []
 
 
 @pytest.mark.parametrize("sub", [1, pytest.param(2, marks=[pytest.mark.gpu, pytest.mark.skipif(
