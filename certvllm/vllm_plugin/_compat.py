@@ -171,7 +171,8 @@ class HostBlockTable:
 
     def __init__(self, runner: Any) -> None:
         self.runner = runner
-        self._mirror: list[Any] | None = None  # V2: per group, [slots, max_blocks] int32 numpy, −1 unknown
+        self._mirror: list[Any] | None = None  # V2: per group, [slots, max_blocks] int64 numpy, −1 unknown
+        self.reported = False  # the caller logged how the first prefill's blocks went (once)
 
     def rows(self, device_table: torch.Tensor, num_reqs: int, max_depth: int = 40) -> Any:
         """``[num_reqs, width]`` host block ids (numpy or a CPU tensor; −1 where unknown) of the batch whose device

@@ -347,6 +347,10 @@ class CertifiedMetadataBuilder(AttentionMetadataBuilder[CertifiedMetadata]):
             return ()
         host = self._host_table.rows(cm.block_table_tensor, n_req)
         if host is None:
+            if not self._host_table.reported:
+                self._host_table.reported = True
+                logger.warning("certvllm: shadow_writes=copy_engine: this runner's block table rows are not known on "
+                               "the host; layers %s keep the SM stores", ", ".join(self._layer_names))  # fmt: skip
             return ()
         runs: list[ShadowRun] = []
         for i in long:
@@ -355,6 +359,10 @@ class CertifiedMetadataBuilder(AttentionMetadataBuilder[CertifiedMetadata]):
             if ids.shape[0] and int(ids.min()) < 0:
                 continue
             runs += full_block_runs(int(qsl[i]), ctx, ql, ids, size)
+        if runs and not self._host_table.reported:
+            self._host_table.reported = True
+            logger.info("certvllm: shadow_writes=copy_engine: the first prefill blocks go to the host tier by the "
+                        "copy engines (%d blocks in %d runs)", sum(r.blocks for r in runs), len(runs))  # fmt: skip
         return tuple(runs)
 
     def _host_seq_lens(self, cm: CommonAttentionMetadata, n_req: int) -> torch.Tensor:
