@@ -228,6 +228,21 @@ class HostBlockTable:
         self._mirror = mirror
 
 
+def batch_request_ids(runner: Any, max_depth: int = 40) -> list[str | None] | None:
+    """The request ids of the step's batch, in its order (None for a row that is no request), from the model runner
+    that builds the metadata: the V1 runner's ``input_batch.req_ids``; under model runner V2, the ``input_batch`` of
+    the frame that builds the metadata, with ids the runner does not hold (``req_states.req_id_to_index``: its
+    dummy batches' made-up ids) as None. None where neither applies."""
+    batch = getattr(runner, "input_batch", None)
+    if batch is not None and hasattr(batch, "req_ids"):
+        return list(batch.req_ids)
+    ids = _caller_local("input_batch", "req_ids", sys._getframe(1), max_depth)
+    held = getattr(getattr(runner, "req_states", None), "req_id_to_index", None)
+    if ids is None or held is None:
+        return None
+    return [rid if rid in held else None for rid in ids]
+
+
 def _caller_local(name: str, attribute: str, frame: Any, max_depth: int) -> Any:
     """``getattr(x, attribute)`` of the nearest local ``name`` up the stack that has it, or None."""
     for _ in range(max_depth):

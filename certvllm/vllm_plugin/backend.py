@@ -41,7 +41,7 @@ from certvllm.config import CertConfig
 from certvllm.formats.layout import BLOCK_SIZE
 from certvllm.kv.shadow_copy import ShadowRun, full_block_runs
 from certvllm.vllm_plugin import settings
-from certvllm.vllm_plugin._compat import KV_CACHE_DTYPE, HostBlockTable, lbhnc_layouts
+from certvllm.vllm_plugin._compat import KV_CACHE_DTYPE, HostBlockTable, batch_request_ids, lbhnc_layouts
 from certvllm.vllm_plugin.exact import ExactAttention, ExactPlan
 from certvllm.vllm_plugin.runtime import WorkerRuntime
 
@@ -167,6 +167,9 @@ def attention_layer_kinds(vllm_config: VllmConfig) -> dict[str, bool]:
             if isinstance(getattr(layer, "kv_cache_dtype", None), str)}  # fmt: skip
 
 
+RUNNER_ATTRIBUTES = ("input_batch", "req_states")  # what either GPU model runner (V1, V2) holds; the CPU one too
+
+
 def find_model_runner(max_depth: int = 40, holds: tuple[str, ...] = ("input_batch",)) -> Any:
     """The vLLM model runner that is constructing the caller (None if there is none on the stack).
 
@@ -192,8 +195,9 @@ class CertifiedMetadataBuilder(AttentionMetadataBuilder[CertifiedMetadata]):
     """Splits each step into certified rows and exact tokens (decodes are not reordered).
 
     Where the run returns per-request certificates (``runtime.ledger``), it also names each row's request: the
-    batch's request ``i`` is ``input_batch.req_ids[i]`` of the model runner that builds the metadata (vLLM lays the
-    step's tokens out in that order; :func:`find_model_runner`).
+    batch's request ``i`` is ``input_batch.req_ids[i]`` of the model runner that builds the metadata, or under model
+    runner V2 of the step's ``input_batch`` (vLLM lays the step's tokens out in that order; :func:`find_model_runner`,
+    ``_compat.batch_request_ids``).
     """
 
     _runner: Any = None  # the model runner whose batch this builder describes (None: rows name no request)
@@ -217,13 +221,13 @@ class CertifiedMetadataBuilder(AttentionMetadataBuilder[CertifiedMetadata]):
         self.exact = ExactAttention(num_heads, kv_cache_spec.num_kv_heads, kv_cache_spec.head_size, model.dtype,
                                     1.0, kv_cache_spec.block_size, device.type == "cpu",
                                     self.config.dense_backend)  # fmt: skip
-        if self.runtime.ledger is not None:
-            self._runner = find_model_runner()
+        if self.runtime.ledger is not None:  # either GPU model runner (V2 keeps req_states, not input_batch)
+            self._runner = find_model_runner(holds=RUNNER_ATTRIBUTES)
         # shadow_writes: copy_engine reads the step's block table rows on the host (_compat.HostBlockTable)
         self._layer_names = list(layer_names)
         self._host_table: HostBlockTable | None = None
         if self.config.shadow_writes == "copy_engine" and device.type == "cuda":
-            runner = find_model_runner(holds=("input_batch", "req_states"))
+            runner = find_model_runner(holds=RUNNER_ATTRIBUTES)
             if runner is None:
                 logger.warning("certvllm: shadow_writes=copy_engine needs vLLM's GPU model runner (the block table's "
                                "rows on the host) and none builds this metadata; layers %s keep the SM stores",
@@ -322,7 +326,7 @@ class CertifiedMetadataBuilder(AttentionMetadataBuilder[CertifiedMetadata]):
         ledger = getattr(self.runtime, "ledger", None)
         if ledger is None:
             return None, ()
-        names = list(self._runner.input_batch.req_ids) if self._runner is not None else []
+        names = (batch_request_ids(self._runner) or []) if self._runner is not None else []
         # padded requests of a graphed batch (and dummy runs) are past the runner's batch: they name no request
         ids: list[str | None] = [names[i] if i < len(names) else None for i in range(n_req)]
         self.runtime.step_requests = [r for r in ids if r is not None]

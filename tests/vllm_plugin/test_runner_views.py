@@ -1,9 +1,11 @@
-"""The metadata builder's side of ``shadow_writes: copy_engine``: the step's block table rows on the host
-(``_compat.HostBlockTable``) and the runs of whole engine blocks the builder hands the write path
-(``CertifiedMetadataBuilder._shadow_runs``), checked on stand-in runner objects shaped as vLLM 0.26 keeps them:
-the V1 runner's host/device table pairs (``input_batch.block_table.block_tables[g].block_table.{cpu,gpu}``) and
-model runner V2's device-only tables written through ``block_tables.append_block_ids``, whose rows are gathered by
-the step's ``input_batch.idx_mapping_np``."""
+"""What the metadata builder reads of the model runner that builds it, for both of vLLM 0.26's GPU runners, checked on
+stand-in objects shaped as vLLM keeps them: the step's block table rows on the host (``_compat.HostBlockTable``) and
+the runs of whole engine blocks the builder hands the write path (``CertifiedMetadataBuilder._shadow_runs``,
+``shadow_writes: copy_engine``), and the batch's request ids (``_compat.batch_request_ids``, per-request
+certificates). The V1 runner keeps host/device table pairs (``input_batch.block_table.block_tables[g].block_table.
+{cpu,gpu}``) and ``input_batch.req_ids``; model runner V2 keeps device-only tables written through
+``block_tables.append_block_ids``, gathered by the step's ``input_batch.idx_mapping_np``, and the step's
+``input_batch.req_ids`` (with made-up ids in its dummy batches)."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import numpy as np
 import torch
 
 from certvllm.kv.shadow_copy import ShadowRun
-from certvllm.vllm_plugin._compat import HostBlockTable
+from certvllm.vllm_plugin._compat import HostBlockTable, batch_request_ids
 from certvllm.vllm_plugin.backend import CertifiedMetadataBuilder, find_model_runner
 
 
@@ -44,8 +46,12 @@ class _V2BlockTables:
 
 class GPUModelRunner:  # the name find_model_runner looks for; V2 keeps req_states, not input_batch
     def __init__(self, tables: _V2BlockTables) -> None:
-        self.req_states = object()
+        self.req_states = SimpleNamespace(req_id_to_index={"a": 0, "b": 3})
         self.block_tables = tables
+
+    def build_request_ids(self, req_ids: list[str]) -> list[str | None] | None:
+        input_batch = SimpleNamespace(req_ids=req_ids)  # noqa: F841 - read from this frame
+        return batch_request_ids(self)
 
     def build_step(self, host: HostBlockTable, group: int, idx_mapping: list[int]):
         input_batch = SimpleNamespace(idx_mapping_np=np.array(idx_mapping, dtype=np.int32))  # noqa: F841 - read
@@ -112,3 +118,13 @@ def test_shadow_runs_cover_the_whole_blocks_of_the_steps_long_requests():
     assert decode_only == ()  # no request of a block's tokens: nothing to copy
     elsewhere = SimpleNamespace(block_table_tensor=torch.zeros(4, 4, dtype=torch.int32))
     assert CertifiedMetadataBuilder._shadow_runs(builder, elsewhere, 4, qsl, q_lens, context) == ()
+
+
+def test_batch_request_ids_of_either_runner():
+    v1 = SimpleNamespace(input_batch=SimpleNamespace(req_ids=["x", "y"]))
+    assert batch_request_ids(v1) == ["x", "y"]
+    v2 = GPUModelRunner(_V2BlockTables(1, 1))
+    assert v2.build_request_ids(["b", "a"]) == ["b", "a"]
+    assert v2.build_request_ids(["a", "req_1_dummy"]) == ["a", None]  # a dummy batch's made-up id names no request
+    assert batch_request_ids(v2) is None  # no input_batch up the stack
+    assert batch_request_ids(SimpleNamespace()) is None
