@@ -201,6 +201,7 @@ class CertifiedMetadataBuilder(AttentionMetadataBuilder[CertifiedMetadata]):
     """
 
     _runner: Any = None  # the model runner whose batch this builder describes (None: rows name no request)
+    _host_table: HostBlockTable | None = None  # shadow_writes: copy_engine's view of the runner's block table
 
     def __init__(self, kv_cache_spec: AttentionSpec, layer_names: list[str], vllm_config: VllmConfig,
                  device: torch.device) -> None:  # fmt: skip
@@ -225,7 +226,6 @@ class CertifiedMetadataBuilder(AttentionMetadataBuilder[CertifiedMetadata]):
             self._runner = find_model_runner(holds=RUNNER_ATTRIBUTES)
         # shadow_writes: copy_engine reads the step's block table rows on the host (_compat.HostBlockTable)
         self._layer_names = list(layer_names)
-        self._host_table: HostBlockTable | None = None
         if self.config.shadow_writes == "copy_engine" and device.type == "cuda":
             runner = find_model_runner(holds=RUNNER_ATTRIBUTES)
             if runner is None:
