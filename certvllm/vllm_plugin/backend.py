@@ -170,7 +170,7 @@ def attention_layer_kinds(vllm_config: VllmConfig) -> dict[str, bool]:
 RUNNER_ATTRIBUTES = ("input_batch", "req_states")  # what either GPU model runner (V1, V2) holds; the CPU one too
 
 
-def find_model_runner(max_depth: int = 40, holds: tuple[str, ...] = ("input_batch",)) -> Any:
+def find_model_runner(max_depth: int = 40, holds: tuple[str, ...] = RUNNER_ATTRIBUTES) -> Any:
     """The vLLM model runner that is constructing the caller (None if there is none on the stack).
 
     vLLM 0.32's attention metadata carries no request ids (``CommonAttentionMetadata.req_idx`` is model runner V2
@@ -223,11 +223,11 @@ class CertifiedMetadataBuilder(AttentionMetadataBuilder[CertifiedMetadata]):
                                     1.0, kv_cache_spec.block_size, device.type == "cpu",
                                     self.config.dense_backend)  # fmt: skip
         if self.runtime.ledger is not None:  # either GPU model runner (V2 keeps req_states, not input_batch)
-            self._runner = find_model_runner(holds=RUNNER_ATTRIBUTES)
+            self._runner = find_model_runner()
         # shadow_writes: copy_engine reads the step's block table rows on the host (_compat.HostBlockTable)
         self._layer_names = list(layer_names)
         if self.config.shadow_writes == "copy_engine" and device.type == "cuda":
-            runner = find_model_runner(holds=RUNNER_ATTRIBUTES)
+            runner = find_model_runner()
             if runner is None:
                 logger.warning("certvllm: shadow_writes=copy_engine needs vLLM's GPU model runner (the block table's "
                                "rows on the host) and none builds this metadata; layers %s keep the SM stores",

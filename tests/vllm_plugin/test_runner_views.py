@@ -89,14 +89,14 @@ def test_v2_rows_mirror_the_runners_block_id_writes_in_the_batchs_order():
     assert host.rows(torch.zeros(4, 6, dtype=torch.int32), 1) is None  # not one of the runner's tables
 
 
-def test_find_model_runner_finds_model_runner_v2_only_when_asked():
+def test_find_model_runner_finds_either_gpu_runner():
     class Owner(GPUModelRunner):
         def construct(self) -> tuple[object, object]:
-            return find_model_runner(), find_model_runner(holds=("input_batch", "req_states"))
+            return find_model_runner(), find_model_runner(holds=("input_batch",))
 
     owner = Owner(_V2BlockTables(1, 1))
     Owner.__name__ = "GPUModelRunner"
-    assert owner.construct() == (None, owner)
+    assert owner.construct() == (owner, None)  # V2 holds req_states, no input_batch
 
 
 def test_shadow_runs_cover_the_whole_blocks_of_the_steps_long_requests():
