@@ -19,10 +19,12 @@ the contiguous range ``shadow[block : block + blocks]``: one copy.
 
 Ordering. The copies run on this object's stream, after an event on the caller's stream (so after the staging and
 everything queued before it). Nothing else reads the written blocks in the same step: a prefill's exact attention
-reads this step's keys and values from the write itself, and its completed blocks are encoded from it too. Readers
-of later steps are ordered after the copies by :meth:`ShadowCopier.fence`, which the worker calls when a step's
-batch is built, before any of its work is queued. The staging buffer is returned to the allocator only once the
-copy stream is past it (``Tensor.record_stream``).
+reads this step's keys and values from the write itself, and its completed blocks are encoded from it too; a later
+write of the step stores other blocks (a block the runs copy was whole in this write). Readers of later steps are
+ordered after the copies by :meth:`ShadowCopier.fence`: a wait on the event recorded after the last copies, which
+the worker issues when a step's batch is built and again on the forward's stream before the step's first certified
+layer reads anything (so whichever stream vLLM builds or runs on). The staging buffer is returned to the allocator
+only once the copy stream is past it (``Tensor.record_stream``).
 """
 
 from __future__ import annotations
@@ -96,7 +98,7 @@ class ShadowCopier:
     def __init__(self, device: torch.device | str) -> None:
         self.device = torch.device(device)
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        self._pending = False
+        self._landed: torch.cuda.Event | None = None  # recorded on the copy stream after the last copies
         self.bytes_copied = 0  # host-side count of bytes handed to the copy engines (or copied, off CUDA)
 
     def write(self, cache: LayerKVCache, key: torch.Tensor, value: torch.Tensor,
@@ -151,12 +153,14 @@ class ShadowCopier:
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
             copies()
+            landed = torch.cuda.Event()
+            landed.record(self.stream)
         stage.record_stream(self.stream)
-        self._pending = True
+        self._landed = landed
 
     def fence(self) -> None:
         """Order the current stream after every copy queued so far (call before queueing work that may read the
-        shadow blocks they write: at the start of each step)."""
-        if self._pending and self.stream is not None:
-            torch.cuda.current_stream(self.device).wait_stream(self.stream)
-            self._pending = False
+        shadow blocks they write: at the start of each step, on each stream that will). Any number of streams may
+        fence on the same copies; none while it is being captured into a CUDA graph (the wait is not issued)."""
+        if self._landed is not None and not torch.cuda.is_current_stream_capturing():
+            torch.cuda.current_stream(self.device).wait_event(self._landed)

@@ -462,6 +462,8 @@ class CertifiedAttentionImpl(AttentionImpl[CertifiedMetadata]):
         exact = self._exact_runtime(kv_cache)
         pagein = self.runtime.pagein(kv_cache.device)
         metrics = self.runtime.metrics
+        if state.index == self.runtime.counting_layer:  # the step's first certified layer, on the forward's stream
+            self.runtime.fence_shadow_copies()  # the last step's copy-engine writes land before anything reads them
 
         if meta.row_tokens.numel():
             # no host synchronisation from here to the end of the certified rows on CUDA: the step's index

@@ -269,6 +269,8 @@ class WorkerRuntime:
         most ``max_decode_rows`` tokens: decode steps),
         else launched directly. ``key``/``value`` ``[T, H_kv, D]`` in the shadow's dtype and ``slots`` ``[T]``
         on the device."""
+        if state.index == self.counting_layer:  # the step's first certified layer: its stores may reuse a block
+            self.fence_shadow_copies()  # the copy engines wrote for a request since freed: they land first
         runs = self._shadow_runs.get(state.name, ())
         # a prefill's full blocks by the copy engines (never under a capture: the copies are host calls)
         if runs and key.device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
@@ -434,6 +436,11 @@ class WorkerRuntime:
             self._copiers[device] = ShadowCopier(device)
         return self._copiers[device]
 
+    def fence_shadow_copies(self) -> None:
+        """Order the current stream after every copy-engine shadow write queued so far (``ShadowCopier.fence``)."""
+        for copier in self._copiers.values():
+            copier.fence()
+
     def set_shadow_runs(self, layer_names: list[str], runs: tuple[Any, ...]) -> None:
         """The step's runs of full engine blocks (``shadow_copy.full_block_runs``, in the step's token order) that
         the writes of ``layer_names`` send to the shadow by the copy engines (empty: SM stores only)."""
@@ -449,9 +456,7 @@ class WorkerRuntime:
     def begin_step(self) -> None:
         """The batch of a step is built: read what the last step left unread (:meth:`end_step`), and start
         staging the first layers' pages (CUDA step prefetch)."""
-        capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-        for copier in () if capturing else self._copiers.values():  # the last step's copies land before this
-            copier.fence()  # step reads the shadow
+        self.fence_shadow_copies()  # the last step's copies land before this step's staging reads the shadow
         self.end_step()
         if self.prefetcher is not None:
             self.prefetcher.begin_step()
