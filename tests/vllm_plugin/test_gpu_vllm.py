@@ -520,7 +520,9 @@ SERVED = "d8b"
 
 @pytest.fixture(scope="module")
 def server(dummy8b: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """``certvllm serve`` on the dummy 8B model (default compilation and CUDA graphs, default preset)."""
+    """``certvllm serve`` on the dummy 8B model (default compilation and CUDA graphs, default preset), returning each
+    request's certificate when it asks (``--cert-return-certificate request``: the per-request ledger under vLLM's
+    GPU model runner, V2 for LLaMA models in vLLM 0.26)."""
     port = free_port()
     log = tmp_path_factory.mktemp("gpu-server") / "serve.log"
     env = {**os.environ, "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1"}
@@ -529,7 +531,8 @@ def server(dummy8b: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     cmd = [sys.executable, "-P", "-m", "certvllm.cli", "serve", str(dummy8b), "--served-model-name", SERVED,
            "--load-format", "dummy", "--max-model-len", "32768", "--max-num-seqs", "16",
            "--gpu-memory-utilization", "0.85", "--host", "127.0.0.1", "--port", str(port),
-           "--cert-config", "default", "--cert-host-memory-gb", "8"]  # fmt: skip
+           "--cert-config", "default", "--cert-host-memory-gb", "8",
+           "--cert-return-certificate", "request"]  # fmt: skip
     with serving(cmd, port, env, log, start_timeout=540, poll_s=2.0) as (base, _):
         yield base
 
@@ -564,6 +567,18 @@ def test_server_metrics_account_for_the_generated_tokens(server, dummy8b):
     assert after.get("vllm:cert_host_tier_bytes", 0) > 0
     assert any('cache_dtype="certified"' in k for k in after if k.startswith("vllm:cache_config_info"))
     assert after.get("vllm:num_requests_running") == 0 and after.get("vllm:kv_cache_usage_perc") == 0
+
+
+def test_server_returns_the_certificate_a_request_asks_for(server, dummy8b):
+    """A completion with ``kv_transfer_params: {"certvllm": true}`` gets its certificate: one head-step per decode
+    step, layer and query head (the first token is the prefill's, served exactly), every one counted at some rung; a
+    request that does not ask gets none."""
+    layers, heads = _shape(dummy8b)
+    body = {"model": SERVED, "prompt": token_ids(300, 7000), "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    plain = http_post(server + "/v1/completions", body)
+    assert "certvllm" not in plain
+    cert = http_post(server + "/v1/completions", {**body, "kv_transfer_params": {"certvllm": True}})["certvllm"]
+    assert sum(cert["head_steps"].values()) == (12 - 1) * layers * heads, cert
 
 
 def test_server_aborted_stream_frees_its_blocks(server):
