@@ -151,8 +151,9 @@ class CertConfig(BaseModel):
         description="CUDA path only: how a prefill's originals reach the host tier. sm_stores: every token's rows "
         "are stored over PCIe from the SMs, on the layer's stream. copy_engine: the engine blocks a prefill fills "
         "completely are staged on the device and copied by DMA on a side stream (certvllm.kv.shadow_copy), the "
-        "other tokens stored from the SMs; it reads the block table's host copy from vLLM's GPU model runner and "
-        "keeps the SM stores where there is none. The same shadow bytes either way. The CPU path ignores it.",
+        "other tokens stored from the SMs; the block ids come from vLLM's GPU model runner (V1's host copy of the "
+        "block table, or a host mirror of V2's writes to it), and the SM stores stay where neither is found. The same "
+        "shadow bytes either way. The CPU path ignores it.",
     )
     dense_backend: Literal["auto", "sdpa", "xformers"] = Field(
         "auto",

@@ -22,9 +22,9 @@ everything queued before it). Nothing else reads the written blocks in the same 
 reads this step's keys and values from the write itself, and its completed blocks are encoded from it too; a later
 write of the step stores other blocks (a block the runs copy was whole in this write). Readers of later steps are
 ordered after the copies by :meth:`ShadowCopier.fence`: a wait on the event recorded after the last copies, which
-the worker issues when a step's batch is built and again on the forward's stream before the step's first certified
-layer reads anything (so whichever stream vLLM builds or runs on). The staging buffer is returned to the allocator
-only once the copy stream is past it (``Tensor.record_stream``).
+the worker issues when a step's batch is built and again on the forward's stream at the write of the step's first
+certified layer, before anything of the step reads the shadow (so whichever stream vLLM builds or runs on). The
+staging buffer is returned to the allocator only once the copy stream is past it (``Tensor.record_stream``).
 """
 
 from __future__ import annotations

@@ -346,7 +346,7 @@ class CertifiedMetadataBuilder(AttentionMetadataBuilder[CertifiedMetadata]):
         block table's rows are not known on the host (``HostBlockTable.rows``), and no run for a request whose row
         is not (−1)."""
         size = self.kv_cache_spec.block_size
-        long = [i for i in range(n_req) if int(q_lens[i]) >= size]
+        long = torch.nonzero(q_lens[:n_req] >= size).flatten().tolist()  # every step: no per-request loop
         if not long or self._host_table is None:
             return ()
         host = self._host_table.rows(cm.block_table_tensor, n_req)
@@ -462,8 +462,6 @@ class CertifiedAttentionImpl(AttentionImpl[CertifiedMetadata]):
         exact = self._exact_runtime(kv_cache)
         pagein = self.runtime.pagein(kv_cache.device)
         metrics = self.runtime.metrics
-        if state.index == self.runtime.counting_layer:  # the step's first certified layer, on the forward's stream
-            self.runtime.fence_shadow_copies()  # the last step's copy-engine writes land before anything reads them
 
         if meta.row_tokens.numel():
             # no host synchronisation from here to the end of the certified rows on CUDA: the step's index

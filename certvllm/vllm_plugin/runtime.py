@@ -269,8 +269,9 @@ class WorkerRuntime:
         most ``max_decode_rows`` tokens: decode steps),
         else launched directly. ``key``/``value`` ``[T, H_kv, D]`` in the shadow's dtype and ``slots`` ``[T]``
         on the device."""
-        if state.index == self.counting_layer:  # the step's first certified layer: its stores may reuse a block
-            self.fence_shadow_copies()  # the copy engines wrote for a request since freed: they land first
+        if state.index == self.counting_layer:  # the step's first certified layer, on the forward's stream: the
+            self.fence_shadow_copies()  # last step's copies land before this step's stores (a block may be reused)
+            # and before its layers read the shadow (each layer's write precedes its forward on this stream)
         runs = self._shadow_runs.get(state.name, ())
         # a prefill's full blocks by the copy engines (never under a capture: the copies are host calls)
         if runs and key.device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
