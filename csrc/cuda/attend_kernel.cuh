@@ -39,6 +39,8 @@
 #include <cuda_fp16.h>
 #include <stdint.h>
 
+#include <type_traits>
+
 namespace certvllm {
 
 constexpr int kTokens = 16;           // tokens per block (formats.layout.BLOCK_SIZE)
@@ -98,10 +100,23 @@ __device__ __forceinline__ uint32_t load_codes(const uint8_t* p) {
   return 0;
 }
 
-__device__ __forceinline__ float shadow_value(const void* shadow, int64_t i, int bf16) {
-  if (bf16) return __bfloat162float(static_cast<const __nv_bfloat16*>(shadow)[i]);
-  return __half2float(static_cast<const __half*>(shadow)[i]);
-}
+// CPL consecutive 16-bit originals from element i of the shadow (i a multiple of CPL: one aligned vector load).
+template <int CPL>
+struct ShadowVec {
+  static_assert(CPL == 2 || CPL == 4 || CPL == 8, "2, 4 or 8 channels per lane");
+  using Raw = typename std::conditional<CPL == 2, uint32_t, typename std::conditional<CPL == 4, uint2, uint4>::type>::type;
+  Raw raw;
+  __device__ __forceinline__ void load(const void* shadow, int64_t i) {
+    raw = *reinterpret_cast<const Raw*>(static_cast<const uint16_t*>(shadow) + i);
+  }
+  // channel c as a float (exact: a 16-bit float widens without rounding)
+  __device__ __forceinline__ float at(int c, int bf16) const {
+    const uint32_t* w = reinterpret_cast<const uint32_t*>(&raw);
+    const uint32_t bits = (w[c >> 1] >> (16 * (c & 1))) & 0xffffu;
+    if (bf16) return __uint_as_float(bits << 16);
+    return __half2float(__ushort_as_half(static_cast<unsigned short>(bits)));
+  }
+};
 
 // D head dim, GP query heads per KV head rounded up to a power of two, CPL channels per lane (the CUDA block
 // takes a part of DPART = 32·CPL channels), NW warps, STAGES ring depth.
@@ -282,26 +297,36 @@ __global__ void __launch_bounds__(NW * 32) attend_kernel(const AttendArgs a) {
         for (int c = 0; c < CPL; ++c) num[g][c] = __fmaf_rn(w[g], v[c], num[g][c]);
     }
 
-    // value-promoted heads: their values unquantized from the shadow (zero-copy; rare)
+    // value-promoted heads: their values unquantized from the shadow (zero-copy over PCIe). The block's values
+    // are the same for every head of the group: each token's CPL channels are read once, as one vector, four
+    // tokens' reads in flight at a time (four PCIe round trips per block, not one per token and promoted head).
+    // Each head's sum is the same FMA chain in token order as num's.
     const int vbits = (bt >> G) & ((1 << G) - 1);
     if (vbits != 0) {
+      constexpr int TV = 4;  // tokens whose reads are in flight together
       const int eb = bid / a.M, sb = bid - eb * a.M;
       const int64_t vbase = ((static_cast<int64_t>(eb) * a.H + h) * 2 + 1) * (static_cast<int64_t>(a.M) * N * D) +
                             static_cast<int64_t>(sb) * (N * D) + ch0;
 #pragma unroll
-      for (int g = 0; g < GP; ++g) {
-        if ((vbits >> g) & 1) {
-          float e[CPL];
+      for (int g = 0; g < GP; ++g)  // a promoted head's INT4 sum is replaced: its chain starts again from 0
+        if ((vbits >> g) & 1)
 #pragma unroll
-          for (int c = 0; c < CPL; ++c) e[c] = 0.0f;
-          for (int t = 0; t < N; ++t) {
-            const float wt = wbuf[t * GP + g];
+          for (int c = 0; c < CPL; ++c) num[g][c] = 0.0f;
+#pragma unroll 1
+      for (int t0 = 0; t0 < N; t0 += TV) {
+        ShadowVec<CPL> vx[TV];
 #pragma unroll
-            for (int c = 0; c < CPL; ++c)
-              e[c] = __fmaf_rn(wt, shadow_value(a.shadow, vbase + t * D + c, a.shadow_bf16), e[c]);
+        for (int k = 0; k < TV; ++k) vx[k].load(a.shadow, vbase + (t0 + k) * D);
+#pragma unroll
+        for (int k = 0; k < TV; ++k) {
+#pragma unroll
+          for (int g = 0; g < GP; ++g) {
+            if ((vbits >> g) & 1) {
+              const float wt = wbuf[(t0 + k) * GP + g];
+#pragma unroll
+              for (int c = 0; c < CPL; ++c) num[g][c] = __fmaf_rn(wt, vx[k].at(c, a.shadow_bf16), num[g][c]);
+            }
           }
-#pragma unroll
-          for (int c = 0; c < CPL; ++c) num[g][c] = e[c];
         }
       }
     }
