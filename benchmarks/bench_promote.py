@@ -13,7 +13,9 @@ and in variants that each remove one part of the work:
 * ``no_canary``: without the canary (value-only promoted blocks are then not visited);
 * ``keys_only``: the value bits cleared (the canary still runs on the key-promoted blocks);
 * ``nothing_needed``: every bit cleared: the bitmask and block-maximum scan alone;
-* ``shadow_keys``: no pool: every needed key page read over PCIe from the pinned shadow.
+* ``shadow_keys``: no pool: every needed key page read over PCIe from the pinned shadow;
+* ``cuda_w2``, ``cuda_w4``: as called, by the CUDA promotion kernel (``KernelTuning.promote_cuda``) with 2 and 4
+  warps per CUDA block (where it builds; the Triton kernel otherwise, and the row says so).
 
 Each variant's replay rewrites the scores of the blocks it promotes with the same exact scores, so replays are
 idempotent. Prints a table and writes JSON.
@@ -79,6 +81,8 @@ def variants(args: tuple) -> dict[str, tuple]:
     """The argument tuples of the variants (module docstring). ``args`` are ``phase2.promote``'s, in order: geo,
     qs, shadow, tables, nfull, bits (5), active, scores, m8, delta, round1, canary (11), run_canary (12), pool,
     kslot, stage (13–15)."""
+    import dataclasses
+
     geo = args[0]
     key_bits = (1 << geo.group) - 1
     bits = args[5]
@@ -92,6 +96,10 @@ def variants(args: tuple) -> dict[str, tuple]:
         "keys_only": with_({5: bits & key_bits}),
         "nothing_needed": with_({5: torch.zeros_like(bits)}),
         "shadow_keys": with_({13: None, 14: None, 15: None}),
+        **{
+            f"cuda_w{w}": with_({0: dataclasses.replace(geo, tuning=dataclasses.replace(geo.tuning, promote_cuda=w))})
+            for w in (2, 4)
+        },
     }
 
 
@@ -105,7 +113,7 @@ def main() -> None:
     a = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_promote.py needs a CUDA device")
-    from certvllm.triton_kernels.phase2 import promote
+    from certvllm.triton_kernels.phase2 import promote, use_cuda_promote
 
     results = []
     for point in a.points:
@@ -123,7 +131,9 @@ def main() -> None:
             run()
             torch.cuda.synchronize()
             row["ms"][name] = median_ms(run, a.iters)
-            print(f"{point:>10} {name:>15} {row['ms'][name]:8.4f} ms", flush=True)
+            kernel = "CUDA" if use_cuda_promote(vargs[0], vargs[1].device) else "Triton"
+            row.setdefault("kernel", {})[name] = kernel
+            print(f"{point:>10} {name:>15} {row['ms'][name]:8.4f} ms  ({kernel})", flush=True)
         results.append(row)
         del args
         release_cache(cache)

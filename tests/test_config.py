@@ -91,6 +91,7 @@ def test_kernel_tuning_reaches_the_served_calls_and_bad_entries_name_the_fix():
             r"kernel_tuning.*'promote_stages' is not a KernelTuning field; the fields are .*select_warps",
         ),
         ("attend_warps=3", r"kernel_tuning.*KernelTuning.attend_warps=3 is out of range.*--cert-kernel-tuning"),
+        ("promote_cuda=8", r"KernelTuning.promote_cuda=8 is out of range: it must be 0 \(the Triton kernel\), 2 or 4"),
         ("attend_warps=four", r"KernelTuning.attend_warps='four' is not an integer; write e.g. attend_warps=2"),
         ("attend_warps", r"'attend_warps': write FIELD=VALUE"),
     ]:

@@ -1,12 +1,15 @@
-"""The attend pass's CUDA kernel (``csrc/cuda/attend_kernel.cuh``; read its header first): build on first use, the
-shapes it takes, and the launch into the :class:`phase2.AttendOut` buffers.
+"""The CUDA kernels of phase 2 (``csrc/cuda/attend_kernel.cuh`` and ``promote_kernel.cuh``; read their headers first):
+build on first use (one extension), the shapes they take, and their launches: the attend pass into the
+:class:`phase2.AttendOut` buffers, the promotion pass into ``phase2.promote``'s outputs.
 
 The kernel computes what ``phase2._attend_kernel`` computes, with the same float32 block sums and float64
 accumulation (docs/certification.md §5.1), so the certificate is unchanged; it differs in how the bytes move:
 independent warps stream their pages through a ring of ``cp.async`` stages instead of waiting on each load. It is
 compiled by torch's extension tools (``certvllm.kernels.jit``, nvcc) the first time a CUDA process asks for it
 (the server's warm-up does); where that fails, :data:`ATTEND_CUDA_GATE` warns once and that call and later ones run the
-Triton kernel (``phase2.attend``).
+Triton kernel (``phase2.attend``). The promotion kernel computes ``phase2._promote_kernel``'s outputs: its exact
+scores are D-term float32 sums in another order, which γ_D covers (docs/certification.md §5.1); it runs where
+``KernelTuning.promote_cuda`` asks for it (:func:`promote_supported`).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ _EXT = JitExtension(
     "certvllm_cuda_attend_v1",
     [csrc_file("cuda", name) for name in ("attend.cu", "attend_d64.cu", "attend_d128.cu", "attend_d256.cu")],
     "the attend pass runs the Triton kernel",
-    headers=(csrc_file("cuda", "attend_kernel.cuh"),),
+    headers=(csrc_file("cuda", "attend_kernel.cuh"), csrc_file("cuda", "promote_kernel.cuh")),
     extra_cuda_cflags=["-O3", "-std=c++17"],
 )
 _DEVICE_POINTERS: dict[int, int] = {}
@@ -67,6 +70,17 @@ def supported(layout: PageLayout, group: int, warps: int, device: torch.device) 
     return 1 <= group <= MAX_GROUP and warps in WARPS and layout_fits(layout) and _hopper(index)
 
 
+def promote_supported(head_dim: int, group: int, channel_major: bool, warps: int, device: torch.device) -> bool:
+    """Whether the CUDA promotion kernel takes this call: ``warps`` (``KernelTuning.promote_cuda``) 2 or 4, a
+    compiled CUDA device of compute capability 9.x with no earlier build failure, a head dim in :data:`HEAD_DIMS`,
+    at most :data:`MAX_GROUP` query heads per KV head, and token-major shadow keys (the CUDA layout)."""
+    if warps not in (2, 4) or channel_major or head_dim not in HEAD_DIMS or not 1 <= group <= MAX_GROUP:
+        return False
+    if interpreting() or device.type != "cuda" or ATTEND_CUDA_GATE.failure is not None:
+        return False
+    return _hopper(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def load():
     """The built extension module (built now if needed; RuntimeError naming the reason when it cannot be)."""
     return _EXT.load()
@@ -80,11 +94,34 @@ def launch(out, geo, scores, mmax, shadow, pages, tables, nfull, bits, active, e
     if tables.stride(1) != 1:
         tables = tables.contiguous()
     ext = load()
-    host = shadow.data_ptr()
-    if host not in _DEVICE_POINTERS:  # resolved once per shadow allocation (a query, outside any graph capture)
-        _DEVICE_POINTERS[host] = ext.device_pointer(host) if shadow.device.type == "cpu" else host
     ext.attend(
-        scores, mmax, _DEVICE_POINTERS[host], shadow.dtype == torch.bfloat16, pages, tables, nfull, bits, active,
+        scores, mmax, _device_address(ext, shadow), shadow.dtype == torch.bfloat16, pages, tables, nfull, bits, active,
         out.acc, out.den, out.aval, out.atail, exact_lm, geo.num_blocks, geo.splits, geo.blocks_per_split,
         geo.num_kv_heads, geo.group, geo.sub_blocks, lay.value_group, lay.page_bytes, lay.v_codes, lay.header, warps,
+    )  # fmt: skip
+
+
+def _device_address(ext, shadow: torch.Tensor) -> int:
+    """The shadow's address on the device: pinned host memory under unified addressing, or device memory as it is
+    (resolved once per allocation, by a query outside any graph capture)."""
+    host = shadow.data_ptr()
+    if host not in _DEVICE_POINTERS:
+        _DEVICE_POINTERS[host] = ext.device_pointer(host) if shadow.device.type == "cpu" else host
+    return _DEVICE_POINTERS[host]
+
+
+def launch_promote(geo, qs, shadow, tables, nfull, bits, active, scores, m8, delta, round1, canary, run_canary: bool,
+                   pool, kslot, stage, smax, sabs, warps: int) -> None:  # fmt: skip
+    """Launch the CUDA promotion pass into ``scores``, ``canary``, ``smax`` and ``sabs`` for a call
+    :func:`promote_supported` accepted; the arguments are :func:`phase2.promote`'s (``pool``/``kslot`` None: every
+    key page from the shadow; ``stage`` None: no staging pages)."""
+    if tables.stride(1) != 1:
+        tables = tables.contiguous()
+    ext = load()
+    use_pool = pool is not None and kslot is not None
+    ext.promote(
+        qs, _device_address(ext, shadow), shadow.dtype == torch.bfloat16, pool if use_pool else None,
+        stage if use_pool else None, kslot.contiguous() if use_pool else None, pool.shape[0] if use_pool else 0,
+        tables, nfull, bits, active, scores, m8, delta, round1, canary, smax, sabs, geo.num_blocks, geo.splits,
+        geo.blocks_per_split, geo.num_kv_heads, geo.group, geo.sub_blocks, run_canary, warps,
     )  # fmt: skip

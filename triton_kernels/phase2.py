@@ -401,14 +401,40 @@ def promote(
     nslots = pool.shape[0] if use_pool else 0
     if stage is None:
         stage = pool  # placeholder: no slot reaches past the pool
-    # the scan's lists of (entry, source) pairs
-    needed = torch.empty(R * K * S * 2 * geo.blocks_per_split, dtype=torch.int64, device=qs.device)
-    _promote_kernel[(R * K, S)](
-        qs, device_arg(shadow), tables, nfull, bits, active, scores, m8, delta, round1, canary, smax, sabs,
-        pool, kslot, stage, nslots, needed, geo.num_blocks, B, tables.stride(0), S, geo.blocks_per_split,
-        **promote_launch_constants(K, G, D, geo.sub_blocks, geo.channel_major, run_canary, use_pool, geo.tuning),
-    )  # fmt: skip
+
+    def launch_triton():
+        # the scan's lists of (entry, source) pairs
+        needed = torch.empty(R * K * S * 2 * geo.blocks_per_split, dtype=torch.int64, device=qs.device)
+        _promote_kernel[(R * K, S)](
+            qs, device_arg(shadow), tables, nfull, bits, active, scores, m8, delta, round1, canary, smax, sabs,
+            pool, kslot, stage, nslots, needed, geo.num_blocks, B, tables.stride(0), S, geo.blocks_per_split,
+            **promote_launch_constants(K, G, D, geo.sub_blocks, geo.channel_major, run_canary, use_pool, geo.tuning),
+        )  # fmt: skip
+
+    if use_cuda_promote(geo, qs.device):
+        from . import attend_cuda
+
+        attend_cuda.ATTEND_CUDA_GATE.run(
+            lambda: attend_cuda.launch_promote(geo, qs, shadow, tables, nfull, bits, active, scores, m8, delta, round1,
+                                               canary, run_canary, pool if use_pool else None,
+                                               kslot if use_pool else None, stage if use_pool else None, smax, sabs,
+                                               geo.tuning.promote_cuda),
+            launch_triton,
+        )  # fmt: skip
+    else:
+        launch_triton()
     return smax, sabs
+
+
+def use_cuda_promote(geo: Phase2Geometry, device: torch.device) -> bool:
+    """Whether :func:`promote` runs the CUDA kernel (``attend_cuda``): ``geo.tuning.promote_cuda`` asks for it (and
+    ``dialect`` is not ``"triton"``) and the kernel takes the shape on ``device``."""
+    tun = geo.tuning
+    if tun.dialect == "triton" or tun.promote_cuda == 0:
+        return False
+    from . import attend_cuda
+
+    return attend_cuda.promote_supported(geo.layout.head_dim, geo.group, geo.channel_major, tun.promote_cuda, device)
 
 
 def promote_launch_constants(num_kv_heads: int, group: int, head_dim: int, sub_blocks: int, channel_major: bool,

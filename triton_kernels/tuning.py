@@ -15,6 +15,9 @@ configuration computes the same certified quantities (``tests/triton_kernels/tes
   The pass waits on one key page per program and iteration; fewer warps per program let more programs, and so more
   pages, be in flight on a multiprocessor. Two warps measured fastest at G = 4 (``docs/performance.md``); one warp
   takes ~200 registers per thread and was slower.
+* ``promote_cuda``: 0 runs the promotion pass as the Triton kernel; 2 or 4 runs the CUDA kernel
+  (``csrc/cuda/promote_kernel.cuh``: key pages streamed through a ``cp.async`` ring per warp) with that many warps
+  per CUDA block, where it builds and takes the shape (``attend_cuda.promote_supported``). Off until measured.
 * ``select_warps``: warps per program of the selection kernel (0: 4, more for tables over 2,048 blocks: ``BP/512``
   up to 16). Each program holds its head's whole table in registers; more warps spread it thinner.
 * ``select_first_window``: on the selection's windowed path (tables wider than its window of ``W`` sorted positions,
@@ -56,6 +59,7 @@ _RULES = {
     "programs_per_sm": (lambda x: 1 <= x <= 256, "an integer in [1, 256]"),
     "phase2_programs_per_sm": (lambda x: 0 <= x <= 256, "0 (programs_per_sm) or an integer in [1, 256]"),
     "promote_warps": (lambda x: x == 0 or (_pow2(x) and x <= 16), "0 (2, or 8 for G > 4) or a power of two in [1, 16]"),
+    "promote_cuda": (lambda x: x in (0, 2, 4), "0 (the Triton kernel), 2 or 4 (the CUDA kernel's warps)"),
     "select_warps": (lambda x: x == 0 or (_pow2(x) and x <= 16), "0 (4, BP/512 up to 16) or a power of two ≤ 16"),
     "select_first_window": (lambda x: x == 0 or (_pow2(x) and 4 <= x <= 1024), "0 or a power of two in [4, 1024]"),
     "phase1_blk": (lambda x: _pow2(x) and x <= 64, "a power of two in [1, 64]"),
@@ -76,6 +80,7 @@ class KernelTuning:
     programs_per_sm: int = 8
     phase2_programs_per_sm: int = 0
     promote_warps: int = 0
+    promote_cuda: int = 0
     select_warps: int = 0
     select_first_window: int = 0
     phase1_blk: int = 4

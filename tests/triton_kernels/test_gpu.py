@@ -577,6 +577,69 @@ def test_cuda_attend_matches_the_triton_kernel(hq, hkv, d):
         assert dev["ok"], (warps, dev)
 
 
+@pytest.mark.parametrize("hq,hkv,d", ATTEND_SHAPES)
+def test_cuda_promote_matches_the_triton_kernel(hq, hkv, d):
+    """The CUDA promotion kernel (``csrc/cuda/promote_kernel.cuh``, ``KernelTuning.promote_cuda`` 2 and 4 warps)
+    against the Triton promotion kernel on the arguments of a real call's pass (retrieval peaks and random cases, a
+    warm pool), with keys promoted on ~15 % more blocks and value-only bits on ~10 % (which the canary visits),
+    canary on and off, keys from the pool and from the shadow alone. The same canary flags and the same INT8 scores
+    where no key is promoted; exact scores, split maxima and |score| maxima within two float32 evaluations of a
+    D-term dot product in different orders (2γ_D·|q|₁·max|k|, docs/certification.md §5.1)."""
+    import dataclasses
+
+    from certvllm.triton_kernels import attend_cuda, phase2
+
+    from certvllm.config import load_config
+    from certvllm.testing import capture_pass_args, make_case
+
+    attend_cuda.load()  # a build failure fails the test rather than falling back
+    gen = torch.Generator().manual_seed(7)
+    cases = [make_case(f, t, hq, hkv, d, torch.float16, gen) for f, t in (("retrieval_peaks", 900), ("random", 333))]
+    cache, tables, lens, _ = cuda_batch(cases)
+    q = torch.stack([c.q for c in cases]).cuda()
+    cfg = load_config("default")
+    residency = pooled(cache, cfg)
+    cuda_call(q, cache, tables, lens, cfg, residency)  # a warm pool, as in serving
+    args = list(capture_pass_args("promote", lambda: cuda_call(q, cache, tables, lens, cfg, residency)))
+    geo, qs, bits = args[0], args[1], args[5]
+    G = geo.group
+    cg = torch.Generator("cuda").manual_seed(3)
+    head = torch.randint(0, G, bits.shape, device="cuda", generator=cg)
+    draw = torch.rand(bits.shape, device="cuda", generator=cg)
+    bits = bits | torch.where(draw < 0.15, 1 << head, 0).int() | torch.where(draw > 0.9, 1 << (G + head), 0).int()
+    args[5] = bits.contiguous()
+    kmax = float(cache.shadow[:, :, 0].float().abs().max())
+    gamma = d * 2.0**-24 / (1 - d * 2.0**-24)
+    q1 = qs.abs().sum(-1).view(qs.shape[0], geo.num_kv_heads, G)  # |q|₁ per (row, KV head, head)
+    allow = (2 * gamma * q1 * kmax + 1e-30)[..., None]  # [R, K, G, 1]
+    key_set = ((bits[:, :, :, None] >> torch.arange(G, device="cuda")) & 1).bool()  # [R, K, B, G]
+
+    def run(tuning, canary_on, use_pool):
+        tuned = dataclasses.replace(geo, tuning=dataclasses.replace(geo.tuning, **tuning))
+        scores, canary = args[7].clone(), args[11].clone()
+        pool_args = args[13:16] if use_pool else (None, None, None)
+        smax, sabs = phase2.promote(tuned, *args[1:7], scores, *args[8:11], canary, canary_on, *pool_args)
+        return tuned, scores, canary, smax, sabs
+
+    for canary_on in (True, False):
+        for use_pool in (True, False):
+            _, ref_s, ref_c, ref_m, ref_a = run({"dialect": "triton"}, canary_on, use_pool)
+            for warps in (2, 4):
+                tuned, s_, c_, m_, a_ = run({"promote_cuda": warps}, canary_on, use_pool)
+                where = (warps, canary_on, use_pool)
+                assert phase2.use_cuda_promote(tuned, torch.device("cuda")), where
+                assert torch.equal(c_, ref_c), where
+                promoted = key_set[..., None].expand_as(ref_s)  # [R, K, B, G, 16]
+                assert torch.equal(s_[~promoted], ref_s[~promoted]), where  # INT8 scores untouched
+                err = (s_ - ref_s).abs().permute(0, 1, 3, 2, 4).reshape(*allow.shape[:3], -1)  # [R, K, G, B·16]
+                fin = torch.isfinite(ref_s).permute(0, 1, 3, 2, 4).reshape(err.shape)
+                assert bool((err[fin] <= allow.expand_as(err)[fin]).all()), (where, float((err / allow)[fin].max()))
+                for got, ref in ((m_, ref_m), (a_, ref_a)):
+                    same_inf = torch.equal(torch.isinf(got), torch.isinf(ref))
+                    fin2 = torch.isfinite(ref)
+                    assert same_inf and bool(((got - ref).abs()[fin2] <= allow.expand_as(ref)[fin2]).all()), where
+
+
 @pytest.mark.parametrize("preset", ["default", "strict"])
 def test_glue_kernels_equal_the_torch_glue_at_128k(preset):
     """Prepare, selection (its windowed path: 8,192 block columns) and epilogue kernels against their torch
