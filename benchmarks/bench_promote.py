@@ -32,8 +32,11 @@ import torch
 from bench_decode import SCORE_STD_HELP, build_cache, median_ms, release_cache, synthetic_kv
 
 
-def capture(batch: int, ctx: int, preset: str, score_std: float | None = None) -> tuple[tuple, object]:
-    """The synthetic cache, two warm-up calls, then the arguments of a third call's main promotion pass."""
+def capture(
+    batch: int, ctx: int, preset: str, score_std: float | None = None, pool_fraction: float | None = None
+) -> tuple[tuple, object]:
+    """The synthetic cache, two warm-up calls, then the arguments of a third call's main promotion pass
+    (``pool_fraction``: the pool's share of the pages, default the preset's; 1.0 is the served pool)."""
     from certvllm.attention import certified_attention
     from certvllm.config import load_config
     from certvllm.kv.cuda_pagein import CudaPageInEngine
@@ -46,7 +49,8 @@ def capture(batch: int, ctx: int, preset: str, score_std: float | None = None) -
     del k, v
     seq = torch.tensor(lens, device="cuda")
     cfg = load_config(preset)
-    residency = Residency.for_layer(cache, cfg.promotion_cache_fraction)
+    fraction = cfg.promotion_cache_fraction if pool_fraction is None else pool_fraction
+    residency = Residency.for_layer(cache, fraction)
 
     def call():
         return certified_attention(q, cache, tables, seq, cfg, 1.0 / math.sqrt(q.shape[-1]),
@@ -109,6 +113,12 @@ def main() -> None:
     ap.add_argument("--preset", default="default")
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--score-std", type=float, default=None, help=SCORE_STD_HELP)
+    ap.add_argument(
+        "--pool-fraction",
+        type=float,
+        default=None,
+        help="the promotion pool's share of the pages (default: the preset's; 1.0: one slot per page, as served)",
+    )
     ap.add_argument("--out", type=Path, default=Path("runs/promote.json"))
     a = ap.parse_args()
     if not torch.cuda.is_available():
@@ -118,7 +128,7 @@ def main() -> None:
     results = []
     for point in a.points:
         batch, ctx = (int(x) for x in point.split("x"))
-        args, cache = capture(batch, ctx, a.preset, a.score_std)
+        args, cache = capture(batch, ctx, a.preset, a.score_std, a.pool_fraction)
         work = workload(args)
         print(f"{point}: {work}", flush=True)
         row = {"point": point, "workload": work, "ms": {}}
