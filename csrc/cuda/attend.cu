@@ -40,6 +40,24 @@ void check(const torch::Tensor& t, const char* name, torch::ScalarType dtype) {
               t.is_cuda() ? "" : " on the CPU", t.is_contiguous() ? "" : " (not contiguous)");
 }
 
+// The split-K fields AttendArgs and PromoteArgs share: the block table, lengths, bitmask, active groups and the plan.
+void set_split_args(certvllm::SplitArgs& a, const torch::Tensor& tables, const torch::Tensor& nfull, const torch::Tensor& bits,
+                    const torch::Tensor& active, int64_t num_blocks, int64_t splits, int64_t blocks_per_split,
+                    int64_t kv_heads, int64_t group, int64_t sub_blocks) {
+  a.tables = tables.data_ptr<int64_t>();
+  a.nfull = nfull.data_ptr<int64_t>();
+  a.bits = bits.data_ptr<int32_t>();
+  a.active = active.data_ptr<int32_t>();
+  a.num_blocks = num_blocks;
+  a.B = tables.size(1);
+  a.tb_stride = tables.stride(0);
+  a.S = static_cast<int>(splits);
+  a.BPS = static_cast<int>(blocks_per_split);
+  a.H = static_cast<int>(kv_heads);
+  a.G = static_cast<int>(group);
+  a.M = static_cast<int>(sub_blocks);
+}
+
 // The smallest power of two >= x (the compiled query-head group sizes).
 int64_t pow2_at_least(int64_t x) {
   return x <= 1 ? 1 : int64_t(1) << (64 - __builtin_clzll(static_cast<uint64_t>(x - 1)));
@@ -77,23 +95,12 @@ void attend(torch::Tensor scores, torch::Tensor mmax, int64_t shadow_ptr, bool s
   a.mmax = mmax.data_ptr<float>();
   a.shadow = reinterpret_cast<const void*>(shadow_ptr);
   a.pages = pages.data_ptr<uint8_t>();
-  a.tables = tables.data_ptr<int64_t>();
-  a.nfull = nfull.data_ptr<int64_t>();
-  a.bits = bits.data_ptr<int32_t>();
-  a.active = active.data_ptr<int32_t>();
+  set_split_args(a, tables, nfull, bits, active, num_blocks, splits, blocks_per_split, kv_heads, group, sub_blocks);
   a.acc = acc.data_ptr<double>();
   a.den = den.data_ptr<double>();
   a.aval = aval.data_ptr<double>();
   a.atail = atail.data_ptr<double>();
   a.exact_lm = exact_lm.data_ptr<float>();
-  a.num_blocks = num_blocks;
-  a.B = tables.size(1);
-  a.tb_stride = tables.stride(0);
-  a.S = static_cast<int>(splits);
-  a.BPS = static_cast<int>(blocks_per_split);
-  a.H = static_cast<int>(kv_heads);
-  a.G = static_cast<int>(group);
-  a.M = static_cast<int>(sub_blocks);
   TORCH_CHECK(value_group == certvllm::kGroup, "certvllm attend: value group ", value_group, " is not compiled (",
               certvllm::kGroup, " is)");
   TORCH_CHECK(num_blocks > 0 && num_blocks < (int64_t(1) << 31), "certvllm attend: ", num_blocks,
@@ -154,10 +161,7 @@ void promote(torch::Tensor qs, int64_t shadow_ptr, bool shadow_bf16, c10::option
     a.kslot = kslot->data_ptr<int32_t>();
   }
   a.nslots = nslots;
-  a.tables = tables.data_ptr<int64_t>();
-  a.nfull = nfull.data_ptr<int64_t>();
-  a.bits = bits.data_ptr<int32_t>();
-  a.active = active.data_ptr<int32_t>();
+  set_split_args(a, tables, nfull, bits, active, num_blocks, splits, blocks_per_split, kv_heads, group, sub_blocks);
   a.scores = scores.data_ptr<float>();
   a.m8 = m8.data_ptr<float>();
   a.delta = delta.data_ptr<float>();
@@ -165,14 +169,6 @@ void promote(torch::Tensor qs, int64_t shadow_ptr, bool shadow_bf16, c10::option
   a.canary = canary.data_ptr<int32_t>();
   a.smax = smax.data_ptr<float>();
   a.sabs = sabs.data_ptr<float>();
-  a.num_blocks = num_blocks;
-  a.B = tables.size(1);
-  a.tb_stride = tables.stride(0);
-  a.S = static_cast<int>(splits);
-  a.BPS = static_cast<int>(blocks_per_split);
-  a.H = static_cast<int>(kv_heads);
-  a.G = static_cast<int>(group);
-  a.M = static_cast<int>(sub_blocks);
   a.canary_on = run_canary ? 1 : 0;
   a.shadow_bf16 = shadow_bf16 ? 1 : 0;
   TORCH_CHECK(bits.size(2) == a.B, "certvllm promote: bits must have the table's ", a.B, " columns");

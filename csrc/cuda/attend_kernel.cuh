@@ -47,20 +47,13 @@ constexpr int kTokens = 16;           // tokens per block (formats.layout.BLOCK_
 constexpr int kGroup = 16;            // value group size g compiled (other sizes run the Triton kernel)
 constexpr unsigned kFull = 0xffffffffu;
 
-struct AttendArgs {
-  const float* scores;     // [R, H, B, G, 16] phase-2 scores
-  const float* mmax;       // [R, H, G] global maximum score per query head
-  const void* shadow;      // [E, H, 2, M·16, D] originals (fp16 or bf16), device-readable (pinned host under UVA)
-  const uint8_t* pages;    // [E, H, M·page_bytes] tier-1 pages
+// The split-K arguments the phase-2 kernels share (triton_kernels/common.py): the block table, the rows' full
+// blocks, the promotion bitmask, the active groups and the plan.
+struct SplitArgs {
   const int64_t* tables;   // [R, ≥B] block ids, row stride tb_stride
   const int64_t* nfull;    // [R] full blocks per row
   const int32_t* bits;     // [R, H, B] promotion bitmask: bit g keys, bit G + g values of query head g
-  const int32_t* active;   // [R, H] 0: the group is skipped and writes nothing
-  double* acc;             // out [R, H, S, G, D] Σ_b num_b
-  double* den;             // out [R, H, S, G] Σ_b den_b
-  double* aval;            // out [R, H, S, G] Σ den_b·η_b over INT4-value blocks
-  double* atail;           // out [R, H, S, G] Σ den_b over INT8-key blocks
-  float* exact_lm;         // out [R, H, G, B] m + log den_b on key-promoted blocks (others untouched)
+  const int32_t* active;   // [R, H] 0: the group is skipped and writes only what the kernel says
   int64_t num_blocks;      // 16-token blocks in the cache (ids are clamped to it)
   int64_t B;               // block-table columns
   int64_t tb_stride;       // row stride of tables
@@ -69,6 +62,18 @@ struct AttendArgs {
   int H;                   // KV heads
   int G;                   // query heads per KV head (≤ GP)
   int M;                   // 16-token blocks per engine block
+};
+
+struct AttendArgs : SplitArgs {
+  const float* scores;     // [R, H, B, G, 16] phase-2 scores
+  const float* mmax;       // [R, H, G] global maximum score per query head
+  const void* shadow;      // [E, H, 2, M·16, D] originals (fp16 or bf16), device-readable (pinned host under UVA)
+  const uint8_t* pages;    // [E, H, M·page_bytes] tier-1 pages
+  double* acc;             // out [R, H, S, G, D] Σ_b num_b
+  double* den;             // out [R, H, S, G] Σ_b den_b
+  double* aval;            // out [R, H, S, G] Σ den_b·η_b over INT4-value blocks
+  double* atail;           // out [R, H, S, G] Σ den_b over INT8-key blocks
+  float* exact_lm;         // out [R, H, G, B] m + log den_b on key-promoted blocks (others untouched)
   int page_bytes;          // bytes per page
   int v_codes;             // byte offset of the value codes; scales and zeros follow them contiguously
   int header;              // byte offset of the header (η float32 first)
@@ -85,6 +90,20 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int PENDING>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING) : "memory");
+}
+
+// A warp's cp.async ring: issue(j) queues the copies of iteration j into stage j % STAGES and commits them (a group,
+// possibly empty, for every j), STAGES − 1 iterations ahead; body(i) runs once iteration i's copies have landed.
+template <int STAGES, typename Issue, typename Body>
+__device__ __forceinline__ void cp_async_ring(int niter, Issue&& issue, Body&& body) {
+#pragma unroll
+  for (int j = 0; j < STAGES - 1; ++j) issue(j);
+  for (int i = 0; i < niter; ++i) {
+    issue(i + STAGES - 1);
+    cp_async_wait<STAGES - 1>();
+    __syncwarp();
+    body(i);
+  }
 }
 
 // 4-bit code k of x (k-th nibble) as an exact float: the bits of 2^23 + code, minus 2^23.
@@ -226,13 +245,7 @@ __global__ void __launch_bounds__(NW * 32) attend_kernel(const AttendArgs a) {
     for (int c = 0; c < CPL; ++c) acc64[g][c] = 0.0;
   double den64 = 0.0, av64 = 0.0, at64 = 0.0;  // head `lane`'s terms
 
-#pragma unroll
-  for (int j = 0; j < STAGES - 1; ++j) issue(j);
-
-  for (int i = 0; i < niter; ++i) {
-    issue(i + STAGES - 1);
-    cp_async_wait<STAGES - 1>();
-    __syncwarp();
+  cp_async_ring<STAGES>(niter, issue, [&](int i) {
     const uint8_t* st = wbase + (i % STAGES) * STAGE;
     const float* ssc = reinterpret_cast<const float*>(st + VSPAN);
     const float eta = *reinterpret_cast<const float*>(st + VSPAN + SC_BYTES);
@@ -347,7 +360,7 @@ __global__ void __launch_bounds__(NW * 32) attend_kernel(const AttendArgs a) {
       }
     }
     __syncwarp();  // every lane is done with this stage and the weights before they are overwritten
-  }
+  });
 
   // the warps' partial sums, added in float64
   cp_async_wait<0>();
@@ -414,19 +427,25 @@ inline int attend_cpl(int D, int GP) {
   return 0;
 }
 
-template <int D, int GP, int CPL, int NW>
-cudaError_t launch_attend_nw(const AttendArgs& a, int rows_heads, cudaStream_t stream) {
-  constexpr int smem = attend_smem_bytes<D, GP, CPL, NW, kStages>();
-  auto kernel = attend_kernel<D, GP, CPL, NW, kStages>;
-  static bool ready = false;  // the shared-memory attribute, set once per configuration
+// Launch `kernel` (one configuration of a template) with `smem` bytes of dynamic shared memory; the attribute that
+// admits more than 48 KiB is set on its first launch (`ready`: a static of the configuration's launcher).
+template <typename Args>
+cudaError_t launch_with_smem(void (*kernel)(Args), bool& ready, int smem, dim3 grid, int threads, cudaStream_t stream,
+                             const Args& a) {
   if (!ready) {
     const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (err != cudaSuccess) return err;
     ready = true;
   }
-  dim3 grid(rows_heads * (D / (32 * CPL)), a.S);
-  kernel<<<grid, NW * 32, smem, stream>>>(a);
+  kernel<<<grid, threads, smem, stream>>>(a);
   return cudaGetLastError();
+}
+
+template <int D, int GP, int CPL, int NW>
+cudaError_t launch_attend_nw(const AttendArgs& a, int rows_heads, cudaStream_t stream) {
+  static bool ready = false;
+  return launch_with_smem(attend_kernel<D, GP, CPL, NW, kStages>, ready, attend_smem_bytes<D, GP, CPL, NW, kStages>(),
+                          dim3(rows_heads * (D / (32 * CPL)), a.S), NW * 32, stream, a);
 }
 
 template <int D, int GP, int CPL>
@@ -452,12 +471,12 @@ cudaError_t launch_attend_dim(const AttendArgs& a, int rows_heads, int GP, int w
   return cudaErrorInvalidValue;
 }
 
+// The head dims compiled, one translation unit each (attend_d<DIM>.cu instantiates its kernels; the other units
+// see them declared extern).
+#define CERTVLLM_HEAD_DIMS(X) X(64) X(128) X(256)
 #define CERTVLLM_ATTEND_DIM(DIM) \
   template cudaError_t launch_attend_dim<DIM>(const AttendArgs&, int, int, int, cudaStream_t);
-#define CERTVLLM_ATTEND_DIM_EXTERN(DIM) \
-  extern template cudaError_t launch_attend_dim<DIM>(const AttendArgs&, int, int, int, cudaStream_t);
-CERTVLLM_ATTEND_DIM_EXTERN(64)
-CERTVLLM_ATTEND_DIM_EXTERN(128)
-CERTVLLM_ATTEND_DIM_EXTERN(256)
+#define CERTVLLM_ATTEND_DIM_EXTERN(DIM) extern CERTVLLM_ATTEND_DIM(DIM)
+CERTVLLM_HEAD_DIMS(CERTVLLM_ATTEND_DIM_EXTERN)
 
 }  // namespace certvllm

@@ -36,17 +36,13 @@
 
 namespace certvllm {
 
-struct PromoteArgs {
+struct PromoteArgs : SplitArgs {
   const float* qs;       // [R, H·G, D] float32 scaled queries
   const void* shadow;    // [E, H, 2, M·16, D] originals, token-major keys, device-readable (pinned host under UVA)
   const void* pool;      // [P, 16, D] promotion-pool key pages (kslot ≥ 0, < nslots), or null
   const void* stage;     // [Q, 16, D] step-prefetch staging pages (kslot ≥ nslots), or null
   const int32_t* kslot;  // [R, H, B] pool slot of each needed key page, −1: the shadow; null: the shadow for all
   int64_t nslots;        // pool slots
-  const int64_t* tables; // [R, ≥B] block ids, row stride tb_stride
-  const int64_t* nfull;  // [R] full blocks per row
-  const int32_t* bits;   // [R, H, B] promotion bitmask: bit g keys, bit G + g values of query head g
-  const int32_t* active; // [R, H] 0: the group is skipped
   float* scores;         // in/out [R, H, B, G, 16]: INT8 scores in, phase-2 scores out
   const float* m8;       // [R, H, G, B] block maximum of the INT8 scores
   const float* delta;    // [R, H, G, B] Δ_b
@@ -54,14 +50,6 @@ struct PromoteArgs {
   int32_t* canary;       // in/out [R]: set to 1 when a needed block breaks the canary
   float* smax;           // out [R, H, G, S] the split's maximum phase-2 score
   float* sabs;           // out [R, H, G, S] the split's largest finite |exact score| on key-promoted heads
-  int64_t num_blocks;    // 16-token blocks in the cache (ids are clamped to it)
-  int64_t B;             // block-table columns
-  int64_t tb_stride;     // row stride of tables
-  int S;                 // splits
-  int BPS;               // blocks per split
-  int H;                 // KV heads
-  int G;                 // query heads per KV head (≤ GP)
-  int M;                 // 16-token blocks per engine block
   int canary_on;         // run the canary (then value-only promoted blocks are read too)
   int shadow_bf16;       // the originals' dtype: 1 bfloat16, 0 float16
 };
@@ -216,12 +204,7 @@ __global__ void __launch_bounds__(NW * 32) promote_kernel(const PromoteArgs a) {
       }
       cp_async_commit();
     };
-#pragma unroll
-    for (int j = 0; j < STAGES - 1; ++j) issue(j);
-    for (int i = 0; i < niter; ++i) {
-      issue(i + STAGES - 1);
-      cp_async_wait<STAGES - 1>();
-      __syncwarp();
+    cp_async_ring<STAGES>(niter, issue, [&](int i) {
       const uint8_t* st = wring + (i % STAGES) * P::PAGE;
       const int2 pb = list_pb[i * NW + warp];
       const int64_t col = first + pb.x;
@@ -282,7 +265,7 @@ __global__ void __launch_bounds__(NW * 32) promote_kernel(const PromoteArgs a) {
           if (g < G && ((bt >> g) & 1)) a.scores[((rk * a.B + col) * G + g) * N + t] = se[g];
       }
       __syncwarp();  // every lane is done with this stage before it is refilled
-    }
+    });
     cp_async_wait<0>();
     __syncthreads();  // every thread has read the count and is done with the list
     if (tid == 0) *counter = 0;
@@ -321,16 +304,9 @@ __global__ void __launch_bounds__(NW * 32) promote_kernel(const PromoteArgs a) {
 
 template <int D, int GP, int NW>
 cudaError_t launch_promote_nw(const PromoteArgs& a, int rows_heads, cudaStream_t stream) {
-  constexpr int smem = PromoteShape<D, GP, NW>::SMEM;
-  auto kernel = promote_kernel<D, GP, NW>;
-  static bool ready = false;  // the shared-memory attribute, set once per configuration
-  if (!ready) {
-    const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-    if (err != cudaSuccess) return err;
-    ready = true;
-  }
-  kernel<<<dim3(rows_heads, a.S), NW * 32, smem, stream>>>(a);
-  return cudaGetLastError();
+  static bool ready = false;
+  return launch_with_smem(promote_kernel<D, GP, NW>, ready, PromoteShape<D, GP, NW>::SMEM, dim3(rows_heads, a.S),
+                          NW * 32, stream, a);
 }
 
 // The compiled configurations: head dims 64/128/256, GP 1–16, 2 or 4 warps; cudaErrorInvalidValue otherwise.
@@ -353,10 +329,7 @@ cudaError_t launch_promote_dim(const PromoteArgs& a, int rows_heads, int GP, int
 
 #define CERTVLLM_PROMOTE_DIM(DIM) \
   template cudaError_t launch_promote_dim<DIM>(const PromoteArgs&, int, int, int, cudaStream_t);
-#define CERTVLLM_PROMOTE_DIM_EXTERN(DIM) \
-  extern template cudaError_t launch_promote_dim<DIM>(const PromoteArgs&, int, int, int, cudaStream_t);
-CERTVLLM_PROMOTE_DIM_EXTERN(64)
-CERTVLLM_PROMOTE_DIM_EXTERN(128)
-CERTVLLM_PROMOTE_DIM_EXTERN(256)
+#define CERTVLLM_PROMOTE_DIM_EXTERN(DIM) extern CERTVLLM_PROMOTE_DIM(DIM)
+CERTVLLM_HEAD_DIMS(CERTVLLM_PROMOTE_DIM_EXTERN)
 
 }  // namespace certvllm
