@@ -38,6 +38,9 @@ _EXT = JitExtension(
 _DEVICE_POINTERS: dict[int, int] = {}
 ATTEND_CUDA_GATE = GluonGate("attend", dialect="CUDA")
 """Falls back to the Triton kernel, once and with a warning, when the extension cannot be built."""
+PROMOTE_CUDA_GATE = GluonGate("promotion", dialect="CUDA")
+"""The promotion kernel's own gate (it launches before the attend kernel in a call: a failure of its first launch
+must not turn the attend kernel off)."""
 
 
 @functools.cache
@@ -76,7 +79,7 @@ def promote_supported(head_dim: int, group: int, channel_major: bool, warps: int
     at most :data:`MAX_GROUP` query heads per KV head, and token-major shadow keys (the CUDA layout)."""
     if warps not in (2, 4) or channel_major or head_dim not in HEAD_DIMS or not 1 <= group <= MAX_GROUP:
         return False
-    if interpreting() or device.type != "cuda" or ATTEND_CUDA_GATE.failure is not None:
+    if interpreting() or device.type != "cuda" or (ATTEND_CUDA_GATE.failure or PROMOTE_CUDA_GATE.failure) is not None:
         return False
     return _hopper(device.index if device.index is not None else torch.cuda.current_device())
 
@@ -122,6 +125,7 @@ def launch_promote(geo, qs, shadow, tables, nfull, bits, active, scores, m8, del
     ext.promote(
         qs, _device_address(ext, shadow), shadow.dtype == torch.bfloat16, pool if use_pool else None,
         stage if use_pool else None, kslot.contiguous() if use_pool else None, pool.shape[0] if use_pool else 0,
-        tables, nfull, bits, active, scores, m8, delta, round1, canary, smax, sabs, geo.num_blocks, geo.splits,
+        tables, nfull, bits, active, scores, m8.contiguous(), delta.contiguous(), round1.contiguous(), canary, smax,
+        sabs, geo.num_blocks, geo.splits,
         geo.blocks_per_split, geo.num_kv_heads, geo.group, geo.sub_blocks, run_canary, warps,
     )  # fmt: skip

@@ -414,7 +414,7 @@ def promote(
     if use_cuda_promote(geo, qs.device):
         from . import attend_cuda
 
-        attend_cuda.ATTEND_CUDA_GATE.run(
+        attend_cuda.PROMOTE_CUDA_GATE.run(
             lambda: attend_cuda.launch_promote(geo, qs, shadow, tables, nfull, bits, active, scores, m8, delta, round1,
                                                canary, run_canary, pool if use_pool else None,
                                                kslot if use_pool else None, stage if use_pool else None, smax, sabs,
