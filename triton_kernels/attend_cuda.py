@@ -126,6 +126,6 @@ def launch_promote(geo, qs, shadow, tables, nfull, bits, active, scores, m8, del
         qs, _device_address(ext, shadow), shadow.dtype == torch.bfloat16, pool if use_pool else None,
         stage if use_pool else None, kslot.contiguous() if use_pool else None, pool.shape[0] if use_pool else 0,
         tables, nfull, bits, active, scores, m8.contiguous(), delta.contiguous(), round1.contiguous(), canary, smax,
-        sabs, geo.num_blocks, geo.splits,
-        geo.blocks_per_split, geo.num_kv_heads, geo.group, geo.sub_blocks, run_canary, warps,
+        sabs, geo.num_blocks, geo.splits, geo.blocks_per_split, geo.num_kv_heads, geo.group, geo.sub_blocks,
+        run_canary, warps,
     )  # fmt: skip

@@ -22,7 +22,8 @@
 // The float32 sums are over the 16 tokens of one block in any order (docs/certification.md §5.1 bounds them by
 // γ_16 whatever the order), everything after them is float64: the certificate's arithmetic model is the Triton
 // and Gluon kernels' one. Value-promoted heads (bit G + g) take their values unquantized from the pinned shadow
-// (zero-copy, rare), with the same FMA chain.
+// (zero-copy), with the same FMA chain: a lane reads each token's channels once for all promoted heads of the
+// block, four tokens' reads in flight together (PCIe latency, not bytes, is what these reads cost).
 //
 // Shared memory per warp: STAGES stages of [value span | scores GP·16 float32 | header 16 B | slot 16 B: bits
 // int32, block id int32] and the weights [16][GP] float32; after the loop the same memory holds the warps' float64
