@@ -63,25 +63,27 @@ def layout_fits(layout: PageLayout) -> bool:
     )  # fmt: skip
 
 
+def _hopper_build(device: torch.device, *gates: GluonGate) -> bool:
+    """A compiled (not interpreted) CUDA device of compute capability 9.x, and no earlier failure of ``gates``."""
+    if interpreting() or device.type != "cuda" or any(gate.failure is not None for gate in gates):
+        return False
+    return _hopper(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def supported(layout: PageLayout, group: int, warps: int, device: torch.device) -> bool:
     """Whether the CUDA kernel takes this call: a compiled (not interpreted) CUDA device of compute capability 9.x,
     a page layout it can stream (:func:`layout_fits`), at most :data:`MAX_GROUP` query heads per KV head, ``warps``
     in :data:`WARPS`, and no earlier build failure in this process."""
-    if interpreting() or device.type != "cuda" or ATTEND_CUDA_GATE.failure is not None:
-        return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return 1 <= group <= MAX_GROUP and warps in WARPS and layout_fits(layout) and _hopper(index)
+    shape_ok = 1 <= group <= MAX_GROUP and warps in WARPS and layout_fits(layout)
+    return shape_ok and _hopper_build(device, ATTEND_CUDA_GATE)
 
 
 def promote_supported(head_dim: int, group: int, channel_major: bool, warps: int, device: torch.device) -> bool:
     """Whether the CUDA promotion kernel takes this call: ``warps`` (``KernelTuning.promote_cuda``) 2 or 4, a
     compiled CUDA device of compute capability 9.x with no earlier build failure, a head dim in :data:`HEAD_DIMS`,
     at most :data:`MAX_GROUP` query heads per KV head, and token-major shadow keys (the CUDA layout)."""
-    if warps not in (2, 4) or channel_major or head_dim not in HEAD_DIMS or not 1 <= group <= MAX_GROUP:
-        return False
-    if interpreting() or device.type != "cuda" or (ATTEND_CUDA_GATE.failure or PROMOTE_CUDA_GATE.failure) is not None:
-        return False
-    return _hopper(device.index if device.index is not None else torch.cuda.current_device())
+    shape_ok = warps in (2, 4) and not channel_major and head_dim in HEAD_DIMS and 1 <= group <= MAX_GROUP
+    return shape_ok and _hopper_build(device, ATTEND_CUDA_GATE, PROMOTE_CUDA_GATE)
 
 
 def load():
