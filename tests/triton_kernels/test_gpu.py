@@ -630,7 +630,10 @@ def test_cuda_promote_matches_the_triton_kernel(hq, hkv, d):
                 assert phase2.use_cuda_promote(tuned, torch.device("cuda")), where
                 assert torch.equal(c_, ref_c), where
                 promoted = key_set[..., None].expand_as(ref_s)  # [R, K, B, G, 16]
-                assert torch.equal(s_[~promoted], ref_s[~promoted]), where  # INT8 scores untouched
+                # INT8 scores untouched, bit for bit: the phase-1 workspace is torch.empty, and its columns past a
+                # row's blocks may hold NaN bit patterns that torch.equal never calls equal
+                changed = (s_.view(torch.int32) != ref_s.view(torch.int32)) & ~promoted
+                assert not bool(changed.any()), (where, int(changed.sum()), changed.nonzero()[:4].tolist())
                 err = (s_ - ref_s).abs().permute(0, 1, 3, 2, 4).reshape(*allow.shape[:3], -1)  # [R, K, G, B·16]
                 fin = torch.isfinite(ref_s).permute(0, 1, 3, 2, 4).reshape(err.shape)
                 assert bool((err[fin] <= allow.expand_as(err)[fin]).all()), (where, float((err / allow)[fin].max()))
