@@ -378,12 +378,18 @@ def promote(
     pool: torch.Tensor | None = None,
     kslot: torch.Tensor | None = None,
     stage: torch.Tensor | None = None,
+    *,
+    exact_rerun: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the promotion pass (shapes as in the kernel's parameter comments).
 
     ``pool``/``kslot``: the promotion cache's key pages and the step's slot map
     (``certvllm.kv.promotion_cache``); None reads every key page from the shadow. ``stage``: the step
     prefetch's pages of this layer (``certvllm.kv.prefetch``); slot ``len(pool) + i`` reads ``stage[i]``.
+    ``exact_rerun``: the rung-3/4 recompute, which always runs the Triton kernel. Its exact scores are tree sums
+    of the D products, which keep rungs 3/4 within the dense path's rounding. The CUDA kernel's two FMA chains per
+    half row are covered by γ_D for the certified rungs, but not held to the dense reference: on an H100 its
+    re-run missed the huge-norms family's dense check by 4.5× the same-precision error.
 
     Returns:
         ``(smax, sabs)`` each ``[R, H_kv, G, S]`` float32.
@@ -411,7 +417,7 @@ def promote(
             **promote_launch_constants(K, G, D, geo.sub_blocks, geo.channel_major, run_canary, use_pool, geo.tuning),
         )  # fmt: skip
 
-    if use_cuda_promote(geo, qs.device):
+    if not exact_rerun and use_cuda_promote(geo, qs.device):
         from . import attend_cuda
 
         attend_cuda.PROMOTE_CUDA_GATE.run(

@@ -170,7 +170,7 @@ class DeviceRerun:
             canary = torch.zeros(R, dtype=torch.int32, device=c.qs.device)
         smax, _ = promote(self.geo, c.qs, c.cache.shadow, c.tables, c.nfull, bits, active_i, self.p1.scores,
                           self.p1.m8, self.p1.delta, s.round1.contiguous(), canary, False,
-                          None if kslot is None else self.pool.pool, kslot)  # fmt: skip
+                          None if kslot is None else self.pool.pool, kslot, exact_rerun=True)  # fmt: skip
         m = _global_max(c, smax, s.s_tail)
         exact_lm = torch.empty(R, K, G, c.tables.shape[1], dtype=torch.float32, device=c.qs.device)
         parts = attend(self.geo, self.p1.scores, m, c.cache.shadow, c.cache.pages, c.tables, c.nfull, bits,

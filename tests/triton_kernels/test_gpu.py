@@ -249,8 +249,13 @@ def test_side_stream_gather_keeps_its_temporary_ids_alive():
     torch.cuda.cudart().cudaHostUnregister(shadow.data_ptr())
 
 
-@pytest.mark.parametrize("decode_pass", DECODE_PASSES)
-def test_soundness_sweep_over_families_presets_and_shapes(decode_pass):
+# the sweep's configurations: each decode pass, and the CUDA promotion kernel (whose exact scores are summed in
+# another order than the Triton kernel's; rungs 3/4 re-run with the Triton kernel, phase2.promote's exact_rerun)
+SWEEP_CONFIGS = [(p, "") for p in DECODE_PASSES] + [("two_pass", "promote_cuda=4")]
+
+
+@pytest.mark.parametrize("decode_pass,kernel_tuning", SWEEP_CONFIGS, ids=lambda x: x or "as_preset")
+def test_soundness_sweep_over_families_presets_and_shapes(decode_pass, kernel_tuning):
     from certvllm.config import load_config
     from certvllm.testing import FAMILIES, make_case
 
@@ -263,7 +268,7 @@ def test_soundness_sweep_over_families_presets_and_shapes(decode_pass):
             dtype = (torch.float16, torch.bfloat16)[it % 2]
             lengths = torch.randint(1, 3000, (6,), generator=gen).tolist() + [16, 15]
             cases = [make_case(family, t, hq, hkv, d, dtype, gen) for t in lengths]
-            cfg = load_config(preset, decode_pass=decode_pass)
+            cfg = load_config(preset, decode_pass=decode_pass, kernel_tuning=kernel_tuning)
             _, v, m, n = check(cases, cfg, fallback="sdpa" if it % 3 else "device")
             total, violations, mismatches = total + n, violations + v, mismatches + m
             it += 1
