@@ -1011,6 +1011,45 @@ def test_exact_rerun_reads_a_write_through_pool(gen, monkeypatch):
     _assert_identical(out, _call(bare, q, tables, lens, off, force_exact=force))
 
 
+def test_the_exact_rerun_never_asks_for_the_cuda_promotion_kernel(gen, monkeypatch):
+    """With ``promote_cuda=4``, a call with one row forced exact (rung 4) asks whether to run the CUDA promotion
+    kernel for its main pass only: the rung-3/4 re-run takes the Triton kernel, whose tree sums keep the exact
+    rungs within the dense path's rounding (``phase2.promote``'s ``exact_rerun``; on an H100 the CUDA kernel's
+    FMA chains missed the dense check on the huge-norms family). The forced row is the dense result within the
+    float32 rule."""
+    from certvllm.triton_kernels import phase2
+
+    from certvllm.attention import gpu as gpu_path
+
+    asked, reruns = [], []
+    real_use, real_promote = phase2.use_cuda_promote, gpu_path.promote
+
+    def use_spy(geo, device):
+        asked.append(geo.tuning.promote_cuda)
+        return real_use(geo, device)
+
+    def promote_spy(*args, **kw):
+        reruns.append(kw.get("exact_rerun", False))
+        return real_promote(*args, **kw)
+
+    monkeypatch.setattr(phase2, "use_cuda_promote", use_spy)
+    monkeypatch.setattr(gpu_path, "promote", promote_spy)
+    cfg = load_config("default", kernel_tuning="promote_cuda=4")
+    cases = [make_case("retrieval_peaks", t, 8, 2, 64, torch.float16, gen) for t in (130, 75)]
+    cache, tables, lens = paged_batch(cases, cfg.value_group_size)
+    q = torch.stack([c.q for c in cases]).to(DEV)
+    force = torch.tensor([False, True], device=DEV)
+    res = _call(_to_device(cache), q, tables.to(DEV), lens.to(DEV), cfg, force_exact=force)
+    assert reruns == [False, True]  # the main pass, then the re-run
+    assert asked == [4]  # only the main pass asked for the CUDA kernel
+    assert bool((res.report.rung[1] == 4).all())
+    c = cases[1]
+    qc, kc, vc = c.q.to(DEV), c.k.to(DEV), c.v.to(DEV)
+    scale = 1 / math.sqrt(64)
+    assert_within_lowp_error(res.out[1], exact_attention(qc, kc, vc, scale), dense_decode(qc, kc, vc, scale),
+                             factor=FACTOR, atol=ULP * _vmax([c]), what="forced row")  # fmt: skip
+
+
 @_cuda_only
 def test_promotion_cache_never_serves_a_rewritten_block(gen, monkeypatch):
     # the canary is off so that a stale key page could not be caught (and recomputed exactly) by rung 4
