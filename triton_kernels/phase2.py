@@ -388,8 +388,8 @@ def promote(
     prefetch's pages of this layer (``certvllm.kv.prefetch``); slot ``len(pool) + i`` reads ``stage[i]``.
     ``exact_rerun``: the rung-3/4 recompute, which always runs the Triton kernel. Its exact scores are tree sums
     of the D products, which keep rungs 3/4 within the dense path's rounding. The CUDA kernel's two FMA chains per
-    half row are covered by γ_D for the certified rungs, but not held to the dense reference: on an H100 its
-    re-run missed the huge-norms family's dense check by 4.5× the same-precision error.
+    half row are covered by γ_D for the certified rungs, but at huge norms they are less accurate than the dense
+    reference that the exact rungs are held to.
 
     Returns:
         ``(smax, sabs)`` each ``[R, H_kv, G, S]`` float32.

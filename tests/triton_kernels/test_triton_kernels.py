@@ -1014,9 +1014,8 @@ def test_exact_rerun_reads_a_write_through_pool(gen, monkeypatch):
 def test_the_exact_rerun_never_asks_for_the_cuda_promotion_kernel(gen, monkeypatch):
     """With ``promote_cuda=4``, a call with one row forced exact (rung 4) asks whether to run the CUDA promotion
     kernel for its main pass only: the rung-3/4 re-run takes the Triton kernel, whose tree sums keep the exact
-    rungs within the dense path's rounding (``phase2.promote``'s ``exact_rerun``; on an H100 the CUDA kernel's
-    FMA chains missed the dense check on the huge-norms family). The forced row is the dense result within the
-    float32 rule."""
+    rungs within the dense path's rounding (``phase2.promote``'s ``exact_rerun``; the CUDA kernel's FMA chains
+    are less accurate at huge norms). The forced row is the dense result within the float32 rule."""
     from certvllm.triton_kernels import phase2
 
     from certvllm.attention import gpu as gpu_path
