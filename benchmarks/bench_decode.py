@@ -54,12 +54,14 @@ MULTISTEP = ("coverage", "default", "default+resident")
 SCORE_STD_HELP = "the unstructured workload (module docstring): scores N(0, σ²); 6 as the served peaked-dummy model"
 
 
-def method_config(name: str):
-    """The ``CertConfig`` of a method of :data:`PRESETS`."""
+def method_config(name: str, kernel_tuning: str = ""):
+    """The ``CertConfig`` of a method of :data:`PRESETS`, launched with ``kernel_tuning`` (``CertConfig.kernel_tuning``:
+    comma-separated ``FIELD=VALUE`` pairs of ``KernelTuning``; ``""``: the defaults)."""
     from certvllm.config import load_config
 
     preset, _, variant = name.partition("+")
-    return load_config(preset, decode_pass="resident" if variant == "resident" else "two_pass")
+    return load_config(preset, decode_pass="resident" if variant == "resident" else "two_pass",
+                       kernel_tuning=kernel_tuning)  # fmt: skip
 
 
 def method_residency(cache, cfg):
@@ -71,10 +73,10 @@ def method_residency(cache, cfg):
     return Residency.for_layer(cache, cfg.promotion_cache_fraction, pool_values(cfg.decode_pass))
 
 
-def _tuning():
-    from certvllm.triton_kernels.tuning import DEFAULT_TUNING
+def _tuning(kernel_tuning: str = ""):
+    from certvllm.triton_kernels.tuning import parse_tuning
 
-    return DEFAULT_TUNING
+    return parse_tuning(kernel_tuning)
 
 
 # ----------------------------------------------------------------------------------------------- data
@@ -298,7 +300,7 @@ def run_point(batch: int, ctx: int, args, results: list[dict]) -> None:
 
     default_pool = None
     for preset in args.methods:
-        cfg = method_config(preset)
+        cfg = method_config(preset, args.kernel_tuning)
         eng = CudaPageInEngine(dev)
         certified = cfg.mode == "certified"
         residency = method_residency(cache, cfg)
@@ -510,7 +512,7 @@ def multistep(cache, tables, q, k, v, lens, args) -> dict:
     variants = [("default", 0.0)] + [(m, base.promotion_cache_fraction) for m in MULTISTEP if m in args.methods]
     for regime in ("walk", "fresh"):
         for method, fraction in variants:
-            cfg = method_config(method).model_copy(update={"promotion_cache_fraction": fraction})
+            cfg = method_config(method, args.kernel_tuning).model_copy(update={"promotion_cache_fraction": fraction})
             view = LayerKVCache(cache.pages, cache.shadow, cache.layout)  # a fresh pool, its own generations
             seq = torch.tensor(start, device=dev, dtype=torch.int64)
             gen = torch.Generator(device=dev).manual_seed(1)
@@ -580,8 +582,11 @@ def main() -> None:
     ap.add_argument("--methods", nargs="+", default=list(PRESETS), choices=PRESETS)
     ap.add_argument("--baselines", nargs="+", default=["sdpa"], choices=BASELINES,
                     help="dense baselines timed in the same run (sdpa always; fa3 and fa3-fp8 need vLLM)")  # fmt: skip
+    ap.add_argument("--kernel-tuning", default="", metavar="FIELD=VALUE,...",
+                    help="KernelTuning fields of all methods (CertConfig.kernel_tuning): promote_cuda=4")  # fmt: skip
     ap.add_argument("--out", type=Path, default=Path("runs/decode.json"))
     args = ap.parse_args()
+    _tuning(args.kernel_tuning)  # a bad entry fails here, naming the fix
     if not torch.cuda.is_available():
         raise SystemExit("bench_decode needs a CUDA GPU")
     if any(b.startswith("fa3") for b in args.baselines):
@@ -600,7 +605,7 @@ def main() -> None:
         "shapes": {"H_q": HQ, "H_kv": HKV, "D": D}, "iters": args.iters, "diffuse_mass": args.diffuse_mass,
         "score_std": args.score_std,
         "wall_s": round(time.time() - t0, 1),
-        "tuning": dataclasses.asdict(_tuning()),  # every launch choice (split plans, warps, dialect)
+        "tuning": dataclasses.asdict(_tuning(args.kernel_tuning)),  # every launch choice (split plans, warps, dialect)
     }  # fmt: skip
     try:
         import triton
