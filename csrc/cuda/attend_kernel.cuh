@@ -11,7 +11,8 @@
 //      two registers per lane that hold the next 32 iterations' table entries (loaded one chunk ahead, handed out
 //      by warp shuffles), so no dependent load of the table sits in front of a copy;
 //   2. waits for the oldest stage, computes the block's weights w = expf(fl(s − m)) once per (head, token) and
-//      den_b = Σ_t w (a 16-term float32 sum, in a shuffle tree), and puts the weights in shared memory;
+//      den_b = Σ_t w (a 16-term float32 sum, in a shuffle tree), and puts the weights in shared memory, with the
+//      block's value scales and zeros widened to float32 (exact) once per warp rather than once per lane and token;
 //   3. for its lane's CPL channels and every query head: v̂ = fma(c, s, z) (rounded once: the code c is made a
 //      float with an OR into the bits of 2^23 and one exact subtraction, not an int→float conversion, which
 //      runs at 1/8 of the FMA rate), and num = Σ_t w·v̂ as a chain of FMAs in token order;
@@ -26,8 +27,8 @@
 // block, four tokens' reads in flight together (PCIe latency, not bytes, is what these reads cost).
 //
 // Shared memory per warp: STAGES stages of [value span | scores GP·16 float32 | header 16 B | slot 16 B: bits
-// int32, block id int32] and the weights [16][GP] float32; after the loop the same memory holds the warps' float64
-// partial sums [NW][GP][DPART] and [NW][GP][3].
+// int32, block id int32], the weights [16][GP] float32 and (GP ≤ 4) the block's (scale, zero) pairs [16][D/16]
+// float32; after the loop the same memory holds the warps' float64 partial sums [NW][GP][DPART] and [NW][GP][3].
 //
 // Build: torch's extension tools compile attend.cu (the binding and the dispatch) and one translation unit per head
 // dimension (attend_d64.cu, attend_d128.cu, attend_d256.cu: the kernels, compiled in parallel) on first use
@@ -138,6 +139,10 @@ struct ShadowVec {
   }
 };
 
+// Whether the kernel widens a block's value scales and zeros to float32 pairs once per warp (else each lane
+// widens its group's, per token).
+__host__ __device__ constexpr bool attend_scale_pairs(int GP) { return GP <= 4; }
+
 // D head dim, GP query heads per KV head rounded up to a power of two, CPL channels per lane (the CUDA block
 // takes a part of DPART = 32·CPL channels), NW warps, STAGES ring depth.
 template <int D, int GP, int CPL, int NW, int STAGES>
@@ -152,6 +157,7 @@ __global__ void __launch_bounds__(NW * 32) attend_kernel(const AttendArgs a) {
   constexpr int VCHUNKS = VSPAN / 16;
   constexpr int SC_BYTES = GP * N * 4;                  // room for the scores [G][16] float32
   constexpr int STAGE = VSPAN + SC_BYTES + 32;          // + header 16 B + slot (bits int32, block id int32)
+  constexpr bool kPairs = attend_scale_pairs(GP);       // the (scale, zero) pairs' buffer
   static_assert(CS * DPART == D && CPL % 2 == 0 && CPL <= 8 && kGroup % CPL == 0, "channels per lane must split D");
   static_assert(VSPAN % 16 == 0, "the value span is copied in 16-byte chunks");
   extern __shared__ __align__(16) uint8_t smem[];
@@ -173,8 +179,9 @@ __global__ void __launch_bounds__(NW * 32) attend_kernel(const AttendArgs a) {
   const int nvalid = lim > 0 ? static_cast<int>(lim) : 0;
   const int niter = nvalid > warp ? (nvalid - warp + NW - 1) / NW : 0;
 
-  uint8_t* wbase = smem + warp * (STAGES * STAGE + N * GP * 4);
+  uint8_t* wbase = smem + warp * (STAGES * STAGE + N * GP * 4 + (kPairs ? N * NG * 8 : 0));
   float* wbuf = reinterpret_cast<float*>(wbase + STAGES * STAGE);  // [16][GP]
+  float2* szbuf = reinterpret_cast<float2*>(wbuf + N * GP);      // [16][NG] (scale, zero) as float32
 
   const int64_t* trow = a.tables + r * a.tb_stride + first;
   const int32_t* brow = a.bits + rk * a.B + first;
@@ -254,6 +261,24 @@ __global__ void __launch_bounds__(NW * 32) attend_kernel(const AttendArgs a) {
     const int bt = slot.x, bid = slot.y;
     const int64_t bb = first + static_cast<int64_t>(i) * NW + warp;
 
+    // the block's value scales and zeros widened to float32 once per warp (exact), as (scale, zero) pairs: two
+    // tokens' or groups' pairs per lane and round, read back below as one 8-byte load per token (GP ≤ 4: with
+    // more heads per value the widening is a smaller share of the work, and at D = 64, GP = 8 the pairs' buffer
+    // pushed the kernel into a spill)
+    if constexpr (kPairs) {
+      const __half2* scl2 = reinterpret_cast<const __half2*>(st + N * D / 2);
+      const __half2* zer2 = reinterpret_cast<const __half2*>(st + N * D / 2 + 2 * N * NG);
+#pragma unroll
+      for (int k = 0; k < (N * NG / 2 + 31) / 32; ++k) {
+        const int p2 = lane + 32 * k;  // pairs 2·p2 and 2·p2 + 1 of [16][NG]
+        if (p2 < N * NG / 2) {
+          const float2 sc = __half22float2(scl2[p2]);
+          const float2 ze = __half22float2(zer2[p2]);
+          szbuf[2 * p2] = make_float2(sc.x, ze.x);
+          szbuf[2 * p2 + 1] = make_float2(sc.y, ze.y);
+        }
+      }
+    }
     // 2. weights, once per (head, token); den_b by a shuffle tree over the 16 lanes of a head
     float red[ROUNDS];
 #pragma unroll
@@ -288,8 +313,15 @@ __global__ void __launch_bounds__(NW * 32) attend_kernel(const AttendArgs a) {
 #pragma unroll
     for (int t = 0; t < N; ++t) {
       const uint32_t x = load_codes<CB>(codes + t * (D / 2));
-      const float s = __half2float(scl[t * NG]);
-      const float z = __half2float(zer[t * NG]);
+      float s, z;
+      if constexpr (kPairs) {
+        const float2 sz = szbuf[t * NG + gi];
+        s = sz.x;
+        z = sz.y;
+      } else {
+        s = __half2float(scl[t * NG]);
+        z = __half2float(zer[t * NG]);
+      }
       float v[CPL];
 #pragma unroll
       for (int c = 0; c < CPL; ++c) v[c] = __fmaf_rn(nibble(x, c), s, z);
@@ -401,7 +433,8 @@ __global__ void __launch_bounds__(NW * 32) attend_kernel(const AttendArgs a) {
 template <int D, int GP, int CPL, int NW, int STAGES>
 constexpr int attend_smem_bytes() {
   constexpr int stage = kTokens * D / 2 + 4 * kTokens * (D / kGroup) + GP * kTokens * 4 + 32;
-  constexpr int ring = NW * (STAGES * stage + kTokens * GP * 4);
+  constexpr int pairs = attend_scale_pairs(GP) ? kTokens * (D / kGroup) * 8 : 0;
+  constexpr int ring = NW * (STAGES * stage + kTokens * GP * 4 + pairs);
   constexpr int reduce = NW * GP * (32 * CPL + 3) * 8;
   return ring > reduce ? ring : reduce;
 }
