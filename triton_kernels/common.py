@@ -150,6 +150,12 @@ def _multiprocessors(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+def multiprocessors() -> int:
+    """Multiprocessors of the current CUDA device; 132 (an H100/H200) under the interpreter or without CUDA, so
+    that launch plans made there are the GPU's."""
+    return _multiprocessors(torch.cuda.current_device()) if torch.cuda.is_available() and not interpreting() else 132
+
+
 def split_plan(
     num_blocks: int,
     groups: int,
@@ -162,7 +168,7 @@ def split_plan(
     promotion and attend passes', ``tuning.phase2_programs_per_sm`` where set; rounded down, so that the
     programs fill whole waves of resident blocks), at least 4 blocks per program."""
     if blocks_per_split is None:
-        sms = _multiprocessors(torch.cuda.current_device()) if torch.cuda.is_available() and not interpreting() else 132
+        sms = multiprocessors()
         per_sm = (tuning.phase2_programs_per_sm if phase2 else 0) or tuning.programs_per_sm
         want = max(1, per_sm * sms // max(1, groups))  # rounded down: no partial last wave of programs
         blocks_per_split = max(4, -(-num_blocks // want))

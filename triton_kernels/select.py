@@ -16,6 +16,10 @@ head) holds the head's ``B`` blocks in registers (``BP`` = next power of two):
    budget rule) and ``1 << (G + g)`` for promoted values (atomic OR: the G programs of a (row, KV head) share
    the words).
 
+Keys (1–2) and values (3) are independent chains of block-wide reductions and sorts: with few heads in the batch
+(``PARTS`` = 2, where twice the programs still leave each its own multiprocessor) a second program per head
+takes the values, so a small batch waits for the longer chain rather than for both in turn.
+
 Tested against the torch reference under the interpreter (``tests/triton_kernels/test_triton_kernels.py``); the
 decisions may only differ where a comparison sits within float rounding of its threshold, and no
 certificate depends on them (the bounds are computed from whatever was selected).
@@ -36,6 +40,7 @@ from .common import (
     expm1_f32,
     head_program,
     launch_device_ok,
+    multiprocessors,
     next_pow2,
     precise,
     tail_mass_upper,
@@ -271,8 +276,10 @@ def _select_kernel(
     LOG2BP: tl.constexpr,
     USE_ACTIVE: tl.constexpr,
     PRECISE: tl.constexpr,
+    PARTS: tl.constexpr,  # 1: each program selects keys and values; 2: grid axis 1 = 0 keys, 1 values
 ):
     pid, rk, g, r = head_program(G, H)
+    part = tl.program_id(1)
     n_go = 1
     if USE_ACTIVE:  # an inactive group's heads select nothing (bits and widened stay the caller's zeros)
         n_go = tl.load(active + rk)
@@ -285,7 +292,9 @@ def _select_kernel(
         LO = tl.maximum(KMAX1 + 1, W // 2)  # the fewest sorted positions a wide window holds (K* ≤ KMAX1)
 
         # ---- keys: top-K*, rung 1 (selection.select_keys); positions q of the descending order
-        if BP <= W:
+        if part != 0:  # PARTS = 2, the values' program
+            pass
+        elif BP <= W:
             smass, order = _sorted_desc(mass, pos, B, BP)
             alpha = _suffix_sum(smass)
             dsuf = tl.associative_scan(tl.load(delta + row + order, mask=pos < B, other=0.0), 0, _max, reverse=True)
@@ -320,7 +329,9 @@ def _select_kernel(
                 tl.atomic_or(bits_row + order, key_bits, mask=take)
 
         # ---- values: rung 2 (selection.select_values)
-        if BP <= W:
+        if part != PARTS - 1:  # PARTS = 2, the keys' program
+            pass
+        elif BP <= W:
             _promote_values_full(err, pos, B, nf, vbudget, VKMAX, bits_row, G + g, BP)
         else:
             vdone = (nf < 0).to(tl.int32)  # 0
@@ -355,6 +366,7 @@ def select_blocks(
     window: int = WINDOW,
     active: torch.Tensor | None = None,
     tuning: KernelTuning = DEFAULT_TUNING,
+    parts: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rungs 0–2 selection for a layer call.
 
@@ -372,6 +384,9 @@ def select_blocks(
         active: ``[R, K]`` int32: the groups to select for (the others get no bits and no rung 1), or None (all).
         tuning: ``select_warps`` (warps per program) and ``select_first_window`` (a smaller window tried first on
             the windowed path: where K* and rung 2's count fall inside it, the wide window's sorts are skipped).
+        parts: programs per query head: 1 (keys and values in one) or 2 (keys and values apart); None:
+            ``tuning.select_parts``, whose 0 is 2 where the doubled grid still has at most one program per
+            multiprocessor (:func:`select_parts`), else 1.
 
     Returns:
         ``bits`` ``[R, K, B]`` int32 (bit g: keys of block b promoted for query head g; bit G + g: its
@@ -383,15 +398,16 @@ def select_blocks(
         raise ValueError(f"select_blocks: {B} block-table columns, the kernel holds at most {MAX_BLOCKS}")
     if 2 * G > 31:
         raise ValueError(f"select_blocks: {G} query heads per KV head, at most 15 fit the int32 bitmask")
+    parts = (tuning.select_parts or select_parts(R * K * G)) if parts is None else parts
     consts = select_launch_constants(B, K, G, policy.key_budget, policy.k_max_widened, window, active is not None,
-                                     tuning)  # fmt: skip
+                                     tuning, parts)  # fmt: skip
     w = consts["W"]
     bits = torch.zeros(R, K, B, dtype=torch.int32, device=l8.device)
     widened = (torch.empty if active is None else torch.zeros)(R, K, G, dtype=torch.int8, device=l8.device)
     scratch = torch.empty(R * K * G * 2 * w if consts["BP"] > w else 1, dtype=torch.int64, device=l8.device)
     l8, lse, delta, rounding = l8.contiguous(), lse.contiguous(), delta.contiguous(), rounding.contiguous()
     eta, value_budget = eta.contiguous(), value_budget.contiguous()
-    _select_kernel[(R * K * G,)](
+    _select_kernel[(R * K * G, parts)](
         l8, lse, delta, rounding, nfull, eta, value_budget, bits, widened, widened if active is None else active,
         scratch, B, GAMMA_SLACK, 1.0 - policy.tau_cov, policy.k_min, policy.k_max, policy.k_max_widened,
         policy.rung1_tail_threshold, policy.key_tol, policy.value_k_max, **consts,
@@ -399,18 +415,28 @@ def select_blocks(
     return bits, widened.bool()
 
 
+def select_parts(heads: int) -> int:
+    """Programs per query head for a batch of ``heads`` (row, query head) selections: 2 (keys and values apart)
+    while 2·heads programs leave each its own multiprocessor, else 1 (more programs than that would queue behind
+    each other, so splitting a head's work would not shorten the launch)."""
+    return 2 if 2 * heads <= multiprocessors() else 1
+
+
 def select_launch_constants(num_blocks: int, num_kv_heads: int, group: int, key_budget: bool, k_max_widened: int,
                             window: int = WINDOW, use_active: bool = False,
-                            tuning: KernelTuning = DEFAULT_TUNING) -> dict:  # fmt: skip
+                            tuning: KernelTuning = DEFAULT_TUNING, parts: int = 1) -> dict:  # fmt: skip
     """The compile-time arguments of :func:`_select_kernel` (constexprs and ``num_warps``) for a table of
     ``num_blocks`` columns and a ladder's rule (``LadderPolicy.key_budget``, ``.k_max_widened``), for its launch
     and for compiling it offline (``offline_compile``): the window ``W`` (``window`` raised to hold
     ``k_max_widened`` + 1 positions), the first window ``WS`` (``tuning.select_first_window`` where it is smaller
-    than ``W``, else 0) and the warps (``tuning.select_warps``, else 4, or BP/512 up to 16)."""
+    than ``W``, else 0), the warps (``tuning.select_warps``, else 4, or BP/512 up to 16) and ``PARTS``
+    (``parts``: programs per query head, :func:`select_parts`)."""
+    if parts not in (1, 2):
+        raise ValueError(f"select: parts={parts!r} must be 1 (keys and values in one program) or 2 (apart)")
     cls = width_class(num_blocks)
     w = max(next_pow2(window), next_pow2(k_max_widened + 1))
     return dict(
         BUDGET=key_budget, H=num_kv_heads, G=group, BP=cls.bp, W=w,
         WS=tuning.select_first_window if tuning.select_first_window < w else 0, LOG2BP=cls.log2bp,
-        USE_ACTIVE=use_active, PRECISE=precise(), num_warps=tuning.select_warps or min(16, max(4, cls.bp // 512)),
+        USE_ACTIVE=use_active, PRECISE=precise(), PARTS=parts, num_warps=tuning.select_warps or min(16, max(4, cls.bp // 512)),
     )  # fmt: skip

@@ -24,6 +24,9 @@ configuration computes the same certified quantities (``tests/triton_kernels/tes
   ``W`` ≥ ``k_max_widened`` + 1), a first window of this many positions (a power of two, 0: none) is sorted first;
   where K* and rung 2's greedy count fall inside it, the ``W``-position sorts are skipped (the same decisions), else
   they run as before. A concentrated head decides in a few dozen blocks; a spread one pays for both windows.
+* ``select_parts``: programs per query head of the selection kernel: 1 (keys and values in one), 2 (apart:
+  a small batch waits for the longer of the two chains instead of both), 0: 2 where the doubled grid still gives
+  each program its own multiprocessor (``select.select_parts``), else 1.
 * ``phase1_blk``, ``phase1_warps``: blocks per loop iteration and warps per program of phase 1 (the Gluon
   phase-1 kernel takes one block per warp, the Triton one ``phase1_blk`` blocks in one batched dot).
 * ``attend_blk``, ``attend_warps``: blocks per loop iteration of the Triton attend kernel, and warps per CUDA
@@ -62,6 +65,7 @@ _RULES = {
     "promote_cuda": (lambda x: x in (0, 2, 4), "0 (the Triton kernel), 2 or 4 (the CUDA kernel's warps)"),
     "select_warps": (lambda x: x == 0 or (_pow2(x) and x <= 16), "0 (4, BP/512 up to 16) or a power of two ≤ 16"),
     "select_first_window": (lambda x: x == 0 or (_pow2(x) and 4 <= x <= 1024), "0 or a power of two in [4, 1024]"),
+    "select_parts": (lambda x: x in (0, 1, 2), "0 (by the batch), 1 (keys and values in one program) or 2 (apart)"),
     "phase1_blk": (lambda x: _pow2(x) and x <= 64, "a power of two in [1, 64]"),
     "phase1_warps": (lambda x: _pow2(x) and x <= 32, "a power of two in [1, 32]"),
     "attend_blk": (lambda x: _pow2(x) and x <= 64, "a power of two in [1, 64]"),
@@ -83,6 +87,7 @@ class KernelTuning:
     promote_cuda: int = 0
     select_warps: int = 0
     select_first_window: int = 0
+    select_parts: int = 0
     phase1_blk: int = 4
     phase1_warps: int = 4
     attend_blk: int = 4
