@@ -1008,9 +1008,9 @@ def test_exact_rerun_reads_a_write_through_pool(gen, monkeypatch):
     q = torch.stack([c.q for c in cases]).to(DEV)
     slot_maps, promote = [], gpu_path.promote
 
-    def spy(*args):
+    def spy(*args, **kwargs):  # kwargs: the re-run's exact_rerun=True
         slot_maps.append(args[14] if len(args) > 14 else None)
-        return promote(*args)
+        return promote(*args, **kwargs)
 
     monkeypatch.setattr(gpu_path, "promote", spy)
     force = torch.tensor([False, True], device=DEV)
