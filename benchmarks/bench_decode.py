@@ -586,7 +586,10 @@ def main() -> None:
                     help="KernelTuning fields of all methods (CertConfig.kernel_tuning): promote_cuda=4")  # fmt: skip
     ap.add_argument("--out", type=Path, default=Path("runs/decode.json"))
     args = ap.parse_args()
-    _tuning(args.kernel_tuning)  # a bad entry fails here, naming the fix
+    try:
+        _tuning(args.kernel_tuning)
+    except ValueError as err:  # names the entry and the fix
+        raise SystemExit(f"--kernel-tuning: {err}") from err
     if not torch.cuda.is_available():
         raise SystemExit("bench_decode needs a CUDA GPU")
     if any(b.startswith("fa3") for b in args.baselines):

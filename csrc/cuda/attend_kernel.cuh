@@ -263,8 +263,8 @@ __global__ void __launch_bounds__(NW * 32) attend_kernel(const AttendArgs a) {
 
     // the block's value scales and zeros widened to float32 once per warp (exact), as (scale, zero) pairs: two
     // tokens' or groups' pairs per lane and round, read back below as one 8-byte load per token (GP ≤ 4: with
-    // more heads per value the widening is a smaller share of the work, and at D = 64, GP = 8 the pairs' buffer
-    // pushed the kernel into a spill)
+    // more heads per value the widening is a smaller share of the work, and at D = 64, GP = 8 the buffer makes
+    // the kernel spill, which tests/triton_kernels/test_cuda_compile.py forbids)
     if constexpr (kPairs) {
       const __half2* scl2 = reinterpret_cast<const __half2*>(st + N * D / 2);
       const __half2* zer2 = reinterpret_cast<const __half2*>(st + N * D / 2 + 2 * N * NG);
