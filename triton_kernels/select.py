@@ -366,7 +366,6 @@ def select_blocks(
     window: int = WINDOW,
     active: torch.Tensor | None = None,
     tuning: KernelTuning = DEFAULT_TUNING,
-    parts: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rungs 0–2 selection for a layer call.
 
@@ -382,11 +381,9 @@ def select_blocks(
             power of two above ``policy.k_max_widened``); the greedy value promotion falls back to the
             full order inside the kernel if it needs more.
         active: ``[R, K]`` int32: the groups to select for (the others get no bits and no rung 1), or None (all).
-        tuning: ``select_warps`` (warps per program) and ``select_first_window`` (a smaller window tried first on
-            the windowed path: where K* and rung 2's count fall inside it, the wide window's sorts are skipped).
-        parts: programs per query head: 1 (keys and values in one) or 2 (keys and values apart); None:
-            ``tuning.select_parts``, whose 0 is 2 where the doubled grid still has at most one program per
-            multiprocessor (:func:`select_parts`), else 1.
+        tuning: ``select_warps`` (warps per program), ``select_first_window`` (a smaller window tried first on
+            the windowed path: where K* and rung 2's count fall inside it, the wide window's sorts are skipped) and
+            ``select_parts`` (programs per query head; 0: :func:`select_parts`).
 
     Returns:
         ``bits`` ``[R, K, B]`` int32 (bit g: keys of block b promoted for query head g; bit G + g: its
@@ -398,7 +395,7 @@ def select_blocks(
         raise ValueError(f"select_blocks: {B} block-table columns, the kernel holds at most {MAX_BLOCKS}")
     if 2 * G > 31:
         raise ValueError(f"select_blocks: {G} query heads per KV head, at most 15 fit the int32 bitmask")
-    parts = (tuning.select_parts or select_parts(R * K * G)) if parts is None else parts
+    parts = tuning.select_parts or select_parts(R * K * G)
     consts = select_launch_constants(B, K, G, policy.key_budget, policy.k_max_widened, window, active is not None,
                                      tuning, parts)  # fmt: skip
     w = consts["W"]

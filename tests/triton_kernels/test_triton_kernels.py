@@ -598,9 +598,10 @@ def test_selection_in_one_program_per_head_decides_as_the_reference(kind, B, win
     decisions, on the windowed path (``flat``: rung 1 widens and the value greedy runs past the window) and the
     whole-table one; the tests above run ``parts=2``, the launcher's choice at their 18 heads."""
     from certvllm.triton_kernels.select import select_parts
+    from certvllm.triton_kernels.tuning import KernelTuning
 
     assert select_parts(18) == 2 and select_parts(67) == 1  # 132 multiprocessors under the interpreter
-    _check_selection(kind, B, "default", window, gen, parts=1)
+    _check_selection(kind, B, "default", window, gen, KernelTuning(select_parts=1))
 
 
 @pytest.mark.parametrize("kind", SELECTION_KINDS)
@@ -615,10 +616,10 @@ def test_selection_first_window_decides_as_the_reference(kind, preset, first, ge
     _check_selection(kind, 100, preset, 16, gen, KernelTuning(select_first_window=first))
 
 
-def _check_selection(kind, B, preset, window, gen, tuning=None, parts=None) -> None:
+def _check_selection(kind, B, preset, window, gen, tuning=None) -> None:
     """The selection kernel's bits and rung-1 flags against ``select_keys``/``select_values`` on a phase-1 summary
-    of ``_phase1_summary``'s ``kind`` (3 rows, 2 KV heads, 3 query heads each); ``parts``: the launcher's choice
-    (None: 2 programs per head at this batch's 18 heads) or one forced."""
+    of ``_phase1_summary``'s ``kind`` (3 rows, 2 KV heads, 3 query heads each; the default ``select_parts`` runs 2
+    programs per head at these 18 heads)."""
     from certvllm.triton_kernels.select import select_blocks
     from certvllm.triton_kernels.tuning import DEFAULT_TUNING
 
@@ -635,7 +636,7 @@ def _check_selection(kind, B, preset, window, gen, tuning=None, parts=None) -> N
     bits, widened_k = select_blocks(ph1.log_mass.to(DEV), lse.squeeze(-1).to(DEV), ph1.delta.to(DEV),
                                     ph1.rounding.to(DEV), nfull.to(DEV), ph1.eta.squeeze(2).to(DEV),
                                     budget.to(DEV), cfg.ladder, window=window,
-                                    tuning=tuning or DEFAULT_TUNING, parts=parts)  # fmt: skip
+                                    tuning=tuning or DEFAULT_TUNING)  # fmt: skip
     shifts = torch.arange(G).view(1, 1, G, 1)
     bits = bits.cpu().unsqueeze(2)
     assert torch.equal(((bits >> shifts) & 1).bool(), key_mask)
