@@ -419,8 +419,8 @@ def run_with_exact(call, q: torch.Tensor, cache, block_tables: torch.Tensor, seq
         seen.append((key_mask.cpu().clone(), value_mask.cpu().clone()))
         return value_mask
 
-    def spy_select(call_, p1, summary, generator, tuning):
-        bits, widened = orig_select(call_, p1, summary, generator, tuning)  # orig_select: bound below, before any call
+    def spy_select(call_, *args):
+        bits, widened = orig_select(call_, *args)  # orig_select: bound below, before any call
         G = call_.shape[2]
         shifts = torch.arange(G, dtype=torch.int32).view(1, 1, G, 1)
         b = bits.cpu().unsqueeze(2)

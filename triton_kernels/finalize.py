@@ -162,7 +162,7 @@ def _finalize_kernel(
     lens,  # [R] int64
     widened,  # [R, H, G] int8
     canary,  # [R] int32
-    bad_page,  # [R] int8
+    page_flags,  # [R, H] int32: a row with a nonzero flag broke a precondition (prepare's CallState)
     out,  # out [R, H·G, D] float32
     f_out,  # out [6, R·H·G] float32: e_key, e_val, e_round, v_max, delta_tail, alpha_tail
     i_out,  # out [2, R·H·G] int32: k_star, v_promoted
@@ -185,6 +185,7 @@ def _finalize_kernel(
     V_TOL,
     THR1,
     H: tl.constexpr,
+    HP: tl.constexpr,
     G: tl.constexpr,
     D: tl.constexpr,
     DP: tl.constexpr,
@@ -204,18 +205,18 @@ def _finalize_kernel(
         n_go = tl.load(active + rk)
     for _ in range(0, n_go):
         _finalize_head(acc, den_p, aval_p, atail_p, s_tail, tail_v, l_tail, m, msplit, sabs, score_abs1, base_round,
-                       v_max, eta_max, bits, l8, exact_lm, delta, nfull, lens, widened, canary, bad_page, out, f_out,
+                       v_max, eta_max, bits, l8, exact_lm, delta, nfull, lens, widened, canary, page_flags, out, f_out,
                        i_out, b_out, need_out, f64c, B, S, S2, GS, VOUT, C1, C0, RF, BOUND_TOL, EPS, FORCE_RUNG,
-                       KEY_TOL, V_TOL, THR1, pid, rk, g, r, H, G, D, DP, BP, DEPTH, CERTIFIED, RANK, PER_SPLIT, NEED,
-                       COVERAGE, PRECISE)  # fmt: skip
+                       KEY_TOL, V_TOL, THR1, pid, rk, g, r, H, HP, G, D, DP, BP, DEPTH, CERTIFIED, RANK, PER_SPLIT,
+                       NEED, COVERAGE, PRECISE)  # fmt: skip
 
 
 @triton.jit
 def _finalize_head(acc, den_p, aval_p, atail_p, s_tail, tail_v, l_tail, m, msplit, sabs, score_abs1, base_round,
-                   v_max, eta_max, bits, l8, exact_lm, delta, nfull, lens, widened, canary, bad_page, out, f_out,
+                   v_max, eta_max, bits, l8, exact_lm, delta, nfull, lens, widened, canary, page_flags, out, f_out,
                    i_out, b_out, need_out, f64c, B, S, S2, GS, VOUT, C1, C0, RF, BOUND_TOL, EPS, FORCE_RUNG, KEY_TOL,
-                   V_TOL, THR1, pid, rk, g, r, H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
-                   BP: tl.constexpr, DEPTH: tl.constexpr, CERTIFIED: tl.constexpr, RANK: tl.constexpr,
+                   V_TOL, THR1, pid, rk, g, r, H: tl.constexpr, HP: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+                   DP: tl.constexpr, BP: tl.constexpr, DEPTH: tl.constexpr, CERTIFIED: tl.constexpr, RANK: tl.constexpr,
                    PER_SPLIT: tl.constexpr, NEED: tl.constexpr, COVERAGE: tl.constexpr,
                    PRECISE: tl.constexpr):  # fmt: skip
     """One (row, KV head, query head): output, certificate, checks and report (``_finalize_kernel``)."""
@@ -310,7 +311,8 @@ def _finalize_head(acc, den_p, aval_p, atail_p, s_tail, tail_v, l_tail, m, mspli
 
     # ---- report
     bound = e_key + e_val
-    precondition = tl.load(bad_page + r) != 0
+    hh = tl.arange(0, HP)
+    precondition = tl.max(tl.load(page_flags + r * H + hh, mask=hh < H, other=0), 0) != 0
     rung = tl.where(tl.load(widened + pid) != 0, _WIDEN, 0)
     rung = tl.where(v_prom > 0, _VALUES, rung)
     bound_fail = false
@@ -376,7 +378,7 @@ def finalize(
     lens: torch.Tensor,
     widened: torch.Tensor,
     canary: torch.Tensor,
-    bad_page: torch.Tensor,
+    page_flags: torch.Tensor,
     policy: LadderPolicy,
     msplit: torch.Tensor | None = None,
     *,
@@ -385,7 +387,8 @@ def finalize(
     need: torch.Tensor | None = None,
 ) -> Finalized:
     """Output ``[R, H_q, D]`` float32 and the report of a layer call (shapes in ``_finalize_kernel``'s argument
-    comments; ``v_max``/``eta_max`` may carry a trailing 1, ``widened`` is bool), as :class:`Finalized`.
+    comments; ``v_max``/``eta_max`` may carry a trailing 1, ``widened`` is bool, ``page_flags`` is
+    ``prepare.CallState.page_flags``), as :class:`Finalized`.
 
     The resident pass's options: ``msplit`` (the splits' own maxima; ``m`` is then not read), ``into`` (write into
     an earlier call's buffers), ``active`` (``[R, K]`` int32: only these groups' heads are computed and written)
@@ -412,13 +415,13 @@ def finalize(
         l_tail.contiguous(), m.contiguous(), (m if msplit is None else msplit).contiguous(), sabs.contiguous(),
         score_abs1.contiguous(), base_round.contiguous(), v_max.contiguous(), eta_max.contiguous(), bits,
         l8.contiguous(), exact_lm, delta.contiguous(), nfull, lens, widened.contiguous().view(torch.int8), canary,
-        bad_page.contiguous().view(torch.int8), out, f_out, i_out, b_out,
+        page_flags.contiguous(), out, f_out, i_out, b_out,
         b_out if active is None else active, b_out if need is None else need, _f64_constants(dev), B,
         parts.den.shape[2], sabs.shape[-1], GAMMA_SLACK, 1 + 2.0**-20, c1, c0, round_factor(16), policy.bound_tol,
         policy.eps_guard, policy.forced_rung, policy.key_tol, policy.v_tol, policy.rung1_tail_threshold,
-        H=K, G=G, D=D, DP=next_pow2(D), BP=width_class(B).bp, DEPTH=policy.rank_depth, CERTIFIED=policy.certified,
-        RANK=policy.checks_rank, PER_SPLIT=msplit is not None, USE_ACTIVE=active is not None, NEED=need is not None,
-        COVERAGE=not policy.key_budget, PRECISE=precise(), num_warps=4, enable_fp_fusion=False,
+        H=K, HP=next_pow2(K), G=G, D=D, DP=next_pow2(D), BP=width_class(B).bp, DEPTH=policy.rank_depth,
+        CERTIFIED=policy.certified, RANK=policy.checks_rank, PER_SPLIT=msplit is not None,
+        USE_ACTIVE=active is not None, NEED=need is not None, COVERAGE=not policy.key_budget, PRECISE=precise(), num_warps=4, enable_fp_fusion=False,
     )  # fmt: skip
     if into is not None:
         return into

@@ -28,8 +28,8 @@ from .shape_class import JIT_OPTIONS
 def _gather_pages_kernel(
     src,  # shadow storage [E, H, 2, m*N, D] (float16/bfloat16), host-pinned or device
     out,  # [n, 2, N, D] output (same dtype), device
-    block_ids,  # [n] int64 16-token block ids
-    heads,  # [n] int64 KV heads
+    block_ids,  # [n] int64 16-token block ids ([n / H] with ALL_HEADS)
+    heads,  # [n] int64 KV heads (not read with ALL_HEADS)
     keys,  # [P, N, D] a write-through pool's key pages, slot = page = block·H + head (POOL only)
     tag,  # [P] int64 page held by each slot, −1 empty (POOL only)
     tag_gen,  # [P] int64 the generation it was written under (POOL only)
@@ -40,11 +40,16 @@ def _gather_pages_kernel(
     DP: tl.constexpr,  # next power of two ≥ D
     CHANNEL_MAJOR: tl.constexpr,  # keys stored [D, m*N] per (engine block, head)
     POOL: tl.constexpr,  # keys from the pool where its slot holds the page's current copy
+    ALL_HEADS: tl.constexpr,  # item i is (block_ids[i // H], head i % H)
 ):
     item = tl.program_id(0)
     kv = tl.program_id(1)  # 0 keys, 1 values
-    bid = tl.load(block_ids + item)
-    h = tl.load(heads + item)
+    if ALL_HEADS:
+        bid = tl.load(block_ids + item // H)
+        h = (item % H).to(tl.int64)
+    else:
+        bid = tl.load(block_ids + item)
+        h = tl.load(heads + item)
     if POOL:
         # keys whose slot holds (page, the block's current generation): the same tag rule as the pool's lookups
         # (docs/certification.md §5.1); they are the shadow's bytes, in device memory, so nothing crosses PCIe
@@ -63,7 +68,7 @@ def _gather_pages_kernel(
 def gather_pages(
     shadow: torch.Tensor,
     block_ids: torch.Tensor,
-    heads: torch.Tensor,
+    heads: torch.Tensor | None,
     device: torch.device,
     channel_major: bool = False,
     out: torch.Tensor | None = None,
@@ -73,7 +78,8 @@ def gather_pages(
 
     Args:
         shadow: ``[E, H_kv, 2, m·N, D]`` float16/bfloat16 (pinned host memory, or device memory).
-        block_ids, heads: ``[n]`` int64 on ``device``.
+        block_ids, heads: ``[n]`` int64 on ``device``; ``heads`` None: every KV head of each block, block-major
+            (item ``i·H + h`` is head h of ``block_ids[i]``; ``n`` = H·len(block_ids)).
         device: where the result goes (and where the kernel runs).
         channel_major: keys are stored ``[D, m·N]`` per (engine block, head).
         out: optional ``[n, 2, N, D]`` destination.
@@ -82,7 +88,7 @@ def gather_pages(
             generation are read from it (the shadow's bytes, in device memory), the rest from the shadow.
     """
     e, h, _, mn, d = shadow.shape
-    n = block_ids.numel()
+    n = block_ids.numel() * (h if heads is None else 1)
     if out is None:
         out = torch.empty(n, 2, 16, d, dtype=shadow.dtype, device=device)
     if n == 0:
@@ -90,8 +96,9 @@ def gather_pages(
     launch_device_ok(out)
     keys, tag, tag_gen, generation = direct if direct is not None else (out, block_ids, block_ids, block_ids)
     _gather_pages_kernel[(n, 2)](
-        device_arg(shadow), out, block_ids, heads, keys, tag, tag_gen, generation,
-        H=h, M=mn // 16, D=d, DP=next_pow2(d), CHANNEL_MAJOR=channel_major, POOL=direct is not None, num_warps=4,
+        device_arg(shadow), out, block_ids, block_ids if heads is None else heads, keys, tag, tag_gen, generation,
+        H=h, M=mn // 16, D=d, DP=next_pow2(d), CHANNEL_MAJOR=channel_major, POOL=direct is not None,
+        ALL_HEADS=heads is None, num_warps=4,
     )  # fmt: skip
     return out
 

@@ -50,7 +50,8 @@ PROMOTE_POINTERS = {
 }  # fmt: skip
 SELECT_POINTERS = {
     "nfull": "*i64", "bits": "*i32", "widened": "*i8", "active": "*i32", "scratch": "*i64", "GS": "fp32",
-    "TAU1": "fp32", "THR1": "fp32", "KEY_TOL": "fp32", "KMIN": "i32", "KMAX": "i32", "KMAX1": "i32", "VKMAX": "i32",
+    "TAU1": "fp32", "THR1": "fp32", "KEY_TOL": "fp32", "V_TOL": "fp32", "MARGIN": "fp32", "KMIN": "i32", "KMAX": "i32",
+    "KMAX1": "i32", "VKMAX": "i32",
 }  # fmt: skip
 CALL_INPUTS_POINTERS = {
     "q_in": "*fp16", "Q_R": "i32", "Q_H": "i32", "tables": "*i32", "lens": "*i32", "scale": "fp32",

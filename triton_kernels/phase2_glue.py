@@ -3,7 +3,7 @@
 * :func:`global_max`: the attend pass's m = max(max_s smax, max_t s_tail) per query head (torch's
   ``amax``/``maximum``, NaN kept), 3 launches → 1;
 * :func:`rerun_inputs`: the exact re-run's promotion bitmask (every bit on the full blocks of an escalated
-  group), its active flags and a zeroed canary, from the ``[R, H_q]`` escalation mask, 6 launches → 1;
+  group), its active flags and a zeroed canary, from the ``[R, H_q]`` rungs of the report, 7 launches → 1;
 * :func:`promotion_counts`: a call's promoted key blocks, value blocks and page-in bytes as one ``[3]``
   int64 tensor (``CudaPageInEngine.add_device_counts``), about 12 launches → 2.
 
@@ -17,8 +17,12 @@ import torch
 import triton
 import triton.language as tl
 
+from certvllm.bounds.report import RUNG_HEAD_DENSE
+
 from .common import holds_copy, launch_device_ok, max_nan, next_pow2
 from .shape_class import JIT_OPTIONS
+
+_HEAD = tl.constexpr(RUNG_HEAD_DENSE)
 
 COUNT_BLOCK = 4096
 """Bitmask words per program of the count kernel."""
@@ -49,18 +53,18 @@ def global_max(smax: torch.Tensor, s_tail: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit(**JIT_OPTIONS)
-def _rerun_inputs_kernel(exact, nfull, bits, active, canary, B, G: tl.constexpr, GP: tl.constexpr,
+def _rerun_inputs_kernel(rung, nfull, bits, active, canary, B, G: tl.constexpr, GP: tl.constexpr,
                          H: tl.constexpr, FULL: tl.constexpr, BLOCK: tl.constexpr,
                          tables=None, TB_STRIDE=0, num_blocks=1, tag=None, tag_gen=None, gen=None, kslot=None,
                          DIRECT: tl.constexpr = False):  # fmt: skip
-    """One program per (row, KV head): active = any escalated head of the group; bits = FULL (every promotion
+    """One program per (row, KV head): active = any head of the group at rung ≥ 3 (escalated); bits = FULL (every promotion
     bit) on the row's full blocks where active, else 0; program (r, 0) zeroes canary[r]. ``DIRECT``: also the
     slot map of a write-through pool (slot = page ``block·H + head``): the page where the slot's tag is (page,
     the block's current generation) on an active group's full block, else −1 (read from the shadow)."""
     pid = tl.program_id(0).to(tl.int64)
     r = pid // H
     g = tl.arange(0, GP)
-    act = tl.max(tl.load(exact + pid * G + g, mask=g < G, other=0).to(tl.int32), 0)
+    act = tl.max((tl.load(rung + pid * G + g, mask=g < G, other=0) >= _HEAD).to(tl.int32), 0)
     tl.store(active + pid, act)
     if pid % H == 0:
         tl.store(canary + r, 0)
@@ -78,16 +82,17 @@ def _rerun_inputs_kernel(exact, nfull, bits, active, canary, B, G: tl.constexpr,
             tl.store(kslot + pid * B + b, tl.where(held, page, -1).to(tl.int32), mask=b < B)
 
 
-def rerun_inputs(exact: torch.Tensor, nfull: torch.Tensor, num_kv_heads: int, num_blocks: int,
+def rerun_inputs(rung: torch.Tensor, nfull: torch.Tensor, num_kv_heads: int, num_blocks: int,
                  direct: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:  # fmt: skip
-    """``[R, H_q]`` bool escalation mask, ``[R]`` int64 full blocks per row → ``(bits [R, K, B] int32,
-    active [R, K] int32, canary [R] int32 zeros, kslot)`` of the exact re-run, as ``DeviceRerun``'s torch lines.
+    """``[R, H_q]`` int8 rungs (a head at rung ≥ 3 escalates), ``[R]`` int64 full blocks per row →
+    ``(bits [R, K, B] int32, active [R, K] int32, canary [R] int32 zeros, kslot)`` of the exact re-run, as
+    ``DeviceRerun``'s torch lines.
 
     ``direct``: a write-through pool's ``(tables [R, ≥B] int64, tag, tag_gen, generation, cache blocks)``
     (``kv.promotion_cache.PromotionCache.write_through``); ``kslot`` is then the ``[R, K, B]`` int32 slot map
     of the re-run's promotion pass (the pages the pool holds under their current generation), else None."""
     launch_device_ok(nfull)
-    R, Hq = exact.shape
+    R, Hq = rung.shape
     K, B = num_kv_heads, num_blocks
     G = Hq // K
     full = (1 << (2 * G)) - 1
@@ -102,7 +107,7 @@ def rerun_inputs(exact: torch.Tensor, nfull: torch.Tensor, num_kv_heads: int, nu
         kslot = torch.empty(R, K, B, dtype=torch.int32, device=dev)
         extra = dict(tables=tables, TB_STRIDE=tables.stride(0), num_blocks=cache_blocks, tag=tag, tag_gen=tag_gen,
                      gen=generation, kslot=kslot, DIRECT=True)  # fmt: skip
-    _rerun_inputs_kernel[(R * K,)](exact.contiguous().view(torch.int8), nfull, bits, active, canary, B, G=G,
+    _rerun_inputs_kernel[(R * K,)](rung.contiguous(), nfull, bits, active, canary, B, G=G,
                                    GP=next_pow2(G), H=K, FULL=full, BLOCK=min(RERUN_BLOCK, next_pow2(B)),
                                    num_warps=4, **extra)  # fmt: skip
     return bits, active, canary, kslot

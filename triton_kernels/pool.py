@@ -213,7 +213,8 @@ def pool_lookup(
     dev = bits.device
     if claims.shape != (2, P + P % 2):
         raise ValueError(f"claims {tuple(claims.shape)}: a pool of {P} slots has claim arrays [2, {P + P % 2}]")
-    step = torch.zeros(4, dtype=torch.int64, device=dev)
+    counters = torch.zeros(5, dtype=torch.int64, device=dev)  # one launch: the step counts, then the fill count
+    step, nfill = counters[:4], counters[4:]
     state = torch.empty(R, H, B, dtype=torch.int32, device=dev)
     if R * B == 0:
         return state, step
@@ -222,7 +223,6 @@ def pool_lookup(
     common = (tables, tables.stride(0), nfull, bits, B, need_mask, num_blocks, P)
     items = R * H * B  # at most one fill each
     fills = torch.empty(2 * items, dtype=torch.int64, device=dev)  # (slot, page) pairs
-    nfill = torch.zeros(1, dtype=torch.int64, device=dev)
     if direct:
         if values is not None or num_blocks * H != P:
             raise ValueError(f"a direct lookup needs a keys-only pool of one slot per page ({num_blocks * H}), got "

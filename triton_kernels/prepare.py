@@ -13,11 +13,17 @@ The same values as its torch reference, ``certvllm.attention.epilogue.summarize`
   convention (an infinite max is replaced by 0 before the shift);
 * the partial block's values as float32 (0 past its tokens) for the output combination.
 
+It also initialises the per-call device state of the passes after it (:class:`CallState`), so that they need no
+fill or reduction launches of their own: the promotion bitmask zeroed (selection ORs into it), every group active,
+the rows' canary flags zeroed (the promotion pass sets them) and phase 1's page flags reduced per (row, KV head).
+
 Maxima propagate NaN as torch's ``amax`` does; sums over D and over blocks are in another order than the
 reference's (any order is covered by γ_n, docs/certification.md §5); compiled without FMA contraction.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -55,6 +61,12 @@ def _prepare_kernel(
     round1,  # out [R, H, G]
     v_max,  # out [R, H] (g = 0)
     eta_max,  # out [R, H] (g = 0)
+    bad,  # [R, H, B] int32 phase 1's page flags
+    page_flags,  # out [R, H] int32: max of the group's page flags (g = 0)
+    bits,  # out [R, H, B] int32 zeroed (g = 0)
+    active,  # out [R, H] int32 ones (g = 0)
+    canary,  # out [R] int32 zeroed (h = g = 0)
+    widened,  # out [R, H, G] int8 zeroed
     B,
     RF,  # rounding_factor(D)
     C1,  # exp_rounding: |s|·C1 + C0
@@ -101,6 +113,7 @@ def _prepare_kernel(
     tl.store(score_abs1 + pid, sa)
     tl.store(base_round + pid, br)
     tl.store(round1 + pid, br + (sa * C1 + C0))
+    tl.store(widened + pid, 0)
 
     if g == 0:
         tl.store(tail_v + (rk * N + nn[:, None]) * D + dd[None, :], tv, mask=dd[None, :] < D)
@@ -109,16 +122,42 @@ def _prepare_kernel(
         nu_max = tl.reduce(tl.load(nu + rk * B + pos, mask=pos < B, other=0.0), 0, max_nan)
         tl.store(v_max + rk, tl.maximum(nu_max, vnorm, propagate_nan=tl.PropagateNan.ALL))
         tl.store(eta_max + rk, tl.reduce(tl.load(eta + rk * B + pos, mask=pos < B, other=0.0), 0, max_nan))
+        tl.store(page_flags + rk, tl.max(tl.load(bad + rk * B + pos, mask=pos < B, other=0), 0))
+        tl.store(bits + rk * B + pos, pos * 0, mask=pos < B)
+        tl.store(active + rk, 1)
+        if rk % H == 0:
+            tl.store(canary + r, 0)
 
 
-def prepare(qs: torch.Tensor, tail_raw: torch.Tensor, lens: torch.Tensor, p1) -> Phase1Summary:
-    """Launch the kernel.
+@dataclass
+class CallState:
+    """The per-call device buffers that :func:`prepare`'s kernel initialises for the passes after it.
+
+    Attributes:
+        bits: ``[R, K, B]`` int32 zeros: the promotion bitmask that selection ORs its bits into.
+        active: ``[R, K]`` int32 ones: every group is computed by the promotion and attend passes.
+        canary: ``[R]`` int32 zeros: the rows' canary flags, set by the promotion pass.
+        widened: ``[R, K, G]`` bool False: no rung 1 (what a call without selection reports).
+        page_flags: ``[R, K]`` int32: 1 where a page of the group breaks a precondition or lacks ``FLAG_VALID``
+            (phase 1's per-block ``bad`` flags reduced over the blocks); a row with any is certified at rung 4.
+    """
+
+    bits: torch.Tensor
+    active: torch.Tensor
+    canary: torch.Tensor
+    page_flags: torch.Tensor
+    widened: torch.Tensor
+
+
+def prepare(qs: torch.Tensor, tail_raw: torch.Tensor, lens: torch.Tensor, p1) -> tuple[Phase1Summary, CallState]:
+    """Launch the kernel: ``(summary, state)``.
 
     Args:
         qs: ``[R, H_q, D]`` float32 scaled queries.
         tail_raw: ``[R, K, 2, 16, D]`` the partial block's originals (float16/bfloat16), as gathered.
         lens: ``[R]`` int64 row lengths.
-        p1: the phase-1 outputs (``triton_kernels.phase1.Phase1Out``).
+        p1: the phase-1 outputs (``triton_kernels.phase1.Phase1Out``, or a pass with the same ``l8``, ``eta``,
+            ``nu``, ``rmax``, ``amax`` and ``bad``).
     """
     launch_device_ok(qs)
     R, K, G, B = p1.l8.shape
@@ -132,11 +171,15 @@ def prepare(qs: torch.Tensor, tail_raw: torch.Tensor, lens: torch.Tensor, p1) ->
         base_round=torch.empty(R, K, G, **f32), round1=torch.empty(R, K, G, **f32),
         v_max=torch.empty(R, K, 1, **f32), eta_max=torch.empty(R, K, 1, **f32),
     )  # fmt: skip
+    i32 = dict(dtype=torch.int32, device=qs.device)
+    widened = torch.empty(R, K, G, dtype=torch.int8, device=qs.device)
+    state = CallState(bits=torch.empty(R, K, B, **i32), active=torch.empty(R, K, **i32), canary=torch.empty(R, **i32),
+                      page_flags=torch.empty(R, K, **i32), widened=widened.view(torch.bool))  # fmt: skip
     c1, c0 = exp_factors()
     _prepare_kernel[(R * K * G,)](
         qs, tail_raw.contiguous(), lens, p1.l8, p1.eta, p1.nu, p1.rmax, p1.amax,
         out.s_tail, out.tail_v, out.l_tail, out.lse, out.score_abs1, out.base_round, out.round1, out.v_max,
-        out.eta_max, B, rounding_factor(D), c1, c0,
+        out.eta_max, p1.bad, state.page_flags, state.bits, state.active, state.canary, widened, B, rounding_factor(D), c1, c0,
         H=K, G=G, D=D, DP=next_pow2(D), BP=width_class(B).bp, PRECISE=precise(), num_warps=4, enable_fp_fusion=False,
     )  # fmt: skip
-    return out
+    return out, state

@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from certvllm.bounds.policy import LadderPolicy
+from certvllm.bounds.policy import VALUE_BUDGET_MARGIN, LadderPolicy
 from certvllm.bounds.rounding import GAMMA_SLACK
 
 from .common import (
@@ -253,7 +253,7 @@ def _select_kernel(
     rounding,  # [R, H, G] float32 R
     nfull,  # [R] int64 full blocks per row
     eta,  # [R, H, B] float32 η_b
-    budget,  # [R, H] float32 v_tol·V_max / VALUE_BUDGET_MARGIN
+    v_max,  # [R, H] float32 V_max (rung 2's budget: v_tol·V_max / VALUE_BUDGET_MARGIN)
     bits,  # in/out [R, H, B] int32 promotion bitmask (zeroed by the caller)
     widened,  # out [R, H, G] int8 rung 1 used
     active,  # [R, H] int32: 0 = select nothing for this group (USE_ACTIVE)
@@ -266,6 +266,8 @@ def _select_kernel(
     KMAX1,  # ceil(rung1_multiplier · K_max) (< W on the windowed path)
     THR1,  # rung-1 tail threshold
     KEY_TOL,
+    V_TOL,  # v_tol (float32)
+    MARGIN,  # selection.VALUE_BUDGET_MARGIN (float32)
     VKMAX,  # value_k_max, or −1 for no cap
     BUDGET: tl.constexpr,  # key_selection: budget (else coverage)
     H: tl.constexpr,
@@ -287,7 +289,7 @@ def _select_kernel(
         pos, nf, valid, mass, dl, rr, delta_all, err = _head_inputs(l8, lse, delta, rounding, nfull, eta, pid, rk, r,
                                                                     B, GS, BP, PRECISE)  # fmt: skip
         row = pid * B
-        vbudget = tl.load(budget + rk)
+        vbudget = tl.math.div_rn(tl.load(v_max + rk) * V_TOL, MARGIN)  # as the reference's float32 expression
         bits_row = bits + rk * B
         LO = tl.maximum(KMAX1 + 1, W // 2)  # the fewest sorted positions a wide window holds (K* ≤ KMAX1)
 
@@ -361,11 +363,12 @@ def select_blocks(
     rounding: torch.Tensor,
     nfull: torch.Tensor,
     eta: torch.Tensor,
-    value_budget: torch.Tensor,
+    v_max: torch.Tensor,
     policy: LadderPolicy,
     window: int = WINDOW,
     active: torch.Tensor | None = None,
     tuning: KernelTuning = DEFAULT_TUNING,
+    bits: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rungs 0–2 selection for a layer call.
 
@@ -375,7 +378,8 @@ def select_blocks(
         rounding: ``[R, K, G]`` float32 R.
         nfull: ``[R]`` int64 full blocks per row.
         eta: ``[R, K, B]`` float32 η_b.
-        value_budget: ``[R, K]`` float32 v_tol·V_max / ``selection.VALUE_BUDGET_MARGIN``.
+        v_max: ``[R, K]`` (or ``[R, K, 1]``) float32 V_max; rung 2's budget is ``policy.v_tol``·V_max /
+            ``VALUE_BUDGET_MARGIN`` in float32, as ``selection.select_values`` computes it.
         policy: the ladder's parameters (exploration draws are the caller's).
         window: how much of each sorted order is materialised when the table is wider (raised to the next
             power of two above ``policy.k_max_widened``); the greedy value promotion falls back to the
@@ -384,10 +388,12 @@ def select_blocks(
         tuning: ``select_warps`` (warps per program), ``select_first_window`` (a smaller window tried first on
             the windowed path: where K* and rung 2's count fall inside it, the wide window's sorts are skipped) and
             ``select_parts`` (programs per query head; 0: :func:`select_parts`).
+        bits: a zeroed ``[R, K, B]`` int32 buffer to OR the bits into (``prepare.CallState.bits``), or None (a new
+            one: one more launch).
 
     Returns:
         ``bits`` ``[R, K, B]`` int32 (bit g: keys of block b promoted for query head g; bit G + g: its
-        values) and ``widened`` ``[R, K, G]`` bool (rung 1 used).
+        values) and ``widened`` ``[R, K, G]`` bool (rung 1 used; a view of the kernel's int8 flags, no copy).
     """
     launch_device_ok(l8)
     R, K, G, B = l8.shape
@@ -399,17 +405,21 @@ def select_blocks(
     consts = select_launch_constants(B, K, G, policy.key_budget, policy.k_max_widened, window, active is not None,
                                      tuning, parts)  # fmt: skip
     w = consts["W"]
-    bits = torch.zeros(R, K, B, dtype=torch.int32, device=l8.device)
+    if bits is None:
+        bits = torch.zeros(R, K, B, dtype=torch.int32, device=l8.device)
+    elif bits.shape != (R, K, B) or bits.dtype != torch.int32 or not bits.is_contiguous():
+        raise ValueError(f"select_blocks: bits must be a contiguous zeroed [{R}, {K}, {B}] int32 tensor, got "
+                         f"{bits.dtype} {tuple(bits.shape)}: pass prepare's CallState.bits or None")  # fmt: skip
     widened = (torch.empty if active is None else torch.zeros)(R, K, G, dtype=torch.int8, device=l8.device)
     scratch = torch.empty(R * K * G * 2 * w if consts["BP"] > w else 1, dtype=torch.int64, device=l8.device)
     l8, lse, delta, rounding = l8.contiguous(), lse.contiguous(), delta.contiguous(), rounding.contiguous()
-    eta, value_budget = eta.contiguous(), value_budget.contiguous()
+    eta, v_max = eta.contiguous(), v_max.contiguous()
     _select_kernel[(R * K * G, parts)](
-        l8, lse, delta, rounding, nfull, eta, value_budget, bits, widened, widened if active is None else active,
+        l8, lse, delta, rounding, nfull, eta, v_max, bits, widened, widened if active is None else active,
         scratch, B, GAMMA_SLACK, 1.0 - policy.tau_cov, policy.k_min, policy.k_max, policy.k_max_widened,
-        policy.rung1_tail_threshold, policy.key_tol, policy.value_k_max, **consts,
+        policy.rung1_tail_threshold, policy.key_tol, policy.v_tol, VALUE_BUDGET_MARGIN, policy.value_k_max, **consts,
     )  # fmt: skip
-    return bits, widened.bool()
+    return bits, widened.view(torch.bool)  # the kernel stores 0 or 1
 
 
 def select_parts(heads: int) -> int:

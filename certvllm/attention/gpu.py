@@ -32,9 +32,9 @@ import torch
 
 from certvllm.attention.call import LayerCall
 from certvllm.attention.epilogue import Measured, certify, combine, finite_abs_max, summarize
-from certvllm.attention.selection import VALUE_BUDGET_MARGIN, Phase1, select_keys, select_values
+from certvllm.attention.selection import Phase1, select_keys, select_values
 from certvllm.bounds import delta_factor
-from certvllm.bounds.report import CertReport
+from certvllm.bounds.report import RUNG_HEAD_DENSE, CertReport
 from certvllm.bounds.summary import Phase1Summary
 from certvllm.config import CertConfig
 from certvllm.formats.layout import key_scale_lut
@@ -48,7 +48,7 @@ from certvllm.triton_kernels.finalize import combine_exact, finalize
 from certvllm.triton_kernels.phase1 import Phase1Out, phase1
 from certvllm.triton_kernels.phase2 import AttendOut, Phase2Geometry, attend, promote
 from certvllm.triton_kernels.phase2_glue import global_max, promotion_counts, rerun_inputs
-from certvllm.triton_kernels.prepare import prepare
+from certvllm.triton_kernels.prepare import CallState, prepare
 from certvllm.triton_kernels.select import select_blocks
 from certvllm.triton_kernels.shape_class import width_class
 from certvllm.triton_kernels.tuning import DEFAULT_TUNING, KernelTuning, parse_tuning
@@ -150,19 +150,25 @@ class DeviceRerun:
     summary: Phase1Summary
     pool: PromotionCache | None = None
 
-    def apply(self, exact: torch.Tensor, rung: torch.Tensor, out: torch.Tensor) -> None:
-        """Overwrite ``out`` ``[R, H_q, D]`` on the heads where ``exact`` ``[R, H_q]`` is set with exact attention
-        over the originals. When none escalated the kernels exit at once (no host synchronisation). With a
-        write-through pool (``PromotionCache.write_through``) the keys it holds under their current generation
-        are read from it, the shadow's bytes in VRAM, and only the rest over PCIe."""
+    @property
+    def bounds_zeroed(self) -> bool:
+        """Whether the report already carries zero bounds on its rung-3/4 heads (``finalize`` writes them so)."""
+        return self.call.glue_kernels
+
+    def apply(self, rung: torch.Tensor, out: torch.Tensor) -> None:
+        """Overwrite ``out`` ``[R, H_q, D]`` on the heads whose ``rung`` ``[R, H_q]`` (int8) is ≥ 3 with exact
+        attention over the originals. When none escalated the kernels exit at once (no host synchronisation).
+        With a write-through pool (``PromotionCache.write_through``) the keys it holds under their current
+        generation are read from it, the shadow's bytes in VRAM, and only the rest over PCIe."""
         c, s = self.call, self.summary
         R, K, G, B, D = c.shape
         kslot = None
         if c.glue_kernels:
             held = self.pool.direct_keys() if self.pool is not None else None
             direct = None if held is None else (c.tables, *held[1:], c.cache.num_blocks)
-            bits, active_i, canary, kslot = rerun_inputs(exact, c.nfull, K, B, direct)
+            bits, active_i, canary, kslot = rerun_inputs(rung, c.nfull, K, B, direct)
         else:
+            exact = rung >= RUNG_HEAD_DENSE
             active = exact.view(R, K, G).any(dim=-1)
             full = (1 << (2 * G)) - 1
             bits = torch.where(active[:, :, None] & c.bvalid[:, None, :], full, 0).to(torch.int32).contiguous()
@@ -179,7 +185,7 @@ class DeviceRerun:
             combine_exact(parts, s.s_tail, s.tail_v, m, rung, out)
             return
         exact_out, _, _ = combine(parts.acc.sum(dim=2), parts.den.sum(dim=2), s.s_tail, s.tail_v, m)
-        out.copy_(torch.where(exact.unsqueeze(-1), exact_out, out))
+        out.copy_(torch.where((rung >= RUNG_HEAD_DENSE).unsqueeze(-1), exact_out, out))
 
 
 def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
@@ -230,44 +236,54 @@ def certified_rows(
     mark(timings, "phase1")
     CudaPageInEngine.wait(tail_event)
     if call.glue_kernels:
-        summary = prepare(call.qs, tail_raw, lens, p1)
+        summary, state = prepare(call.qs, tail_raw, lens, p1)
     else:
         summary = summarize(call.qs.view(R, K, G, D), tail_raw[:, :, 0], tail_raw[:, :, 1],
                             lens % cache.layout.block_size, p1.nu, p1.eta, p1.amax.amax(dim=-1),
                             p1.rmax.amax(dim=-1), p1.l8)  # fmt: skip
+        i32 = dict(dtype=torch.int32, device=dev)
+        state = CallState(bits=torch.zeros(R, K, B, **i32), active=torch.ones(R, K, **i32),
+                          canary=torch.zeros(R, **i32), page_flags=p1.bad.amax(dim=2),
+                          widened=torch.zeros(R, K, G, dtype=torch.bool, device=dev))  # fmt: skip
 
-    bits, widened = _select(call, p1, summary, generator, options.tuning)
+    bits, widened = _select(call, p1, summary, state, generator, options.tuning)
     mark(timings, "selection")
     splits2, bps2 = split_plan(B, R * K, options.blocks_per_split, tuning=options.tuning, phase2=True)
     geo = Phase2Geometry(cache.layout, K, G, cache.sub_blocks, cache.num_blocks, splits2, bps2,
                          cache.keys_channel_major, tuning=options.tuning)  # fmt: skip
-    parts, m, sabs, exact_lm, canary = _phase2(call, geo, p1, summary, bits, pagein, pool, prefetch, timings)
-    out, report = _finish(call, p1, summary, parts, m, sabs, exact_lm, bits, widened, canary)
+    parts, m, sabs, exact_lm = _phase2(call, geo, p1, summary, state, bits, pagein, pool, prefetch, timings)
+    out, report = _finish(call, p1, summary, state, parts, m, sabs, exact_lm, bits, widened)
     mark(timings, "bounds")
     return out, report, DeviceRerun(call, geo, p1, summary, pool)
 
 
 def _select(
-    call: _Call, p1: Phase1Out, summary: Phase1Summary, generator: torch.Generator | None, tuning: KernelTuning
+    call: _Call,
+    p1: Phase1Out,
+    summary: Phase1Summary,
+    state: CallState,
+    generator: torch.Generator | None,
+    tuning: KernelTuning,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rungs 0–2: the ``[R, K, B]`` int32 promotion bitmask (bit g: keys for query head g, bit G + g: values)
-    and the ``[R, K, G]`` bool rung-1 flags."""
+    """Rungs 0–2: the ``[R, K, B]`` int32 promotion bitmask (bit g: keys for query head g, bit G + g: values;
+    ``state.bits``, the torch path's own in certified mode) and the ``[R, K, G]`` bool rung-1 flags."""
     cfg = call.cfg
     R, K, G, B, _ = call.shape
     dev = call.qs.device
     valid4 = call.bvalid[:, None, None, :]
-    shifts = torch.arange(G, device=dev, dtype=torch.int32).view(1, 1, G, 1)
     gen = generator if generator is not None and generator.device.type == dev.type else None
-    if cfg.mode != "certified":
-        none = torch.zeros(R, K, B, dtype=torch.int32, device=dev)
-        return none, torch.zeros(R, K, G, dtype=torch.bool, device=dev)
+    if cfg.mode != "certified":  # nothing promoted, no rung 1: the state as initialised
+        return state.bits, state.widened
+
+    def shifts() -> torch.Tensor:
+        return torch.arange(G, device=dev, dtype=torch.int32).view(1, 1, G, 1)
+
     if call.glue_kernels:
-        budget = (cfg.v_tol * summary.v_max.squeeze(-1)) / VALUE_BUDGET_MARGIN
-        bits, widened = select_blocks(p1.l8, summary.lse, p1.delta, summary.round1, call.nfull, p1.eta, budget,
-                                      cfg.ladder, tuning=tuning)  # fmt: skip
+        bits, widened = select_blocks(p1.l8, summary.lse, p1.delta, summary.round1, call.nfull, p1.eta, summary.v_max,
+                                      cfg.ladder, tuning=tuning, bits=state.bits)  # fmt: skip
         if cfg.exploration_rate > 0:
             draw = torch.rand((R, K, G, B), generator=gen, device=dev)
-            bits |= (((draw < cfg.exploration_rate) & valid4).to(torch.int32) << shifts).sum(dim=2, dtype=torch.int32)
+            bits |= (((draw < cfg.exploration_rate) & valid4).to(torch.int32) << shifts()).sum(dim=2, dtype=torch.int32)
         return bits, widened
     ph1 = Phase1(
         log_mass=p1.l8, mass=torch.exp(p1.l8 - summary.lse.unsqueeze(-1)), delta=p1.delta, rounding=summary.round1,
@@ -278,7 +294,7 @@ def _select(
         draw = torch.rand(key_mask.shape, generator=gen, device=dev)
         key_mask = key_mask | ((draw < cfg.exploration_rate) & valid4)
     value_mask = select_values(ph1, key_mask, cfg)
-    bits = ((key_mask.to(torch.int32) << shifts) | (value_mask.to(torch.int32) << (shifts + G))).sum(dim=2)
+    bits = ((key_mask.to(torch.int32) << shifts()) | (value_mask.to(torch.int32) << (shifts() + G))).sum(dim=2)
     return bits.to(torch.int32).contiguous(), widened
 
 
@@ -287,19 +303,19 @@ def _phase2(
     geo: Phase2Geometry,
     p1: Phase1Out,
     summary: Phase1Summary,
+    state: CallState,
     bits: torch.Tensor,
     pagein: PageInEngine,
     pool: PromotionCache | None,
     prefetch: tuple | None,
     timings: dict | None,
-) -> tuple[AttendOut, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The promotion pass (keys from the pool, the staging or the shadow; canary) and the attend pass.
-    Returns ``(parts, m, sabs, exact_lm, canary)``."""
+) -> tuple[AttendOut, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The promotion pass (keys from the pool, the staging or the shadow; canary into ``state.canary``) and the
+    attend pass over every group (``state.active``). Returns ``(parts, m, sabs, exact_lm)``."""
     cache, cfg = call.cache, call.cfg
     R, K, G, B, D = call.shape
     dev = call.qs.device
-    active = torch.ones(R, K, dtype=torch.int32, device=dev)
-    canary = torch.zeros(R, dtype=torch.int32, device=dev)
+    active, canary = state.active, state.canary
     run_canary = cfg.ladder.checks_canary
     kslot = key_paged = stage = None
     if pool is not None:  # hits are read from VRAM, not over PCIe
@@ -333,7 +349,7 @@ def _phase2(
             if key_paged is None:
                 key_paged = ((bits & paged_mask) != 0).sum()
             pagein.add_device_counts(((bits & key_bits) != 0).sum(), value_loads, (key_paged + value_loads) * page_half)
-    return parts, m, sabs, exact_lm, canary
+    return parts, m, sabs, exact_lm
 
 
 def _global_max(call: _Call, smax: torch.Tensor, s_tail: torch.Tensor) -> torch.Tensor:
@@ -347,24 +363,24 @@ def _finish(
     call: _Call,
     p1: Phase1Out,
     summary: Phase1Summary,
+    state: CallState,
     parts: AttendOut,
     m: torch.Tensor,
     sabs: torch.Tensor,
     exact_lm: torch.Tensor,
     bits: torch.Tensor,
     widened: torch.Tensor,
-    canary: torch.Tensor,
 ) -> tuple[torch.Tensor, CertReport]:
     """Output, bounds on the output actually computed, checks and report: one kernel, or the torch epilogue."""
     R, K, G, B, D = call.shape
     dev = call.qs.device
-    bad_page = p1.bad.amax(dim=(1, 2)) > 0  # (R,)
-    s = summary
+    s, canary = summary, state.canary
     if call.glue_kernels:
         done = finalize(parts, s.s_tail, s.tail_v, s.l_tail, m, sabs, s.score_abs1, s.base_round, s.v_max,
-                        s.eta_max, bits, p1.l8, exact_lm, p1.delta, call.nfull, call.lens, widened, canary, bad_page,
-                        call.cfg.ladder)  # fmt: skip
+                        s.eta_max, bits, p1.l8, exact_lm, p1.delta, call.nfull, call.lens, widened, canary,
+                        state.page_flags, call.cfg.ladder)  # fmt: skip
         return done.out, done.report
+    bad_page = state.page_flags.amax(dim=1) > 0  # (R,)
     shifts = torch.arange(G, device=dev, dtype=torch.int32).view(1, 1, G, 1)
     key_mask = ((bits.unsqueeze(2) >> shifts) & 1).bool()
     value_mask = ((bits.unsqueeze(2) >> (shifts + G)) & 1).bool()

@@ -30,9 +30,8 @@ import torch
 
 from certvllm.attention.call import LayerCall
 from certvllm.attention.gpu import DEFAULT_OPTIONS, CudaOptions, _Call, begin_call, mark
-from certvllm.attention.selection import VALUE_BUDGET_MARGIN
 from certvllm.bounds import delta_factor, rounding_factor
-from certvllm.bounds.report import RUNG_LAYER_DENSE, CertReport
+from certvllm.bounds.report import RUNG_HEAD_DENSE, RUNG_LAYER_DENSE, CertReport
 from certvllm.bounds.summary import Phase1Summary
 from certvllm.kv.cuda_pagein import CudaPageInEngine
 from certvllm.kv.promotion_cache import PromotionCache
@@ -56,7 +55,7 @@ class _Pass:
     geo: FusedGeometry
     pool: PromotionCache | None
     summary: Phase1Summary
-    bad_page: torch.Tensor  # [R] bool
+    page_flags: torch.Tensor  # [R, K] int32 (prepare's CallState.page_flags)
 
     def run(self, bits: torch.Tensor | None = None, active: torch.Tensor | None = None, run_canary: bool = True,
             canary: torch.Tensor | None = None, exact_all: bool = False) -> FusedOut:  # fmt: skip
@@ -70,8 +69,8 @@ class _Pass:
         """``finalize`` over pass ``p`` (``into``, ``active``, ``need``: its options)."""
         c, s = self.call, self.summary
         return finalize(p, s.s_tail, s.tail_v, s.l_tail, p.msplit, p.sabs, s.score_abs1, s.base_round, s.v_max,
-                        s.eta_max, p.fbits, p.l8, p.exact_lm, p.delta, c.nfull, c.lens, widened, canary, self.bad_page,
-                        c.cfg.ladder, msplit=p.msplit, **kw)  # fmt: skip
+                        s.eta_max, p.fbits, p.l8, p.exact_lm, p.delta, c.nfull, c.lens, widened, canary,
+                        self.page_flags, c.cfg.ladder, msplit=p.msplit, **kw)  # fmt: skip
 
 
 def resident_rows(
@@ -97,8 +96,8 @@ def resident_rows(
     first = state.run(run_canary=run_canary)
     mark(timings, "resident")
     CudaPageInEngine.wait(tail_event)
-    state.summary = prepare(call.qs, tail_raw, lens, first)
-    state.bad_page = first.bad.amax(dim=(1, 2)) > 0
+    state.summary, prepared = prepare(call.qs, tail_raw, lens, first)
+    state.page_flags = prepared.page_flags
     no_widen = torch.zeros(R, K, G, dtype=torch.bool, device=dev)
     top_up = certified and cfg.ladder.forced_rung == 0
     need = torch.zeros(R, K, dtype=torch.int32, device=dev) if top_up else None
@@ -129,8 +128,7 @@ def _top_up(
     call, cfg, s = state.call, state.call.cfg, state.summary
     R, K, G, B, _ = call.shape
     dev = call.qs.device
-    budget = (cfg.v_tol * s.v_max.squeeze(-1)) / VALUE_BUDGET_MARGIN
-    bits, widened = select_blocks(first.l8, s.lse, first.delta, s.round1, call.nfull, first.eta, budget, cfg.ladder,
+    bits, widened = select_blocks(first.l8, s.lse, first.delta, s.round1, call.nfull, first.eta, s.v_max, cfg.ladder,
                                   active=need)  # fmt: skip
     if cfg.exploration_rate > 0:
         gen = generator if generator is not None and generator.device.type == dev.type else None
@@ -173,11 +171,14 @@ class ResidentRerun:
 
     state: _Pass
 
-    def apply(self, exact: torch.Tensor, rung: torch.Tensor, out: torch.Tensor) -> None:
-        """Overwrite ``out`` ``[R, H_q, D]`` on the heads where ``exact`` ``[R, H_q]`` is set with float32 attention
+    bounds_zeroed = False
+    """The report's rung-3/4 heads may keep bounds (a canary failure raises a row to rung 4 after ``finalize``)."""
+
+    def apply(self, rung: torch.Tensor, out: torch.Tensor) -> None:
+        """Overwrite ``out`` ``[R, H_q, D]`` on the heads whose ``rung`` ``[R, H_q]`` is ≥ 3 with float32 attention
         over the originals (every block read unquantized). No host synchronisation."""
         call, s = self.state.call, self.state.summary
         R, K, G, _, _ = call.shape
-        active = exact.view(R, K, G).any(dim=-1).to(torch.int32)
+        active = (rung >= RUNG_HEAD_DENSE).view(R, K, G).any(dim=-1).to(torch.int32)
         p = self.state.run(active=active, run_canary=False, exact_all=True)
         combine_exact(p, s.s_tail, s.tail_v, p.msplit, rung, out, msplit=p.msplit)

@@ -12,11 +12,8 @@ from dataclasses import dataclass
 import torch
 
 from certvllm.bounds import tail_mass_upper
+from certvllm.bounds.policy import VALUE_BUDGET_MARGIN
 from certvllm.config import CertConfig
-
-VALUE_BUDGET_MARGIN = 1.01
-"""Rung 2 aims 1 % under v_tol so the final E_val (computed from phase-2 masses, with its rounding
-inflation) lands at or under v_tol·V_max."""
 
 
 @dataclass

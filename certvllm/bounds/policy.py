@@ -13,6 +13,10 @@ from certvllm.bounds.report import RUNG_HEAD_DENSE, RUNG_LAYER_DENSE, RUNG_NONE
 
 FORCED_RUNGS = {"none": RUNG_NONE, "head": RUNG_HEAD_DENSE, "layer": RUNG_LAYER_DENSE}
 
+VALUE_BUDGET_MARGIN = 1.01
+"""Rung 2 aims 1 % under v_tol so the final E_val (computed from phase-2 masses, with its rounding
+inflation) lands at or under v_tol·V_max."""
+
 
 @dataclass(frozen=True)
 class LadderPolicy:

@@ -90,7 +90,7 @@ def unregister(cache: LayerKVCache) -> None:
     _unregister_ptr(cache.shadow.data_ptr())
 
 
-def _gather(cache: LayerKVCache, ids: torch.Tensor, heads: torch.Tensor, device: torch.device,
+def _gather(cache: LayerKVCache, ids: torch.Tensor, heads: torch.Tensor | None, device: torch.device,
             direct: DirectKeys | None = None) -> torch.Tensor:  # fmt: skip
     from certvllm.triton_kernels.gather import gather_pages
 
@@ -112,11 +112,13 @@ class CudaPageInEngine(PageInEngine):
         self._device_counts: torch.Tensor | None = None  # [3] int64: key blocks, value blocks, bytes
 
     # -- gathers ---------------------------------------------------------------------------------
-    def _run(self, cache: LayerKVCache, ids: torch.Tensor, heads: torch.Tensor,
+    def _run(self, cache: LayerKVCache, ids: torch.Tensor, heads: torch.Tensor | None,
              direct: DirectKeys | None = None) -> tuple[torch.Tensor, object]:  # fmt: skip
+        """Gather (``ids[i]``, ``heads[i]``) pages, or with ``heads`` None every KV head of each id (block-major)."""
         start = time.perf_counter()
         ids = ids.to(self.device, torch.int64, non_blocking=True)
-        heads = heads.to(self.device, torch.int64, non_blocking=True)
+        if heads is not None:
+            heads = heads.to(self.device, torch.int64, non_blocking=True)
         if self._stream is None or torch.cuda.is_current_stream_capturing():
             out = _gather(cache, ids, heads, self.device, direct)
             event = None
@@ -127,7 +129,8 @@ class CudaPageInEngine(PageInEngine):
             # are): without this, the caller's next allocations may reuse their memory before the gather reads
             # it, and the gather then follows garbage block ids (an illegal address, or wrong pages)
             ids.record_stream(self._stream)
-            heads.record_stream(self._stream)
+            if heads is not None:
+                heads.record_stream(self._stream)
             with torch.cuda.stream(self._stream):
                 out = _gather(cache, ids, heads, self.device, direct)
                 event = torch.cuda.Event()
@@ -152,11 +155,9 @@ class CudaPageInEngine(PageInEngine):
     def gather_blocks_async(self, cache: LayerKVCache, block_ids: torch.Tensor,
                             direct: DirectKeys | None = None) -> tuple[torch.Tensor, object]:  # fmt: skip
         """:meth:`gather_blocks` without waiting: ``([n, H_kv, 2, N, D], event)``."""
-        h = cache.num_kv_heads
-        ids = block_ids.reshape(-1).to(self.device, torch.int64, non_blocking=True)
-        heads = torch.arange(h, device=self.device).repeat(ids.numel())
-        out, event = self._run(cache, ids.repeat_interleave(h), heads, direct)
-        return out.view(ids.numel(), h, 2, cache.layout.block_size, cache.layout.head_dim), event
+        ids = block_ids.reshape(-1)
+        out, event = self._run(cache, ids, None, direct)  # every head of each block, in one launch
+        return out.view(ids.numel(), cache.num_kv_heads, 2, cache.layout.block_size, cache.layout.head_dim), event
 
     def gather_kv(self, cache: LayerKVCache, block_ids: torch.Tensor, kv_heads: torch.Tensor) -> torch.Tensor:
         out, event = self.gather_kv_async(cache, block_ids, kv_heads)

@@ -42,8 +42,11 @@ def test_rerun_inputs_are_the_torch_lines(group: int, width: int) -> None:
     exact = torch.rand(R, K * group, generator=g) < 0.2
     exact[0] = False  # a row with nothing escalated
     exact[1, :group] = True
+    # the report's rungs: 3 or 4 where escalated, 0–2 elsewhere
+    high, low = torch.randint(3, 5, exact.shape, generator=g), torch.randint(0, 3, exact.shape, generator=g)
+    rung = torch.where(exact, high, low)
     nfull = torch.tensor([width, width - 3, 0])
-    bits, active, canary, kslot = rerun_inputs(exact.to(DEV), nfull.to(DEV), K, width)
+    bits, active, canary, kslot = rerun_inputs(rung.to(torch.int8).to(DEV), nfull.to(DEV), K, width)
     assert kslot is None  # no write-through pool: no slot map
     want_active = exact.view(R, K, group).any(dim=-1)
     bvalid = torch.arange(width) < nfull.unsqueeze(1)

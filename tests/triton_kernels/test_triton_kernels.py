@@ -623,7 +623,7 @@ def _check_selection(kind, B, preset, window, gen, tuning=None) -> None:
     from certvllm.triton_kernels.select import select_blocks
     from certvllm.triton_kernels.tuning import DEFAULT_TUNING
 
-    from certvllm.attention.selection import VALUE_BUDGET_MARGIN, select_keys, select_values
+    from certvllm.attention.selection import select_keys, select_values
 
     R, K, G = 3, 2, 3
     cfg = load_config(preset, exploration_rate=0.0, k_min=1, k_max=min(B, 5), value_k_max=None if B % 2 else 2)
@@ -632,10 +632,9 @@ def _check_selection(kind, B, preset, window, gen, tuning=None) -> None:
     ph1, lse = _phase1_summary(R, K, G, B, nfull, kind, gen)
     key_mask, widened = select_keys(ph1, cfg)
     value_mask = select_values(ph1, key_mask, cfg)
-    budget = (cfg.v_tol * ph1.v_max.squeeze(-1)) / VALUE_BUDGET_MARGIN
     bits, widened_k = select_blocks(ph1.log_mass.to(DEV), lse.squeeze(-1).to(DEV), ph1.delta.to(DEV),
                                     ph1.rounding.to(DEV), nfull.to(DEV), ph1.eta.squeeze(2).to(DEV),
-                                    budget.to(DEV), cfg.ladder, window=window,
+                                    ph1.v_max.squeeze(-1).to(DEV), cfg.ladder, window=window,
                                     tuning=tuning or DEFAULT_TUNING)  # fmt: skip
     shifts = torch.arange(G).view(1, 1, G, 1)
     bits = bits.cpu().unsqueeze(2)
@@ -926,8 +925,8 @@ def test_rerun_slot_map_holds_exactly_the_current_copies(gen):
     its bits, active flags and canary are those of the call without a pool."""
     from certvllm.triton_kernels.phase2_glue import rerun_inputs
 
-    R, K, B, NB = 3, 2, 7, 11  # G = 2 query heads per KV head (the four columns of exact)
-    exact = torch.tensor([[True, False, False, False], [False] * 4, [True] * 4]).to(DEV)  # row 1: no group active
+    R, K, B, NB = 3, 2, 7, 11  # G = 2 query heads per KV head (the four columns of the rungs)
+    rung = torch.tensor([[3, 2, 0, 1], [2] * 4, [4, 3, 3, 4]], dtype=torch.int8).to(DEV)  # row 1: none escalated
     nfull = torch.tensor([7, 3, 0]).to(DEV)
     tables = torch.randint(0, NB, (R, B), generator=gen).to(DEV)
     generation = torch.randint(0, 3, (NB,), generator=gen).to(DEV)
@@ -935,8 +934,8 @@ def test_rerun_slot_map_holds_exactly_the_current_copies(gen):
     tag = torch.where(torch.rand(NB * K, generator=gen).to(DEV) < 0.8, pages, -1)
     tag_gen = torch.where(torch.rand(NB * K, generator=gen).to(DEV) < 0.7, generation.repeat_interleave(K),
                           generation.repeat_interleave(K) - 1)  # fmt: skip
-    bits, active, canary, kslot = rerun_inputs(exact, nfull, K, B, (tables, tag, tag_gen, generation, NB))
-    plain = rerun_inputs(exact, nfull, K, B)
+    bits, active, canary, kslot = rerun_inputs(rung, nfull, K, B, (tables, tag, tag_gen, generation, NB))
+    plain = rerun_inputs(rung, nfull, K, B)
     assert plain[3] is None and all(torch.equal(a, b) for a, b in zip(plain[:3], (bits, active, canary), strict=True))
     page = tables.unsqueeze(1) * K + torch.arange(K, device=DEV).view(1, K, 1)  # [R, K, B]
     held = (tag[page] == page) & (tag_gen[page] == generation[tables].unsqueeze(1))
