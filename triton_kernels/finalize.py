@@ -169,6 +169,7 @@ def _finalize_kernel(
     b_out,  # out [6, R·H·G] int8: rung, rank, boundary, bound, canary, precondition
     active,  # [R, H] int32: 0 = leave this group's outputs as they are (USE_ACTIVE)
     need_out,  # in/out [R, H] int32: set to 1 for a group with a head that needs a top-up (NEED)
+    escalated,  # out [1] int8: set to 1 when a head is at rung ≥ 3 (FLAG_ESCALATED)
     f64c,  # [2] float64: alpha_inflation(N), value_inflation(N) (a float argument would be float32)
     B,
     S,
@@ -197,6 +198,7 @@ def _finalize_kernel(
     USE_ACTIVE: tl.constexpr,
     NEED: tl.constexpr,
     COVERAGE: tl.constexpr,
+    FLAG_ESCALATED: tl.constexpr,
     PRECISE: tl.constexpr,
 ):
     pid, rk, g, r = head_program(G, H)
@@ -206,19 +208,19 @@ def _finalize_kernel(
     for _ in range(0, n_go):
         _finalize_head(acc, den_p, aval_p, atail_p, s_tail, tail_v, l_tail, m, msplit, sabs, score_abs1, base_round,
                        v_max, eta_max, bits, l8, exact_lm, delta, nfull, lens, widened, canary, page_flags, out, f_out,
-                       i_out, b_out, need_out, f64c, B, S, S2, GS, VOUT, C1, C0, RF, BOUND_TOL, EPS, FORCE_RUNG,
-                       KEY_TOL, V_TOL, THR1, pid, rk, g, r, H, HP, G, D, DP, BP, DEPTH, CERTIFIED, RANK, PER_SPLIT,
-                       NEED, COVERAGE, PRECISE)  # fmt: skip
+                       i_out, b_out, need_out, escalated, f64c, B, S, S2, GS, VOUT, C1, C0, RF, BOUND_TOL, EPS,
+                       FORCE_RUNG, KEY_TOL, V_TOL, THR1, pid, rk, g, r, H, HP, G, D, DP, BP, DEPTH, CERTIFIED, RANK,
+                       PER_SPLIT, NEED, COVERAGE, FLAG_ESCALATED, PRECISE)  # fmt: skip
 
 
 @triton.jit
 def _finalize_head(acc, den_p, aval_p, atail_p, s_tail, tail_v, l_tail, m, msplit, sabs, score_abs1, base_round,
                    v_max, eta_max, bits, l8, exact_lm, delta, nfull, lens, widened, canary, page_flags, out, f_out,
-                   i_out, b_out, need_out, f64c, B, S, S2, GS, VOUT, C1, C0, RF, BOUND_TOL, EPS, FORCE_RUNG, KEY_TOL,
-                   V_TOL, THR1, pid, rk, g, r, H: tl.constexpr, HP: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+                   i_out, b_out, need_out, escalated, f64c, B, S, S2, GS, VOUT, C1, C0, RF, BOUND_TOL, EPS,
+                   FORCE_RUNG, KEY_TOL, V_TOL, THR1, pid, rk, g, r, H: tl.constexpr, HP: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
                    DP: tl.constexpr, BP: tl.constexpr, DEPTH: tl.constexpr, CERTIFIED: tl.constexpr, RANK: tl.constexpr,
                    PER_SPLIT: tl.constexpr, NEED: tl.constexpr, COVERAGE: tl.constexpr,
-                   PRECISE: tl.constexpr):  # fmt: skip
+                   FLAG_ESCALATED: tl.constexpr, PRECISE: tl.constexpr):  # fmt: skip
     """One (row, KV head, query head): output, certificate, checks and report (``_finalize_kernel``)."""
     N: tl.constexpr = 16
     dd = tl.arange(0, DP)
@@ -340,6 +342,8 @@ def _finalize_head(acc, den_p, aval_p, atail_p, s_tail, tail_v, l_tail, m, mspli
     tl.store(b_out + 3 * RHG + pid, bound_fail.to(tl.int8))
     tl.store(b_out + 4 * RHG + pid, canary_fail.to(tl.int8))
     tl.store(b_out + 5 * RHG + pid, precondition.to(tl.int8))
+    if FLAG_ESCALATED:  # every escalated head stores the same 1: no atomics needed
+        tl.store(escalated, tl.full([], 1, tl.int8), mask=exact)
     if NEED:  # the resident pass's top-up: a head outside its targets (certvllm.attention.resident)
         miss = (rung == _HEAD) | (e_key > KEY_TOL * vm) | (e_val > V_TOL * vm)
         if COVERAGE:
@@ -385,6 +389,7 @@ def finalize(
     into: Finalized | None = None,
     active: torch.Tensor | None = None,
     need: torch.Tensor | None = None,
+    escalated: torch.Tensor | None = None,
 ) -> Finalized:
     """Output ``[R, H_q, D]`` float32 and the report of a layer call (shapes in ``_finalize_kernel``'s argument
     comments; ``v_max``/``eta_max`` may carry a trailing 1, ``widened`` is bool, ``page_flags`` is
@@ -394,7 +399,8 @@ def finalize(
     an earlier call's buffers), ``active`` (``[R, K]`` int32: only these groups' heads are computed and written)
     and ``need`` (``[R, K]`` int32, zeroed by the caller: set to 1 where a head of the group misses ``policy``'s
     key_tol or v_tol, the rung-1 tail threshold under coverage selection, or the rung-3 checks, and is not at
-    rung 4)."""
+    rung 4). ``escalated``: a zeroed ``[1]`` int8 flag set to 1 when a head ends at rung 3 or 4
+    (``prepare.CallState.escalated``)."""
     launch_device_ok(l8)
     R, K, G, B = l8.shape
     D = tail_v.shape[-1]
@@ -416,12 +422,14 @@ def finalize(
         score_abs1.contiguous(), base_round.contiguous(), v_max.contiguous(), eta_max.contiguous(), bits,
         l8.contiguous(), exact_lm, delta.contiguous(), nfull, lens, widened.contiguous().view(torch.int8), canary,
         page_flags.contiguous(), out, f_out, i_out, b_out,
-        b_out if active is None else active, b_out if need is None else need, _f64_constants(dev), B,
+        b_out if active is None else active, b_out if need is None else need,
+        b_out if escalated is None else escalated, _f64_constants(dev), B,
         parts.den.shape[2], sabs.shape[-1], GAMMA_SLACK, 1 + 2.0**-20, c1, c0, round_factor(16), policy.bound_tol,
         policy.eps_guard, policy.forced_rung, policy.key_tol, policy.v_tol, policy.rung1_tail_threshold,
         H=K, HP=next_pow2(K), G=G, D=D, DP=next_pow2(D), BP=width_class(B).bp, DEPTH=policy.rank_depth,
         CERTIFIED=policy.certified, RANK=policy.checks_rank, PER_SPLIT=msplit is not None,
-        USE_ACTIVE=active is not None, NEED=need is not None, COVERAGE=not policy.key_budget, PRECISE=precise(), num_warps=4, enable_fp_fusion=False,
+        USE_ACTIVE=active is not None, NEED=need is not None, COVERAGE=not policy.key_budget,
+        FLAG_ESCALATED=escalated is not None, PRECISE=precise(), num_warps=4, enable_fp_fusion=False,
     )  # fmt: skip
     if into is not None:
         return into

@@ -67,6 +67,7 @@ def _prepare_kernel(
     active,  # out [R, H] int32 ones (g = 0)
     canary,  # out [R] int32 zeroed (h = g = 0)
     widened,  # out [R, H, G] int8 zeroed
+    escalated,  # out [1] int8 zeroed (pid = 0)
     B,
     RF,  # rounding_factor(D)
     C1,  # exp_rounding: |s|·C1 + C0
@@ -114,6 +115,8 @@ def _prepare_kernel(
     tl.store(base_round + pid, br)
     tl.store(round1 + pid, br + (sa * C1 + C0))
     tl.store(widened + pid, 0)
+    if pid == 0:
+        tl.store(escalated, 0)
 
     if g == 0:
         tl.store(tail_v + (rk * N + nn[:, None]) * D + dd[None, :], tv, mask=dd[None, :] < D)
@@ -138,6 +141,9 @@ class CallState:
         active: ``[R, K]`` int32 ones: every group is computed by the promotion and attend passes.
         canary: ``[R]`` int32 zeros: the rows' canary flags, set by the promotion pass.
         widened: ``[R, K, G]`` bool False: no rung 1 (what a call without selection reports).
+        escalated: ``[1]`` int8 zero: set to 1 by ``finalize`` when a head of the call is at rung 3 or 4 (the
+            predicate of the device re-run's conditional node, ``KernelTuning.rerun_if_node``); None where the
+            state was not made by :func:`prepare` (the torch glue).
         page_flags: ``[R, K]`` int32: 1 where a page of the group breaks a precondition or lacks ``FLAG_VALID``
             (phase 1's per-block ``bad`` flags reduced over the blocks); a row with any is certified at rung 4.
     """
@@ -147,6 +153,7 @@ class CallState:
     canary: torch.Tensor
     page_flags: torch.Tensor
     widened: torch.Tensor
+    escalated: torch.Tensor | None = None
 
 
 def prepare(qs: torch.Tensor, tail_raw: torch.Tensor, lens: torch.Tensor, p1) -> tuple[Phase1Summary, CallState]:
@@ -174,12 +181,14 @@ def prepare(qs: torch.Tensor, tail_raw: torch.Tensor, lens: torch.Tensor, p1) ->
     i32 = dict(dtype=torch.int32, device=qs.device)
     widened = torch.empty(R, K, G, dtype=torch.int8, device=qs.device)
     state = CallState(bits=torch.empty(R, K, B, **i32), active=torch.empty(R, K, **i32), canary=torch.empty(R, **i32),
-                      page_flags=torch.empty(R, K, **i32), widened=widened.view(torch.bool))  # fmt: skip
+                      page_flags=torch.empty(R, K, **i32), widened=widened.view(torch.bool),
+                      escalated=torch.empty(1, dtype=torch.int8, device=qs.device))  # fmt: skip
     c1, c0 = exp_factors()
     _prepare_kernel[(R * K * G,)](
         qs, tail_raw.contiguous(), lens, p1.l8, p1.eta, p1.nu, p1.rmax, p1.amax,
         out.s_tail, out.tail_v, out.l_tail, out.lse, out.score_abs1, out.base_round, out.round1, out.v_max,
-        out.eta_max, p1.bad, state.page_flags, state.bits, state.active, state.canary, widened, B, rounding_factor(D), c1, c0,
+        out.eta_max, p1.bad, state.page_flags, state.bits, state.active, state.canary, widened,
+        state.escalated, B, rounding_factor(D), c1, c0,
         H=K, G=G, D=D, DP=next_pow2(D), BP=width_class(B).bp, PRECISE=precise(), num_warps=4, enable_fp_fusion=False,
     )  # fmt: skip
     return out, state

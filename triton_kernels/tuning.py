@@ -39,6 +39,10 @@ configuration computes the same certified quantities (``tests/triton_kernels/tes
   iteration, its best layout at D = 128 (``docs/performance.md``).
 * ``prefetch_programs``, ``prefetch_unroll``: the step prefetch's staging gather: its programs and the
   pages each has in flight (``prefetch.stage_pages``).
+* ``rerun_if_node``: 1 puts the two-pass call's device re-run of rungs 3/4 (five launches that exit at once when no
+  head escalated) inside a CUDA-graph conditional node when the call is captured, on a flag the epilogue sets when a
+  head escalates, so a replay without escalation skips them; 0 launches them in every replay. Needs a torch with
+  conditional-node capture (``CUDAGraph.begin_capture_to_if_node``); without it, or eagerly, the launches stay.
 * ``dialect``: ``"auto"`` runs the Gluon kernels and the CUDA attend kernel where they compile (CUDA, a supported
   shape) and the Triton kernels otherwise (the interpreter included); ``"triton"`` always runs the Triton kernels
   (what tests and benchmarks that compare them pass).
@@ -74,6 +78,7 @@ _RULES = {
     "resident_maxnreg": (lambda x: x == 0 or 24 <= x <= 255, "0 (no cap) or an integer in [24, 255]"),
     "prefetch_programs": (lambda x: 1 <= x <= 1024, "an integer in [1, 1024]"),
     "prefetch_unroll": (lambda x: _pow2(x) and x <= 64, "a power of two in [1, 64]"),
+    "rerun_if_node": (lambda x: x in (0, 1), "0 (the re-run launched in every replay) or 1 (in a conditional node)"),
 }
 
 
@@ -96,6 +101,7 @@ class KernelTuning:
     resident_maxnreg: int = 0
     prefetch_programs: int = 8
     prefetch_unroll: int = 4
+    rerun_if_node: int = 0
     dialect: Literal["auto", "triton"] = "auto"
 
     def __post_init__(self) -> None:

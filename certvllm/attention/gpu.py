@@ -40,6 +40,7 @@ from certvllm.config import CertConfig
 from certvllm.formats.layout import key_scale_lut
 from certvllm.kv.cache import LayerKVCache
 from certvllm.kv.cuda_pagein import CudaPageInEngine, ensure_device_readable
+from certvllm.kv.graph_capture import if_node
 from certvllm.kv.pagein import PageInEngine
 from certvllm.kv.promotion_cache import PromotionCache
 from certvllm.triton_kernels.call_inputs import call_inputs
@@ -149,17 +150,28 @@ class DeviceRerun:
     p1: Phase1Out
     summary: Phase1Summary
     pool: PromotionCache | None = None
+    escalated: torch.Tensor | None = None  # [1] int8 set by finalize (KernelTuning.rerun_if_node), else None
 
     @property
     def bounds_zeroed(self) -> bool:
         """Whether the report already carries zero bounds on its rung-3/4 heads (``finalize`` writes them so)."""
         return self.call.glue_kernels
 
-    def apply(self, rung: torch.Tensor, out: torch.Tensor) -> None:
+    def apply(self, rung: torch.Tensor, out: torch.Tensor, forced: bool = False) -> None:
         """Overwrite ``out`` ``[R, H_q, D]`` on the heads whose ``rung`` ``[R, H_q]`` (int8) is ≥ 3 with exact
-        attention over the originals. When none escalated the kernels exit at once (no host synchronisation).
-        With a write-through pool (``PromotionCache.write_through``) the keys it holds under their current
-        generation are read from it, the shadow's bytes in VRAM, and only the rest over PCIe."""
+        attention over the originals. When none escalated the kernels exit at once (no host synchronisation); in
+        a CUDA-graph capture with ``KernelTuning.rerun_if_node`` they are the body of a conditional node on the
+        epilogue's escalation flag, which a replay skips when no head escalated (``forced``: the caller raised
+        rungs after the epilogue, so the flag may miss heads: the launches stay unconditional). With a
+        write-through pool (``PromotionCache.write_through``) the keys it holds under their current generation
+        are read from it, the shadow's bytes in VRAM, and only the rest over PCIe."""
+        if self.escalated is None or forced:
+            self._recompute(rung, out)
+            return
+        with if_node(self.escalated.view(torch.bool)[0]):
+            self._recompute(rung, out)
+
+    def _recompute(self, rung: torch.Tensor, out: torch.Tensor) -> None:
         c, s = self.call, self.summary
         R, K, G, B, D = c.shape
         kslot = None
@@ -252,9 +264,10 @@ def certified_rows(
     geo = Phase2Geometry(cache.layout, K, G, cache.sub_blocks, cache.num_blocks, splits2, bps2,
                          cache.keys_channel_major, tuning=options.tuning)  # fmt: skip
     parts, m, sabs, exact_lm = _phase2(call, geo, p1, summary, state, bits, pagein, pool, prefetch, timings)
-    out, report = _finish(call, p1, summary, state, parts, m, sabs, exact_lm, bits, widened)
+    escalated = state.escalated if call.glue_kernels and options.tuning.rerun_if_node else None
+    out, report = _finish(call, p1, summary, state, parts, m, sabs, exact_lm, bits, widened, escalated)
     mark(timings, "bounds")
-    return out, report, DeviceRerun(call, geo, p1, summary, pool)
+    return out, report, DeviceRerun(call, geo, p1, summary, pool, escalated)
 
 
 def _select(
@@ -370,15 +383,17 @@ def _finish(
     exact_lm: torch.Tensor,
     bits: torch.Tensor,
     widened: torch.Tensor,
+    escalated: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, CertReport]:
-    """Output, bounds on the output actually computed, checks and report: one kernel, or the torch epilogue."""
+    """Output, bounds on the output actually computed, checks and report: one kernel (which also sets
+    ``escalated`` when given), or the torch epilogue."""
     R, K, G, B, D = call.shape
     dev = call.qs.device
     s, canary = summary, state.canary
     if call.glue_kernels:
         done = finalize(parts, s.s_tail, s.tail_v, s.l_tail, m, sabs, s.score_abs1, s.base_round, s.v_max,
                         s.eta_max, bits, p1.l8, exact_lm, p1.delta, call.nfull, call.lens, widened, canary,
-                        state.page_flags, call.cfg.ladder)  # fmt: skip
+                        state.page_flags, call.cfg.ladder, escalated=escalated)  # fmt: skip
         return done.out, done.report
     bad_page = state.page_flags.amax(dim=1) > 0  # (R,)
     shifts = torch.arange(G, device=dev, dtype=torch.int32).view(1, 1, G, 1)

@@ -188,7 +188,7 @@ def certified_attention(
         if force_exact is not None:
             report.rung.masked_fill_(force_exact.to(dev, torch.bool).view(R, 1), RUNG_LAYER_DENSE)
         if rerun is not None and exact_rows is None:
-            rerun.apply(report.rung, out)  # on the device, no synchronisation
+            rerun.apply(report.rung, out, forced=force_exact is not None)  # on the device, no synchronisation
             gpu.mark(timings, "fallback")
             if rerun.bounds_zeroed and force_exact is None:  # the device epilogue wrote them: no launches
                 return CertifiedOutput(out, report)

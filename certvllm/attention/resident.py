@@ -174,9 +174,10 @@ class ResidentRerun:
     bounds_zeroed = False
     """The report's rung-3/4 heads may keep bounds (a canary failure raises a row to rung 4 after ``finalize``)."""
 
-    def apply(self, rung: torch.Tensor, out: torch.Tensor) -> None:
+    def apply(self, rung: torch.Tensor, out: torch.Tensor, forced: bool = False) -> None:
         """Overwrite ``out`` ``[R, H_q, D]`` on the heads whose ``rung`` ``[R, H_q]`` is ≥ 3 with float32 attention
-        over the originals (every block read unquantized). No host synchronisation."""
+        over the originals (every block read unquantized). No host synchronisation. (``forced``: as
+        ``gpu.DeviceRerun.apply``'s; this re-run is never conditional.)"""
         call, s = self.state.call, self.state.summary
         R, K, G, _, _ = call.shape
         active = (rung >= RUNG_HEAD_DENSE).view(R, K, G).any(dim=-1).to(torch.int32)

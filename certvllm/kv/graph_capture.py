@@ -13,8 +13,8 @@ from __future__ import annotations
 import logging
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Hashable
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Hashable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, Generic, TypeVar
 
 import torch
@@ -56,6 +56,30 @@ def capture_on_side_stream(
     finally:
         main.wait_stream(side)
     return graph, result, entered
+
+
+def conditional_nodes_supported() -> bool:
+    """Whether this torch records CUDA-graph conditional nodes (``CUDAGraph.begin_capture_to_if_node``)."""
+    graph = torch.cuda.CUDAGraph
+    return hasattr(graph, "get_currently_capturing_graph") and hasattr(graph, "begin_capture_to_if_node")
+
+
+@contextmanager
+def if_node(pred: torch.Tensor) -> Iterator[bool]:
+    """Record the device work of the block as the body of an IF conditional node of the graph being captured on
+    the current stream: a replay runs it only when ``pred`` (a 0-dim bool CUDA tensor) is true at that point of
+    the replay. The block's allocations come from the graph's pool, as the rest of the capture's. Outside a
+    capture, or with a torch that cannot record conditional nodes, the block runs as it is. Yields whether it is
+    conditional."""
+    if pred.device.type != "cuda" or not torch.cuda.is_current_stream_capturing() or not conditional_nodes_supported():
+        yield False
+        return
+    graph = torch.cuda.CUDAGraph.get_currently_capturing_graph()
+    graph.begin_capture_to_if_node(pred)
+    try:
+        yield True
+    finally:
+        graph.end_capture_to_conditional_node()
 
 
 class GraphStore(Generic[E, I]):

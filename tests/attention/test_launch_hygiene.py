@@ -103,3 +103,29 @@ def test_a_certified_call_launches_only_its_kernels_and_the_listed_counters(laun
         result = layer._op(q, tables, seq_lens, 0, None, None)
     assert result.out.shape == (2, 8, 64)
     assert launches.seen == EXPECTED, f"torch launches in the call: {dict(launches.seen)}"
+
+
+@pytest.mark.parametrize("overrides,escalates", [({}, False), ({"force_fallback": "head"}, True)])
+def test_the_rerun_flag_marks_exactly_the_calls_with_an_escalated_head(monkeypatch, overrides, escalates):
+    """``KernelTuning.rerun_if_node``: the epilogue's flag (the predicate of the re-run's conditional node in a graph
+    capture) is 1 exactly when a head ends at rung 3 or 4, and the call's output and report are those of the call
+    without the option (eagerly the re-run runs either way)."""
+    from certvllm.attention import gpu
+
+    seen = []
+    apply = gpu.DeviceRerun.apply
+
+    def spy(self, rung, out, forced=False):
+        seen.append((None if self.escalated is None else int(self.escalated[0]), bool((rung >= 3).any())))
+        return apply(self, rung, out, forced)
+
+    monkeypatch.setattr(gpu.DeviceRerun, "apply", spy)
+    results = []
+    for tuning in ("", "rerun_if_node=1"):
+        cfg = load_config("default", kernel_tuning=tuning, **overrides)
+        results.append(SyntheticLayer(8, 2, 64, torch.float16, cfg, "cpu", blocks=16).call([100, 70]))
+    (plain_flag, plain_any), (flag, any_escalated) = seen
+    assert plain_flag is None and plain_any == any_escalated == escalates
+    assert flag == int(escalates)
+    plain, flagged = results
+    assert torch.equal(plain.out, flagged.out) and torch.equal(plain.report.rung, flagged.report.rung)

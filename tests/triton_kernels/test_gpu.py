@@ -386,6 +386,45 @@ def test_device_fallback_is_sync_free_and_graph_capturable(decode_pass):
         assert residency.pool.take_stats()["hits"] > 0
 
 
+@pytest.mark.parametrize("preset,overrides", [("default", {}), ("default", {"force_fallback": "head"}), ("naive", {})])
+def test_rerun_in_a_conditional_node_replays_as_the_eager_call(preset, overrides):
+    """``KernelTuning.rerun_if_node``: captured in a graph, the device re-run is the body of a conditional node on the
+    epilogue's escalation flag. A replay returns what the eager call returned, with escalated heads (forced to rung 3)
+    and without (naive), and the flag says which."""
+    from certvllm.config import load_config
+    from certvllm.kv.cuda_pagein import CudaPageInEngine
+    from certvllm.kv.graph_capture import conditional_nodes_supported
+    from certvllm.testing import make_case
+
+    if not conditional_nodes_supported():
+        pytest.skip(f"torch {torch.__version__} cannot record CUDA-graph conditional nodes: the option does nothing")
+    gen = torch.Generator().manual_seed(6)
+    cases = [make_case("sink_and_recency", t, 32, 8, 128, torch.bfloat16, gen) for t in (3000, 900, 77)]
+    cache, tables, lens, _ = cuda_batch(cases)
+    q = torch.stack([c.q for c in cases]).cuda()
+    cfg = load_config(preset, kernel_tuning="rerun_if_node=1", **overrides)
+    eng = CudaPageInEngine("cuda")
+    residency = pooled(cache, cfg)
+
+    def call():
+        return cuda_call(q, cache, tables, lens, cfg, residency, pagein=eng)
+
+    eager = call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = call()
+    captured.out.fill_(float("nan"))  # the replay must write every output, the re-run's heads included
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured.out, eager.out) and torch.equal(captured.report.rung, eager.report.rung)
+    if overrides:  # every head forced to rung 3: the node's body runs
+        assert bool((eager.report.rung >= 3).all())
+    if preset == "naive":  # no head escalates: the node's body is skipped, and its outputs are the epilogue's
+        assert not bool((eager.report.rung >= 3).any())
+    print(f"{preset} {overrides}: escalated heads {int((eager.report.rung >= 3).sum())}")
+
+
 @pytest.mark.parametrize("decode_pass", DECODE_PASSES)
 def test_gpu_canary_catches_corrupted_pages(decode_pass):
     from certvllm.attention import certified_attention, dense_decode
