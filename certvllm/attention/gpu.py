@@ -205,12 +205,12 @@ def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def begin_call(layer_call: LayerCall, glue_kernels) -> tuple[_Call, torch.Tensor, object]:
+def begin_call(layer_call: LayerCall, glue_kernels, tail_fork: bool = False) -> tuple[_Call, torch.Tensor, object]:
     """What every CUDA layer call starts with: the checks, the call's tensors on the pages' device (scaled
     float32 queries, int64 tables and lengths, full-block counts and masks, in one launch: ``call_inputs``;
     ``glue_kernels(width)`` says whether the glue runs as kernels), and the gather of each row's trailing
-    partial block from the shadow, on the side stream where the page-in engine has one: ``(call, tail_raw
-    [R, H_kv, 2, N, D], event or None)``."""
+    partial block from the shadow, on the side stream where the page-in engine has one (in a graph capture too with
+    ``tail_fork``, ``KernelTuning.tail_fork``): ``(call, tail_raw [R, H_kv, 2, N, D], event or None)``."""
     q, cache, pagein = layer_call.q, layer_call.cache, layer_call.pagein
     check_group(q.shape[1], cache.num_kv_heads)
     dev = cache.pages.device
@@ -221,7 +221,7 @@ def begin_call(layer_call: LayerCall, glue_kernels) -> tuple[_Call, torch.Tensor
     )  # fmt: skip
     call = _Call(cache, layer_call.cfg, qs, tables, lens, nfull, bvalid, glue_kernels(tables.shape[1]))
     if isinstance(pagein, CudaPageInEngine):
-        tail_raw, tail_event = pagein.gather_blocks_async(cache, tail_ids)
+        tail_raw, tail_event = pagein.gather_blocks_async(cache, tail_ids, fork_in_capture=tail_fork)
     else:
         tail_raw, tail_event = pagein.gather_blocks(cache, tail_ids.cpu()).to(dev), None
     return call, tail_raw, tail_event
@@ -239,7 +239,8 @@ def certified_rows(
     ``(StepPrefetcher, layer index)`` (either may be None). Runs on CPU tensors under ``TRITON_INTERPRET=1``."""
     cache, pagein, generator = layer_call.cache, layer_call.pagein, layer_call.generator
     mark(timings, "start")
-    call, tail_raw, tail_event = begin_call(layer_call, lambda width: _glue_kernels(options, width))
+    call, tail_raw, tail_event = begin_call(layer_call, lambda width: _glue_kernels(options, width),
+                                            bool(options.tuning.tail_fork))  # fmt: skip
     R, K, G, B, D = call.shape
     dev, tables, nfull, lens = call.qs.device, call.tables, call.nfull, call.lens
     splits, bps = split_plan(B, R * K, options.blocks_per_split, tuning=options.tuning)

@@ -112,14 +112,17 @@ class CudaPageInEngine(PageInEngine):
         self._device_counts: torch.Tensor | None = None  # [3] int64: key blocks, value blocks, bytes
 
     # -- gathers ---------------------------------------------------------------------------------
-    def _run(self, cache: LayerKVCache, ids: torch.Tensor, heads: torch.Tensor | None,
-             direct: DirectKeys | None = None) -> tuple[torch.Tensor, object]:  # fmt: skip
-        """Gather (``ids[i]``, ``heads[i]``) pages, or with ``heads`` None every KV head of each id (block-major)."""
+    def _run(self, cache: LayerKVCache, ids: torch.Tensor, heads: torch.Tensor | None, direct: DirectKeys | None = None,
+             fork_in_capture: bool = False) -> tuple[torch.Tensor, object]:  # fmt: skip
+        """Gather (``ids[i]``, ``heads[i]``) pages, or with ``heads`` None every KV head of each id (block-major),
+        on the side stream (``event`` marks the end: the caller waits for it). In a CUDA-graph capture the gather
+        is captured on the current stream (``event`` None), unless ``fork_in_capture``: then the side stream is a
+        branch of the graph, which the caller's wait joins."""
         start = time.perf_counter()
         ids = ids.to(self.device, torch.int64, non_blocking=True)
         if heads is not None:
             heads = heads.to(self.device, torch.int64, non_blocking=True)
-        if self._stream is None or torch.cuda.is_current_stream_capturing():
+        if self._stream is None or (torch.cuda.is_current_stream_capturing() and not fork_in_capture):
             out = _gather(cache, ids, heads, self.device, direct)
             event = None
         else:
@@ -152,11 +155,12 @@ class CudaPageInEngine(PageInEngine):
         """:meth:`gather_kv` without waiting: ``([n, 2, N, D], event)``."""
         return self._run(cache, block_ids.reshape(-1), kv_heads.reshape(-1))
 
-    def gather_blocks_async(self, cache: LayerKVCache, block_ids: torch.Tensor,
-                            direct: DirectKeys | None = None) -> tuple[torch.Tensor, object]:  # fmt: skip
-        """:meth:`gather_blocks` without waiting: ``([n, H_kv, 2, N, D], event)``."""
+    def gather_blocks_async(self, cache: LayerKVCache, block_ids: torch.Tensor, direct: DirectKeys | None = None,
+                            fork_in_capture: bool = False) -> tuple[torch.Tensor, object]:  # fmt: skip
+        """:meth:`gather_blocks` without waiting: ``([n, H_kv, 2, N, D], event)``; ``fork_in_capture``: as
+        :meth:`_run`'s (the caller must wait for ``event`` before its capture ends)."""
         ids = block_ids.reshape(-1)
-        out, event = self._run(cache, ids, None, direct)  # every head of each block, in one launch
+        out, event = self._run(cache, ids, None, direct, fork_in_capture)  # every head of each block, in one launch
         return out.view(ids.numel(), cache.num_kv_heads, 2, cache.layout.block_size, cache.layout.head_dim), event
 
     def gather_kv(self, cache: LayerKVCache, block_ids: torch.Tensor, kv_heads: torch.Tensor) -> torch.Tensor:

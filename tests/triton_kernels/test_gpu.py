@@ -386,23 +386,25 @@ def test_device_fallback_is_sync_free_and_graph_capturable(decode_pass):
         assert residency.pool.take_stats()["hits"] > 0
 
 
+@pytest.mark.parametrize("tuning", ["rerun_if_node=1", "tail_fork=1"])
 @pytest.mark.parametrize("preset,overrides", [("default", {}), ("default", {"force_fallback": "head"}), ("naive", {})])
-def test_rerun_in_a_conditional_node_replays_as_the_eager_call(preset, overrides):
-    """``KernelTuning.rerun_if_node``: captured in a graph, the device re-run is the body of a conditional node on the
-    epilogue's escalation flag. A replay returns what the eager call returned, with escalated heads (forced to rung 3)
-    and without (naive), and the flag says which."""
+def test_graph_shapes_of_the_call_replay_as_the_eager_call(tuning, preset, overrides):
+    """Two opt-in shapes of a captured call: ``rerun_if_node`` (the device re-run is the body of a conditional node on
+    the epilogue's escalation flag) and ``tail_fork`` (the partial blocks' gather is a side-stream branch of the graph,
+    joined before ``prepare``). A replay returns what the eager call returned, with escalated heads (forced to rung 3)
+    and without (naive)."""
     from certvllm.config import load_config
     from certvllm.kv.cuda_pagein import CudaPageInEngine
     from certvllm.kv.graph_capture import conditional_nodes_supported
     from certvllm.testing import make_case
 
-    if not conditional_nodes_supported():
+    if "rerun_if_node" in tuning and not conditional_nodes_supported():
         pytest.skip(f"torch {torch.__version__} cannot record CUDA-graph conditional nodes: the option does nothing")
     gen = torch.Generator().manual_seed(6)
     cases = [make_case("sink_and_recency", t, 32, 8, 128, torch.bfloat16, gen) for t in (3000, 900, 77)]
     cache, tables, lens, _ = cuda_batch(cases)
     q = torch.stack([c.q for c in cases]).cuda()
-    cfg = load_config(preset, kernel_tuning="rerun_if_node=1", **overrides)
+    cfg = load_config(preset, kernel_tuning=tuning, **overrides)
     eng = CudaPageInEngine("cuda")
     residency = pooled(cache, cfg)
 
