@@ -170,6 +170,8 @@ def _finalize_kernel(
     active,  # [R, H] int32: 0 = leave this group's outputs as they are (USE_ACTIVE)
     need_out,  # in/out [R, H] int32: set to 1 for a group with a head that needs a top-up (NEED)
     escalated,  # out [1] int8: set to 1 when a head is at rung ≥ 3 (FLAG_ESCALATED)
+    counts,  # in/out [3] int64: += key blocks, value blocks, page-in bytes (COUNT)
+    key_paged,  # 0-dim int64: key pages read over PCIe (COUNT and HAS_PAGED)
     f64c,  # [2] float64: alpha_inflation(N), value_inflation(N) (a float argument would be float32)
     B,
     S,
@@ -199,6 +201,10 @@ def _finalize_kernel(
     NEED: tl.constexpr,
     COVERAGE: tl.constexpr,
     FLAG_ESCALATED: tl.constexpr,
+    COUNT: tl.constexpr,  # the call's promotion counts (TrafficCount)
+    HAS_PAGED: tl.constexpr,  # the paged key pages from key_paged, else the words with a PAGED_MASK bit
+    PAGED_MASK: tl.constexpr,
+    PAGE_HALF: tl.constexpr,  # bytes of a page's keys (or values)
     PRECISE: tl.constexpr,
 ):
     pid, rk, g, r = head_program(G, H)
@@ -208,19 +214,21 @@ def _finalize_kernel(
     for _ in range(0, n_go):
         _finalize_head(acc, den_p, aval_p, atail_p, s_tail, tail_v, l_tail, m, msplit, sabs, score_abs1, base_round,
                        v_max, eta_max, bits, l8, exact_lm, delta, nfull, lens, widened, canary, page_flags, out, f_out,
-                       i_out, b_out, need_out, escalated, f64c, B, S, S2, GS, VOUT, C1, C0, RF, BOUND_TOL, EPS,
-                       FORCE_RUNG, KEY_TOL, V_TOL, THR1, pid, rk, g, r, H, HP, G, D, DP, BP, DEPTH, CERTIFIED, RANK,
-                       PER_SPLIT, NEED, COVERAGE, FLAG_ESCALATED, PRECISE)  # fmt: skip
+                       i_out, b_out, need_out, escalated, counts, key_paged, f64c, B, S, S2, GS, VOUT, C1, C0, RF,
+                       BOUND_TOL, EPS, FORCE_RUNG, KEY_TOL, V_TOL, THR1, pid, rk, g, r, H, HP, G, D, DP, BP, DEPTH,
+                       CERTIFIED, RANK, PER_SPLIT, NEED, COVERAGE, FLAG_ESCALATED, COUNT, HAS_PAGED, PAGED_MASK,
+                       PAGE_HALF, PRECISE)  # fmt: skip
 
 
 @triton.jit
 def _finalize_head(acc, den_p, aval_p, atail_p, s_tail, tail_v, l_tail, m, msplit, sabs, score_abs1, base_round,
                    v_max, eta_max, bits, l8, exact_lm, delta, nfull, lens, widened, canary, page_flags, out, f_out,
-                   i_out, b_out, need_out, escalated, f64c, B, S, S2, GS, VOUT, C1, C0, RF, BOUND_TOL, EPS,
-                   FORCE_RUNG, KEY_TOL, V_TOL, THR1, pid, rk, g, r, H: tl.constexpr, HP: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+                   i_out, b_out, need_out, escalated, counts, key_paged, f64c, B, S, S2, GS, VOUT, C1, C0, RF,
+                   BOUND_TOL, EPS, FORCE_RUNG, KEY_TOL, V_TOL, THR1, pid, rk, g, r, H: tl.constexpr, HP: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
                    DP: tl.constexpr, BP: tl.constexpr, DEPTH: tl.constexpr, CERTIFIED: tl.constexpr, RANK: tl.constexpr,
                    PER_SPLIT: tl.constexpr, NEED: tl.constexpr, COVERAGE: tl.constexpr,
-                   FLAG_ESCALATED: tl.constexpr, PRECISE: tl.constexpr):  # fmt: skip
+                   FLAG_ESCALATED: tl.constexpr, COUNT: tl.constexpr, HAS_PAGED: tl.constexpr,
+                   PAGED_MASK: tl.constexpr, PAGE_HALF: tl.constexpr, PRECISE: tl.constexpr):  # fmt: skip
     """One (row, KV head, query head): output, certificate, checks and report (``_finalize_kernel``)."""
     N: tl.constexpr = 16
     dd = tl.arange(0, DP)
@@ -248,6 +256,16 @@ def _finalize_head(acc, den_p, aval_p, atail_p, s_tail, tail_v, l_tail, m, mspli
     nf = tl.load(nfull + r).to(tl.int32)
     valid = pos < nf
     word = tl.load(bits + rk * B + pos, mask=pos < B, other=0)
+    if COUNT:  # noqa: SIM102 - a constexpr branch around a runtime one (Triton)
+        if g == 0:  # once per (row, KV head): its words, as the torch sums over the bitmask count them
+            nvalues = tl.sum(((word >> G) != 0).to(tl.int64), 0)
+            if HAS_PAGED:
+                paged = tl.where(pid == 0, tl.load(key_paged).to(tl.int64), 0)
+            else:
+                paged = tl.sum(((word & PAGED_MASK) != 0).to(tl.int64), 0)
+            tl.atomic_add(counts, tl.sum(((word & ((1 << G) - 1)) != 0).to(tl.int64), 0))
+            tl.atomic_add(counts + 1, nvalues)
+            tl.atomic_add(counts + 2, (paged + nvalues) * PAGE_HALF)
     keyb = ((word >> g) & 1) != 0
     valb = ((word >> (G + g)) & 1) != 0
     dl = tl.load(delta + pid * B + pos, mask=pos < B, other=0.0)
@@ -351,6 +369,20 @@ def _finalize_head(acc, den_p, aval_p, atail_p, s_tail, tail_v, l_tail, m, mspli
         tl.atomic_or(need_out + rk, (miss & (rung < _LAYER)).to(tl.int32))
 
 
+@dataclass(frozen=True)
+class TrafficCount:
+    """What :func:`finalize` adds to ``counts`` (``[3]`` int64, zeroed by ``prepare``), the call's promotion traffic
+    for ``CudaPageInEngine.add_device_count_vector``: the words of the ``[R, K, B]`` bitmask with a key bit, those with
+    a value bit, and (paged key pages + value blocks)·``page_half`` bytes, where the paged key pages are the 0-dim
+    ``key_paged`` (the pool's count, read once) or, when None, the words with a ``paged_mask`` bit (every key page
+    the promotion pass read came over PCIe)."""
+
+    counts: torch.Tensor
+    key_paged: torch.Tensor | None
+    paged_mask: int
+    page_half: int
+
+
 @dataclass
 class Finalized:
     """What :func:`finalize` wrote: ``out`` ``[R, H_q, D]`` float32, the ``report`` (views of the buffers
@@ -390,6 +422,7 @@ def finalize(
     active: torch.Tensor | None = None,
     need: torch.Tensor | None = None,
     escalated: torch.Tensor | None = None,
+    traffic: TrafficCount | None = None,
 ) -> Finalized:
     """Output ``[R, H_q, D]`` float32 and the report of a layer call (shapes in ``_finalize_kernel``'s argument
     comments; ``v_max``/``eta_max`` may carry a trailing 1, ``widened`` is bool, ``page_flags`` is
@@ -400,7 +433,7 @@ def finalize(
     and ``need`` (``[R, K]`` int32, zeroed by the caller: set to 1 where a head of the group misses ``policy``'s
     key_tol or v_tol, the rung-1 tail threshold under coverage selection, or the rung-3 checks, and is not at
     rung 4). ``escalated``: a zeroed ``[1]`` int8 flag set to 1 when a head ends at rung 3 or 4
-    (``prepare.CallState.escalated``)."""
+    (``prepare.CallState.escalated``). ``traffic``: also add the call's promotion counts (:class:`TrafficCount`)."""
     launch_device_ok(l8)
     R, K, G, B = l8.shape
     D = tail_v.shape[-1]
@@ -423,13 +456,17 @@ def finalize(
         l8.contiguous(), exact_lm, delta.contiguous(), nfull, lens, widened.contiguous().view(torch.int8), canary,
         page_flags.contiguous(), out, f_out, i_out, b_out,
         b_out if active is None else active, b_out if need is None else need,
-        b_out if escalated is None else escalated, _f64_constants(dev), B,
+        b_out if escalated is None else escalated, i_out if traffic is None else traffic.counts,
+        i_out if traffic is None or traffic.key_paged is None else traffic.key_paged, _f64_constants(dev), B,
         parts.den.shape[2], sabs.shape[-1], GAMMA_SLACK, 1 + 2.0**-20, c1, c0, round_factor(16), policy.bound_tol,
         policy.eps_guard, policy.forced_rung, policy.key_tol, policy.v_tol, policy.rung1_tail_threshold,
         H=K, HP=next_pow2(K), G=G, D=D, DP=next_pow2(D), BP=width_class(B).bp, DEPTH=policy.rank_depth,
         CERTIFIED=policy.certified, RANK=policy.checks_rank, PER_SPLIT=msplit is not None,
         USE_ACTIVE=active is not None, NEED=need is not None, COVERAGE=not policy.key_budget,
-        FLAG_ESCALATED=escalated is not None, PRECISE=precise(), num_warps=4, enable_fp_fusion=False,
+        FLAG_ESCALATED=escalated is not None, COUNT=traffic is not None,
+        HAS_PAGED=traffic is not None and traffic.key_paged is not None,
+        PAGED_MASK=0 if traffic is None else traffic.paged_mask, PAGE_HALF=0 if traffic is None else traffic.page_half,
+        PRECISE=precise(), num_warps=4, enable_fp_fusion=False,
     )  # fmt: skip
     if into is not None:
         return into

@@ -19,7 +19,7 @@ LAUNCHED: dict[str, tuple[str, ...]] = {
     "phase1_mma": ("_phase1_mma_kernel",),
     "phase1_mma_gluon": ("_phase1_mma_gluon_kernel",),
     "phase2": ("_promote_kernel", "_attend_kernel"),
-    "phase2_glue": ("_global_max_kernel", "_rerun_inputs_kernel", "_promotion_counts_kernel"),
+    "phase2_glue": ("_global_max_kernel", "_rerun_inputs_kernel"),
     "call_inputs": ("_call_inputs_kernel",),
     "prepare": ("_prepare_kernel",),
     "select": ("_select_kernel",),

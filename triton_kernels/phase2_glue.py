@@ -3,11 +3,11 @@
 * :func:`global_max`: the attend pass's m = max(max_s smax, max_t s_tail) per query head (torch's
   ``amax``/``maximum``, NaN kept), 3 launches → 1;
 * :func:`rerun_inputs`: the exact re-run's promotion bitmask (every bit on the full blocks of an escalated
-  group), its active flags and a zeroed canary, from the ``[R, H_q]`` rungs of the report, 7 launches → 1;
-* :func:`promotion_counts`: a call's promoted key blocks, value blocks and page-in bytes as one ``[3]``
-  int64 tensor (``CudaPageInEngine.add_device_counts``), about 12 launches → 2.
+  group), its active flags and a zeroed canary, from the ``[R, H_q]`` rungs of the report, 7 launches → 1.
 
-Each returns what its torch expression did, exactly (integer counts; maxima are exact), so callers may use
+(A call's promotion counts are the epilogue's: ``finalize.TrafficCount``.)
+
+Each returns what its torch expression did, exactly (integer flags; maxima are exact), so callers may use
 either. Tested against those expressions under the interpreter (``tests/triton_kernels/test_phase2_glue.py``).
 """
 
@@ -24,8 +24,6 @@ from .shape_class import JIT_OPTIONS
 
 _HEAD = tl.constexpr(RUNG_HEAD_DENSE)
 
-COUNT_BLOCK = 4096
-"""Bitmask words per program of the count kernel."""
 RERUN_BLOCK = 1024
 """Block columns per iteration of the re-run input kernel."""
 
@@ -111,39 +109,3 @@ def rerun_inputs(rung: torch.Tensor, nfull: torch.Tensor, num_kv_heads: int, num
                                    GP=next_pow2(G), H=K, FULL=full, BLOCK=min(RERUN_BLOCK, next_pow2(B)),
                                    num_warps=4, **extra)  # fmt: skip
     return bits, active, canary, kslot
-
-
-@triton.jit(**JIT_OPTIONS)
-def _promotion_counts_kernel(bits, n, key_paged, counts, G: tl.constexpr, PAGED_MASK: tl.constexpr,
-                             HAS_PAGED: tl.constexpr, PAGE_HALF: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
-    """counts[0] += words with a key bit, counts[1] += words with a value bit, counts[2] += page-in bytes:
-    (paged key pages + value pages)·PAGE_HALF, the paged keys read from ``key_paged`` (HAS_PAGED, added once,
-    by program 0) or counted as the words with a ``PAGED_MASK`` bit."""
-    pid = tl.program_id(0)
-    i = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    w = tl.load(bits + i, mask=i < n, other=0)
-    keys = tl.sum(((w & ((1 << G) - 1)) != 0).to(tl.int64), 0)
-    values = tl.sum(((w >> G) != 0).to(tl.int64), 0)
-    if HAS_PAGED:
-        paged = tl.where(pid == 0, tl.load(key_paged).to(tl.int64), 0)
-    else:
-        paged = tl.sum(((w & PAGED_MASK) != 0).to(tl.int64), 0)
-    tl.atomic_add(counts, keys)
-    tl.atomic_add(counts + 1, values)
-    tl.atomic_add(counts + 2, (paged + values) * PAGE_HALF)
-
-
-def promotion_counts(bits: torch.Tensor, group: int, key_paged: torch.Tensor | None, paged_mask: int,
-                     page_half: int) -> torch.Tensor:  # fmt: skip
-    """``[R, K, B]`` int32 promotion bitmask → ``[3]`` int64 (key blocks, value blocks, page-in bytes):
-    ``((bits & key_bits) != 0).sum()``, ``((bits >> G) != 0).sum()`` and
-    ``(paged + value blocks)·page_half``, where paged is the 0-dim ``key_paged`` or, when None,
-    ``((bits & paged_mask) != 0).sum()``."""
-    launch_device_ok(bits)
-    counts = torch.zeros(3, dtype=torch.int64, device=bits.device)
-    n = bits.numel()
-    _promotion_counts_kernel[(max(1, triton.cdiv(n, COUNT_BLOCK)),)](
-        bits.contiguous(), n, counts if key_paged is None else key_paged, counts, G=group, PAGED_MASK=paged_mask,
-        HAS_PAGED=key_paged is not None, PAGE_HALF=page_half, BLOCK=COUNT_BLOCK, num_warps=4,
-    )  # fmt: skip
-    return counts

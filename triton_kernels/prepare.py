@@ -15,7 +15,8 @@ The same values as its torch reference, ``certvllm.attention.epilogue.summarize`
 
 It also initialises the per-call device state of the passes after it (:class:`CallState`), so that they need no
 fill or reduction launches of their own: the promotion bitmask zeroed (selection ORs into it), every group active,
-the rows' canary flags zeroed (the promotion pass sets them) and phase 1's page flags reduced per (row, KV head).
+the rows' canary flags zeroed (the promotion pass sets them), phase 1's page flags reduced per (row, KV head), and
+the flags and counters the epilogue sets zeroed.
 
 Maxima propagate NaN as torch's ``amax`` does; sums over D and over blocks are in another order than the
 reference's (any order is covered by γ_n, docs/certification.md §5); compiled without FMA contraction.
@@ -68,6 +69,7 @@ def _prepare_kernel(
     canary,  # out [R] int32 zeroed (h = g = 0)
     widened,  # out [R, H, G] int8 zeroed
     escalated,  # out [1] int8 zeroed (pid = 0)
+    counts,  # out [3] int64 zeroed (pid = 0)
     B,
     RF,  # rounding_factor(D)
     C1,  # exp_rounding: |s|·C1 + C0
@@ -117,6 +119,7 @@ def _prepare_kernel(
     tl.store(widened + pid, 0)
     if pid == 0:
         tl.store(escalated, 0)
+        tl.store(counts + tl.arange(0, 4), tl.zeros([4], tl.int64), mask=tl.arange(0, 4) < 3)
 
     if g == 0:
         tl.store(tail_v + (rk * N + nn[:, None]) * D + dd[None, :], tv, mask=dd[None, :] < D)
@@ -144,6 +147,8 @@ class CallState:
         escalated: ``[1]`` int8 zero: set to 1 by ``finalize`` when a head of the call is at rung 3 or 4 (the
             predicate of the device re-run's conditional node, ``KernelTuning.rerun_if_node``); None where the
             state was not made by :func:`prepare` (the torch glue).
+        counts: ``[3]`` int64 zeros: the call's promoted key blocks, value blocks and page-in bytes, which
+            ``finalize`` counts (``finalize.TrafficCount``); None where the state was not made by :func:`prepare`.
         page_flags: ``[R, K]`` int32: 1 where a page of the group breaks a precondition or lacks ``FLAG_VALID``
             (phase 1's per-block ``bad`` flags reduced over the blocks); a row with any is certified at rung 4.
     """
@@ -154,6 +159,7 @@ class CallState:
     page_flags: torch.Tensor
     widened: torch.Tensor
     escalated: torch.Tensor | None = None
+    counts: torch.Tensor | None = None
 
 
 def prepare(qs: torch.Tensor, tail_raw: torch.Tensor, lens: torch.Tensor, p1) -> tuple[Phase1Summary, CallState]:
@@ -182,13 +188,14 @@ def prepare(qs: torch.Tensor, tail_raw: torch.Tensor, lens: torch.Tensor, p1) ->
     widened = torch.empty(R, K, G, dtype=torch.int8, device=qs.device)
     state = CallState(bits=torch.empty(R, K, B, **i32), active=torch.empty(R, K, **i32), canary=torch.empty(R, **i32),
                       page_flags=torch.empty(R, K, **i32), widened=widened.view(torch.bool),
-                      escalated=torch.empty(1, dtype=torch.int8, device=qs.device))  # fmt: skip
+                      escalated=torch.empty(1, dtype=torch.int8, device=qs.device),
+                      counts=torch.empty(3, dtype=torch.int64, device=qs.device))  # fmt: skip
     c1, c0 = exp_factors()
     _prepare_kernel[(R * K * G,)](
         qs, tail_raw.contiguous(), lens, p1.l8, p1.eta, p1.nu, p1.rmax, p1.amax,
         out.s_tail, out.tail_v, out.l_tail, out.lse, out.score_abs1, out.base_round, out.round1, out.v_max,
         out.eta_max, p1.bad, state.page_flags, state.bits, state.active, state.canary, widened,
-        state.escalated, B, rounding_factor(D), c1, c0,
+        state.escalated, state.counts, B, rounding_factor(D), c1, c0,
         H=K, G=G, D=D, DP=next_pow2(D), BP=width_class(B).bp, PRECISE=precise(), num_warps=4, enable_fp_fusion=False,
     )  # fmt: skip
     return out, state

@@ -45,10 +45,10 @@ from certvllm.kv.pagein import PageInEngine
 from certvllm.kv.promotion_cache import PromotionCache
 from certvllm.triton_kernels.call_inputs import call_inputs
 from certvllm.triton_kernels.common import split_plan
-from certvllm.triton_kernels.finalize import combine_exact, finalize
+from certvllm.triton_kernels.finalize import TrafficCount, combine_exact, finalize
 from certvllm.triton_kernels.phase1 import Phase1Out, phase1
 from certvllm.triton_kernels.phase2 import AttendOut, Phase2Geometry, attend, promote
-from certvllm.triton_kernels.phase2_glue import global_max, promotion_counts, rerun_inputs
+from certvllm.triton_kernels.phase2_glue import global_max, rerun_inputs
 from certvllm.triton_kernels.prepare import CallState, prepare
 from certvllm.triton_kernels.select import select_blocks
 from certvllm.triton_kernels.shape_class import width_class
@@ -264,9 +264,13 @@ def certified_rows(
     splits2, bps2 = split_plan(B, R * K, options.blocks_per_split, tuning=options.tuning, phase2=True)
     geo = Phase2Geometry(cache.layout, K, G, cache.sub_blocks, cache.num_blocks, splits2, bps2,
                          cache.keys_channel_major, tuning=options.tuning)  # fmt: skip
-    parts, m, sabs, exact_lm = _phase2(call, geo, p1, summary, state, bits, pagein, pool, prefetch, timings)
+    parts, m, sabs, exact_lm, key_paged = _phase2(call, geo, p1, summary, state, bits, pagein, pool, prefetch,
+                                                  timings)  # fmt: skip
     escalated = state.escalated if call.glue_kernels and options.tuning.rerun_if_node else None
-    out, report = _finish(call, p1, summary, state, parts, m, sabs, exact_lm, bits, widened, escalated)
+    traffic = _traffic(call, state, pagein, bits, key_paged)
+    out, report = _finish(call, p1, summary, state, parts, m, sabs, exact_lm, bits, widened, escalated, traffic)
+    if traffic is not None:  # counted by the epilogue
+        pagein.add_device_count_vector(traffic.counts)  # type: ignore[attr-defined]
     mark(timings, "bounds")
     return out, report, DeviceRerun(call, geo, p1, summary, pool, escalated)
 
@@ -323,9 +327,11 @@ def _phase2(
     pool: PromotionCache | None,
     prefetch: tuple | None,
     timings: dict | None,
-) -> tuple[AttendOut, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[AttendOut, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The promotion pass (keys from the pool, the staging or the shadow; canary into ``state.canary``) and the
-    attend pass over every group (``state.active``). Returns ``(parts, m, sabs, exact_lm)``."""
+    attend pass over every group (``state.active``). Returns ``(parts, m, sabs, exact_lm, key_paged)``: the last
+    the 0-dim count of key pages read over PCIe where a pool counted them, else None (the torch glue counts the
+    call's traffic here; the kernels' epilogue counts it, ``_traffic``)."""
     cache, cfg = call.cache, call.cfg
     R, K, G, B, D = call.shape
     dev = call.qs.device
@@ -352,18 +358,33 @@ def _phase2(
     mark(timings, "promote")
     parts = attend(geo, p1.scores, m, cache.shadow, cache.pages, call.tables, call.nfull, bits, active, exact_lm)
     mark(timings, "attend")
-    if isinstance(pagein, CudaPageInEngine):
+    if isinstance(pagein, CudaPageInEngine) and not call.glue_kernels:
         key_bits = (1 << G) - 1
-        paged_mask = -1 if run_canary else key_bits  # the bits whose blocks the promotion pass read keys for
-        page_half = cache.layout.block_size * D * cache.shadow.element_size()
-        if call.glue_kernels:
-            pagein.add_device_count_vector(promotion_counts(bits, G, key_paged, paged_mask, page_half))
-        else:
-            value_loads = ((bits >> G) != 0).sum()
-            if key_paged is None:
-                key_paged = ((bits & paged_mask) != 0).sum()
-            pagein.add_device_counts(((bits & key_bits) != 0).sum(), value_loads, (key_paged + value_loads) * page_half)
-    return parts, m, sabs, exact_lm
+        value_loads = ((bits >> G) != 0).sum()
+        paged = key_paged if key_paged is not None else ((bits & _paged_mask(call)) != 0).sum()
+        pagein.add_device_counts(((bits & key_bits) != 0).sum(), value_loads, (paged + value_loads) * _page_half(call))
+    return parts, m, sabs, exact_lm, key_paged
+
+
+def _paged_mask(call: _Call) -> int:
+    """The bitmask bits whose blocks the promotion pass read keys for: any bit with the canary (it checks the
+    value-promoted blocks too), else the key bits."""
+    return -1 if call.cfg.ladder.checks_canary else (1 << call.shape[2]) - 1
+
+
+def _page_half(call: _Call) -> int:
+    """Bytes of one 16-token block's keys (or values) in the shadow."""
+    cache = call.cache
+    return cache.layout.block_size * cache.layout.head_dim * cache.shadow.element_size()
+
+
+def _traffic(call: _Call, state: CallState, pagein: PageInEngine, bits: torch.Tensor,
+             key_paged: torch.Tensor | None) -> TrafficCount | None:  # fmt: skip
+    """What the kernels' epilogue counts of the call's promotion traffic for a CUDA page-in engine (its counters,
+    zeroed by ``prepare``), or None (the torch glue counted it in ``_phase2``; a host engine counts its own)."""
+    if not call.glue_kernels or not isinstance(pagein, CudaPageInEngine) or state.counts is None:
+        return None
+    return TrafficCount(state.counts, key_paged, _paged_mask(call), _page_half(call))
 
 
 def _global_max(call: _Call, smax: torch.Tensor, s_tail: torch.Tensor) -> torch.Tensor:
@@ -385,16 +406,17 @@ def _finish(
     bits: torch.Tensor,
     widened: torch.Tensor,
     escalated: torch.Tensor | None = None,
+    traffic: TrafficCount | None = None,
 ) -> tuple[torch.Tensor, CertReport]:
     """Output, bounds on the output actually computed, checks and report: one kernel (which also sets
-    ``escalated`` when given), or the torch epilogue."""
+    ``escalated`` and counts ``traffic`` when given), or the torch epilogue."""
     R, K, G, B, D = call.shape
     dev = call.qs.device
     s, canary = summary, state.canary
     if call.glue_kernels:
         done = finalize(parts, s.s_tail, s.tail_v, s.l_tail, m, sabs, s.score_abs1, s.base_round, s.v_max,
                         s.eta_max, bits, p1.l8, exact_lm, p1.delta, call.nfull, call.lens, widened, canary,
-                        state.page_flags, call.cfg.ladder, escalated=escalated)  # fmt: skip
+                        state.page_flags, call.cfg.ladder, escalated=escalated, traffic=traffic)  # fmt: skip
         return done.out, done.report
     bad_page = state.page_flags.amax(dim=1) > 0  # (R,)
     shifts = torch.arange(G, device=dev, dtype=torch.int32).view(1, 1, G, 1)

@@ -184,7 +184,7 @@ class CudaPageInEngine(PageInEngine):
 
     def add_device_count_vector(self, counts: torch.Tensor) -> None:
         """Add ``[3]`` int64 device counts: key blocks, value blocks, fused page-in bytes (the call's
-        ``triton_kernels.phase2_glue.promotion_counts``)."""
+        ``triton_kernels.finalize.TrafficCount``)."""
         self._device_counts = counts if self._device_counts is None else self._device_counts + counts
 
     @contextmanager

@@ -1,6 +1,6 @@
 """The phase-2 glue kernels (``triton_kernels/phase2_glue.py``) against the torch expressions they replace.
 
-All three compute integers, booleans or maxima, so the comparison is exact (``torch.equal``; NaN where torch has
+Both compute integers, booleans or maxima, so the comparison is exact (``torch.equal``; NaN where torch has
 NaN). In Triton's interpreter here, compiled on a GPU.
 """
 
@@ -15,7 +15,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
 pytest.importorskip("triton", reason="triton is not installed: the Triton kernels cannot be tested")
 
-from certvllm.triton_kernels.phase2_glue import global_max, promotion_counts, rerun_inputs  # noqa: E402
+from certvllm.triton_kernels.phase2_glue import global_max, rerun_inputs  # noqa: E402
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -55,20 +55,3 @@ def test_rerun_inputs_are_the_torch_lines(group: int, width: int) -> None:
     assert torch.equal(active.cpu(), want_active.to(torch.int32))
     assert torch.equal(bits.cpu(), want_bits)
     assert torch.equal(canary.cpu(), torch.zeros(R, dtype=torch.int32))
-
-
-@pytest.mark.parametrize("with_paged", [False, True])
-@pytest.mark.parametrize("run_canary", [False, True])
-def test_promotion_counts_are_the_torch_sums(with_paged: bool, run_canary: bool) -> None:
-    G, page_half = 4, 4096
-    g = torch.Generator().manual_seed(int(with_paged) + 2 * int(run_canary))
-    words = torch.randint(0, 1 << (2 * G), (3, 2, 5000), generator=g, dtype=torch.int32)
-    bits = torch.where(torch.rand(words.shape, generator=g) < 0.3, words, 0)  # mostly unpromoted blocks
-    key_bits = (1 << G) - 1
-    paged_mask = -1 if run_canary else key_bits
-    key_paged = torch.tensor(123, dtype=torch.int64) if with_paged else None
-    values = int(((bits >> G) != 0).sum())
-    paged = 123 if with_paged else int(((bits & paged_mask) != 0).sum())
-    want = torch.tensor([int(((bits & key_bits) != 0).sum()), values, (paged + values) * page_half])
-    got = promotion_counts(bits.to(DEV), G, None if key_paged is None else key_paged.to(DEV), paged_mask, page_half)
-    assert got.dtype == torch.int64 and torch.equal(got.cpu(), want)

@@ -656,22 +656,27 @@ def _check_selection(kind, B, preset, window, gen, tuning=None) -> None:
 )
 def test_glue_kernels_equal_the_torch_path(family, preset, overrides, gen):
     """The whole layer call with the glue kernels (prepare, selection, epilogue) against the same call with
-    their torch references (``CudaOptions(glue="torch")``): identical selections, rungs,
-    flags and counts; outputs and bound terms equal to the rounding of the float64/float32 sums whose order
-    differs (1e-6 relative), except the terms that go through ᾱ_T = exp(2(Δ+R) + log α): an ulp of an
-    exponent of magnitude ~30 moves the result by ~30·2^-23 relative, so 1e-5 there."""
+    their torch references (``CudaOptions(glue="torch")``): identical selections, rungs, flags and counts (the
+    report's, and the page-in engine's promotion traffic); outputs and bound terms equal to the rounding of the
+    float64/float32 sums whose order differs (1e-6 relative), except the terms that go through
+    ᾱ_T = exp(2(Δ+R) + log α): an ulp of an exponent of magnitude ~30 moves the result by ~30·2^-23 relative,
+    so 1e-5 there."""
     cases = [make_case(family, t, 8, 2, 64, torch.float16, gen) for t in (5, 40, 130, 203)]
     cfg = load_config(preset, **overrides)
     cache, tables, lens = paged_batch(cases, cfg.value_group_size)
     q = torch.stack([c.q for c in cases]).to(DEV)
     dcache = _to_device(cache)
-    runs = []
+    runs, traffic = [], []
     for glue in ("torch", "auto"):
         g = torch.Generator(device=DEV.type).manual_seed(7)
-        call = partial(_call, dcache, q, tables.to(DEV), lens.to(DEV), cfg, generator=g,
+        eng = CudaPageInEngine(DEV)
+        call = partial(_call, dcache, q, tables.to(DEV), lens.to(DEV), cfg, generator=g, pagein=eng,
                        cuda_options=CudaOptions(glue=glue, blocks_per_split=3))  # fmt: skip
         runs.append(run_with_exact(call, q.cpu(), cache, tables, lens, 1 / 8))
+        stats = eng.take_stats()
+        traffic.append((stats.key_blocks, stats.value_blocks, stats.bytes))
     (ref, ref64), (got, got64) = runs
+    assert traffic[1] == traffic[0]  # the epilogue's promotion counts are the torch sums
     assert torch.equal(got64, ref64)  # the same selection: the same computation
     assert_within_lowp_error(got.out.cpu(), ref64, ref.out.cpu(), factor=FACTOR, atol=ULP * _vmax(cases),
                              what=f"glue kernels, {family}/{preset}")  # fmt: skip
