@@ -209,10 +209,10 @@ def capture_pass_args(name: str, call) -> tuple:
     seen: list[tuple] = []
     orig = getattr(gpu_mod, name)
 
-    def spy(*args):
+    def spy(*args, **kwargs):  # the first positional call: the main pass (the re-run passes exact_rerun=)
         if not seen:
             seen.append(tuple(a.clone() if isinstance(a, torch.Tensor) and not a.is_pinned() else a for a in args))
-        return orig(*args)
+        return orig(*args, **kwargs)
 
     setattr(gpu_mod, name, spy)
     try:

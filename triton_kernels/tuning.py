@@ -15,9 +15,10 @@ configuration computes the same certified quantities (``tests/triton_kernels/tes
   The pass waits on one key page per program and iteration; fewer warps per program let more programs, and so more
   pages, be in flight on a multiprocessor. Two warps measured fastest at G = 4 (``docs/performance.md``); one warp
   takes ~200 registers per thread and was slower.
-* ``promote_cuda``: 0 runs the promotion pass as the Triton kernel; 2 or 4 runs the CUDA kernel
+* ``promote_cuda``: 0 runs the promotion pass as the Triton kernel; 2 or 4 (the default) runs the CUDA kernel
   (``csrc/cuda/promote_kernel.cuh``: key pages streamed through a ``cp.async`` ring per warp) with that many warps
-  per CUDA block, where it builds and takes the shape (``attend_cuda.promote_supported``). Off until measured.
+  per CUDA block, where it builds and takes the shape (``attend_cuda.promote_supported``); elsewhere the Triton
+  kernel runs. Rungs 3/4's exact re-run always takes the Triton kernel.
 * ``select_warps``: warps per program of the selection kernel (0: 4, more for tables over 2,048 blocks: ``BP/512``
   up to 16). Each program holds its head's whole table in registers; more warps spread it thinner.
 * ``select_first_window``: on the selection's windowed path (tables wider than its window of ``W`` sorted positions,
@@ -98,7 +99,7 @@ class KernelTuning:
     programs_per_sm: int = 8
     phase2_programs_per_sm: int = 0
     promote_warps: int = 0
-    promote_cuda: int = 0
+    promote_cuda: int = 4
     select_warps: int = 0
     select_first_window: int = 0
     select_parts: int = 0
