@@ -18,9 +18,7 @@ head) holds the head's ``B`` blocks in registers (``BP`` = next power of two):
 
 Keys (1–2) and values (3) are independent chains of block-wide reductions and sorts: with few heads in the batch
 (``PARTS`` = 2, where twice the programs still leave each its own multiprocessor) a second program per head
-takes the values, so a small batch waits for the longer chain rather than for both in turn. With one program per
-head (``PARTS`` = 1) the two wide windows' thresholds may come from one bisection whose two counts per step are one
-packed reduction (``_window_thresholds``, ``KernelTuning.select_joint``), so that chain is paid once.
+takes the values, so a small batch waits for the longer chain rather than for both in turn.
 
 Tested against the torch reference under the interpreter (``tests/triton_kernels/test_triton_kernels.py``); the
 decisions may only differ where a comparison sits within float rounding of its threshold, and no
@@ -131,48 +129,16 @@ def _window_threshold(key, LO, W, LOG2BP: tl.constexpr):
 
 
 @triton.jit
-def _window_thresholds(key_a, key_b, LO, W, LOG2BP: tl.constexpr):
-    """``_window_threshold`` of two key sets at once (a head's mass order and its ρ̄·η order): the two counts of
-    an iteration are one block-wide sum, in the two halves of an int64 (each count ≤ BP < 2^31), so the pair costs
-    the longer chain's reductions instead of the sum of both. A set whose count has landed keeps its threshold
-    while the other goes on: each threshold is the one ``_window_threshold`` returns for its set."""
-    t_a = tl.max(key_a, 0) * 0
-    t_b = t_a
-    one = t_a + 1
-    found_a = t_a * 0
-    found_b = found_a
-    i = 0
-    while ((found_a == 0) | (found_b == 0)) & (i < 31 + LOG2BP):
-        shift = tl.where(i < 31, 62 - i, 31 + LOG2BP - 1 - i).to(tl.int64)
-        cand_a = t_a | (one << shift)
-        cand_b = t_b | (one << shift)
-        packed = tl.sum((key_a >= cand_a).to(tl.int64) + ((key_b >= cand_b).to(tl.int64) << 32), 0)
-        c_a = packed & 0xFFFFFFFF
-        c_b = packed >> 32
-        t_a = tl.where((found_a == 0) & (c_a >= LO), cand_a, t_a)
-        t_b = tl.where((found_b == 0) & (c_b >= LO), cand_b, t_b)
-        found_a = tl.where(found_a == 0, ((c_a >= LO) & (c_a <= W)).to(found_a.dtype), found_a)
-        found_b = tl.where(found_b == 0, ((c_b >= LO) & (c_b <= W)).to(found_b.dtype), found_b)
-        i += 1
-    return t_a, t_b
-
-
-@triton.jit
-def _top_window(x, pos, B, scratch, LO, W: tl.constexpr, BP: tl.constexpr, LOG2BP: tl.constexpr, t_given,
-                GIVEN: tl.constexpr):  # fmt: skip
+def _top_window(x, pos, B, scratch, LO, W: tl.constexpr, BP: tl.constexpr, LOG2BP: tl.constexpr):
     """The first ``count`` entries of the stable descending order of ``x`` (non-negative float32 over positions
     < B, more than W of them), LO ≤ count ≤ W, without sorting all BP: a threshold by bisection
-    (``_window_threshold``; ``GIVEN``: ``t_given``, found by ``_window_thresholds``), the keys at or above it
-    compacted through ``scratch`` ([W] int64 of this program) and sorted.
+    (``_window_threshold``), the keys at or above it compacted through ``scratch`` ([W] int64 of this program)
+    and sorted.
 
     Returns ``(values [W], block ids [W], selected [BP] bool, count)``: window entries past ``count`` are 0 with
     block id < 0."""
     key = _order_keys(x, pos, B, BP)
-    if GIVEN:
-        t = t_given
-    else:
-        t = _window_threshold(key, LO, W, LOG2BP)
-    sel = key >= t
+    sel = key >= _window_threshold(key, LO, W, LOG2BP)
     sel = sel & (pos < B)
     slot = tl.cumsum(sel.to(tl.int32), 0) - 1
     tl.store(scratch + slot, key, mask=sel)
@@ -256,10 +222,10 @@ def _key_choice(alpha, dsuf, q, cnt, nf, g, delta_all, rr, B, GS, TAU1, KMIN, KM
 
 @triton.jit
 def _window_keys(mass, dl, delta, row, pos, q, B, scratch, LO, W: tl.constexpr, BP: tl.constexpr,
-                 LOG2BP: tl.constexpr, t_given, GIVEN: tl.constexpr):  # fmt: skip
+                 LOG2BP: tl.constexpr):  # fmt: skip
     """The first ``cnt`` (LO ≤ cnt ≤ W) positions of the descending mass order (``_top_window``) with α̂ (the mass
     past each position, the rest of the table included) and the Δ suffix maxima: ``(order, alpha, dsuf, cnt)``."""
-    smass, order, sel, cnt = _top_window(mass, pos, B, scratch, LO, W, BP, LOG2BP, t_given, GIVEN)
+    smass, order, sel, cnt = _top_window(mass, pos, B, scratch, LO, W, BP, LOG2BP)
     rest = tl.sum(tl.where(sel, 0.0, mass).to(tl.float64), 0)
     alpha = (tl.cumsum(smass.to(tl.float64), 0, reverse=True) + rest).to(tl.float32)
     wdelta = tl.load(delta + row + order, mask=order >= 0, other=0.0)
@@ -269,10 +235,10 @@ def _window_keys(mass, dl, delta, row, pos, q, B, scratch, LO, W: tl.constexpr, 
 
 @triton.jit
 def _window_values(err, pos, q, B, vbudget, VKMAX, scratch, LO, W: tl.constexpr, BP: tl.constexpr,
-                   LOG2BP: tl.constexpr, t_given, GIVEN: tl.constexpr):  # fmt: skip
+                   LOG2BP: tl.constexpr):  # fmt: skip
     """Rung 2's greedy count over a window of the descending ρ̄·η order: ``(vorder, count)``, count −1 when the
     greedy runs past the window (then a wider one, or the whole order, decides)."""
-    serr, vorder, vsel, _ = _top_window(err, pos, B, scratch, LO, W, BP, LOG2BP, t_given, GIVEN)
+    serr, vorder, vsel, _ = _top_window(err, pos, B, scratch, LO, W, BP, LOG2BP)
     vrest = tl.sum(tl.where(vsel, 0.0, err).to(tl.float64), 0)
     remaining = (tl.cumsum(serr.to(tl.float64), 0, reverse=True) + vrest).to(tl.float32)
     count = _first((remaining <= vbudget) & (q < B), q, -1, W)
@@ -313,7 +279,6 @@ def _select_kernel(
     USE_ACTIVE: tl.constexpr,
     PRECISE: tl.constexpr,
     PARTS: tl.constexpr,  # 1: each program selects keys and values; 2: grid axis 1 = 0 keys, 1 values
-    JOINT: tl.constexpr,  # select_joint, PARTS = 1, WS = 0, BP > W: both wide windows' thresholds in one bisection
 ):
     pid, rk, g, r = head_program(G, H)
     part = tl.program_id(1)
@@ -327,10 +292,6 @@ def _select_kernel(
         vbudget = tl.math.div_rn(tl.load(v_max + rk) * V_TOL, MARGIN)  # as the reference's float32 expression
         bits_row = bits + rk * B
         LO = tl.maximum(KMAX1 + 1, W // 2)  # the fewest sorted positions a wide window holds (K* ≤ KMAX1)
-        t_m = LO.to(tl.int64) * 0  # the wide windows' thresholds when JOINT (else each window bisects its own)
-        t_e = t_m
-        if JOINT:
-            t_m, t_e = _window_thresholds(_order_keys(mass, pos, B, BP), _order_keys(err, pos, B, BP), LO, W, LOG2BP)
 
         # ---- keys: top-K*, rung 1 (selection.select_keys); positions q of the descending order
         if part != 0:  # PARTS = 2, the values' program
@@ -349,7 +310,7 @@ def _select_kernel(
             if WS > 0:  # a first window of WS positions decides where K* falls inside it
                 qs = tl.arange(0, WS)
                 order_s, alpha_s, dsuf_s, cnt_s = _window_keys(mass, dl, delta, row, pos, qs, B, scratch + pid * 2 * W,
-                                                               WS // 2, WS, BP, LOG2BP, t_m, False)  # fmt: skip
+                                                               WS // 2, WS, BP, LOG2BP)  # fmt: skip
                 k_star_s, base_s, key_bits_s, resolved = _key_choice(alpha_s, dsuf_s, qs, cnt_s, nf, g, delta_all, rr, B,
                                                                      GS, TAU1, KMIN, KMAX, KMAX1, THR1, KEY_TOL, BUDGET,
                                                                      G, BP, WS, PRECISE)  # fmt: skip
@@ -361,7 +322,7 @@ def _select_kernel(
             if done == 0:
                 q = tl.arange(0, W)
                 order, alpha, dsuf, cnt = _window_keys(mass, dl, delta, row, pos, q, B, scratch + pid * 2 * W, LO, W,
-                                                       BP, LOG2BP, t_m, JOINT)  # fmt: skip
+                                                       BP, LOG2BP)  # fmt: skip
                 k_star, base, key_bits, unused = _key_choice(alpha, dsuf, q, W, nf, g, delta_all, rr, B, GS, TAU1, KMIN,
                                                              KMAX, KMAX1, THR1, KEY_TOL, BUDGET, G, BP, W,
                                                              PRECISE)  # fmt: skip
@@ -379,7 +340,7 @@ def _select_kernel(
             if WS > 0:
                 qs = tl.arange(0, WS)
                 vorder_s, count_s = _window_values(err, pos, qs, B, vbudget, VKMAX, scratch + (pid * 2 + 1) * W,
-                                                   WS // 2, WS, BP, LOG2BP, t_e, False)  # fmt: skip
+                                                   WS // 2, WS, BP, LOG2BP)  # fmt: skip
                 vdone = (count_s >= 0).to(tl.int32)
                 if count_s >= 0:
                     take_v_s = (qs < count_s) & (vorder_s >= 0) & (vorder_s < nf)
@@ -387,7 +348,7 @@ def _select_kernel(
             if vdone == 0:
                 q = tl.arange(0, W)
                 vorder, count = _window_values(err, pos, q, B, vbudget, VKMAX, scratch + (pid * 2 + 1) * W, LO, W, BP,
-                                               LOG2BP, t_e, JOINT)  # fmt: skip
+                                               LOG2BP)  # fmt: skip
                 if count >= 0:
                     take_v = (q < count) & (vorder >= 0) & (vorder < nf)
                     tl.atomic_or(bits_row + vorder, (q * 0 + 1) << (G + g), mask=take_v)
@@ -481,10 +442,8 @@ def select_launch_constants(num_blocks: int, num_kv_heads: int, group: int, key_
         raise ValueError(f"select: parts={parts!r} must be 1 (keys and values in one program) or 2 (apart)")
     cls = width_class(num_blocks)
     w = max(next_pow2(window), next_pow2(k_max_widened + 1))
-    ws = tuning.select_first_window if tuning.select_first_window < w else 0
     return dict(
-        BUDGET=key_budget, H=num_kv_heads, G=group, BP=cls.bp, W=w, WS=ws, LOG2BP=cls.log2bp,
-        USE_ACTIVE=use_active, PRECISE=precise(), PARTS=parts,
-        JOINT=bool(tuning.select_joint) and parts == 1 and ws == 0 and cls.bp > w,
-        num_warps=tuning.select_warps or min(16, max(4, cls.bp // 512)),
+        BUDGET=key_budget, H=num_kv_heads, G=group, BP=cls.bp, W=w,
+        WS=tuning.select_first_window if tuning.select_first_window < w else 0, LOG2BP=cls.log2bp,
+        USE_ACTIVE=use_active, PRECISE=precise(), PARTS=parts, num_warps=tuning.select_warps or min(16, max(4, cls.bp // 512)),
     )  # fmt: skip

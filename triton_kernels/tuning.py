@@ -28,9 +28,6 @@ configuration computes the same certified quantities (``tests/triton_kernels/tes
 * ``select_parts``: programs per query head of the selection kernel: 1 (keys and values in one), 2 (apart:
   a small batch waits for the longer of the two chains instead of both), 0: 2 where the doubled grid still gives
   each program its own multiprocessor (``select.select_parts``), else 1.
-* ``select_joint``: 1 finds the selection's two wide-window thresholds (the mass order's and rung 2's) in one
-  bisection whose two counts per step are one packed reduction, where one program takes both chains
-  (``select_parts`` 1, no first window, a table wider than the window); 0 bisects each in turn. The same decisions.
 * ``phase1_blk``, ``phase1_warps``: blocks per loop iteration and warps per program of phase 1 (the Gluon
   phase-1 kernel takes one block per warp, the Triton one ``phase1_blk`` blocks in one batched dot).
 * ``attend_blk``, ``attend_warps``: blocks per loop iteration of the Triton attend kernel, and warps per CUDA
@@ -78,7 +75,6 @@ _RULES = {
     "select_warps": (lambda x: x == 0 or (_pow2(x) and x <= 16), "0 (4, BP/512 up to 16) or a power of two ≤ 16"),
     "select_first_window": (lambda x: x == 0 or (_pow2(x) and 4 <= x <= 1024), "0 or a power of two in [4, 1024]"),
     "select_parts": (lambda x: x in (0, 1, 2), "0 (by the batch), 1 (keys and values in one program) or 2 (apart)"),
-    "select_joint": (lambda x: x in (0, 1), "0 (each window bisects its own threshold) or 1 (one joint bisection)"),
     "phase1_blk": (lambda x: _pow2(x) and x <= 64, "a power of two in [1, 64]"),
     "phase1_warps": (lambda x: _pow2(x) and x <= 32, "a power of two in [1, 32]"),
     "attend_blk": (lambda x: _pow2(x) and x <= 64, "a power of two in [1, 64]"),
@@ -103,7 +99,6 @@ class KernelTuning:
     select_warps: int = 0
     select_first_window: int = 0
     select_parts: int = 0
-    select_joint: int = 0
     phase1_blk: int = 4
     phase1_warps: int = 4
     attend_blk: int = 4
