@@ -78,15 +78,21 @@ def _finite(x):
     return tl.abs(x) < float("inf")
 
 
+SPLIT_TILE = tl.constexpr(32)
+"""Splits of a (row, KV head) whose split-K sums are loaded and reduced at once: the loop over the splits is
+latency-bound at batch 1, where the plan gives each group ~128 splits."""
+
+
 @triton.jit
-def _split_scale(msplit, pid, s, S, mm, PER_SPLIT: tl.constexpr):
-    """Factor that brings split ``s``'s sums to the row's maximum ``mm``: exp(m_s − mm) in float64 when the splits
-    carry their own maxima (the resident pass; 0 for a split without blocks, exactly 1 when m_s = mm), else 1."""
+def _split_scales(msplit, pid, ss, live, S, mm, PER_SPLIT: tl.constexpr):
+    """Factors ``[SPLIT_TILE]`` float64 that bring the splits ``ss``' sums to the row's maximum ``mm``: exp(m_s − mm)
+    when the splits carry their own maxima (the resident pass; 0 for a split without blocks or past ``S``, exactly
+    1 when m_s = mm), else 1 (0 past ``S``)."""
     if PER_SPLIT:
-        ms = tl.load(msplit + pid * S + s)
+        ms = tl.load(msplit + pid * S + ss, mask=live, other=float("-inf"))
         return tl.where(ms > float("-inf"), tl.exp((ms - mm).to(tl.float64)), 0.0)
     else:
-        return 1.0
+        return tl.where(live, 1.0, 0.0).to(tl.float64)
 
 
 @triton.jit
@@ -95,27 +101,32 @@ def _combine(acc, den_p, s_tail, tail_v, m, msplit, pid, rk, g, S, G: tl.constex
     """Σ_splits num + the partial block's Σ w·v (float32, then float64), and the same for the denominator.
 
     The maximum m is the attend pass's global one, or (``PER_SPLIT``) the largest of the splits' maxima and the
-    partial block's scores, each split's float64 sums rescaled to it (``_split_scale``).
+    partial block's scores, each split's float64 sums rescaled to it (``_split_scales``). The splits are read
+    ``SPLIT_TILE`` at a time and summed in a tree per tile (any order of the split-K sums is covered by γ_n,
+    docs/certification.md §5).
 
     Returns ``(num [DP] float64, den [1] float64, den_t float32, s_tail row [N], m)``."""
     N: tl.constexpr = 16
     dd = tl.arange(0, DP)
     nn = tl.arange(0, N)
+    tt = tl.arange(0, SPLIT_TILE)
     num = tl.zeros([DP], tl.float64)
     den = tl.zeros([1], tl.float64)
-    one = tl.arange(0, 1)
     st = tl.load(s_tail + pid * N + nn)
     if PER_SPLIT:
         mm = tl.max(st, 0)
-        for s in range(0, S):
-            mm = tl.maximum(mm, tl.load(msplit + pid * S + s))
+        for s0 in range(0, S, SPLIT_TILE):
+            mm = tl.maximum(mm, tl.max(tl.load(msplit + pid * S + s0 + tt, mask=s0 + tt < S, other=float("-inf")), 0))
     else:
         mm = tl.load(m + pid)
-    for s in range(0, S):
-        ps = (rk * S + s) * G + g
-        f = _split_scale(msplit, pid, s, S, mm, PER_SPLIT)
-        num += tl.load(acc + ps * D + dd, mask=dd < D, other=0.0) * f
-        den += tl.load(den_p + ps + one) * f
+    for s0 in range(0, S, SPLIT_TILE):
+        ss = s0 + tt
+        live = ss < S
+        ps = (rk * S + ss) * G + g  # [SPLIT_TILE]
+        f = _split_scales(msplit, pid, ss, live, S, mm, PER_SPLIT)
+        part = tl.load(acc + ps[:, None] * D + dd[None, :], mask=live[:, None] & (dd[None, :] < D), other=0.0)
+        num += tl.sum(part * f[:, None], 0)
+        den += tl.sum(tl.load(den_p + ps, mask=live, other=0.0) * f, 0)
     w = exp_f32(st - mm, PRECISE)  # [N]
     den_t = tl.sum(w, 0)
     tv = tl.load(tail_v + (rk * N + nn[:, None]) * D + dd[None, :], mask=dd[None, :] < D, other=0.0)
@@ -243,12 +254,14 @@ def _finalize_head(acc, den_p, aval_p, atail_p, s_tail, tail_v, l_tail, m, mspli
     tl.store(out + pid * D + dd, (num / den).to(tl.float32), mask=dd < D)
     aval = tl.zeros([1], tl.float64)
     atail = tl.zeros([1], tl.float64)
-    one = tl.arange(0, 1)
-    for s in range(0, S):
-        ps = (rk * S + s) * G + g
-        f = _split_scale(msplit, pid, s, S, mm, PER_SPLIT)
-        aval += tl.load(aval_p + ps + one) * f
-        atail += tl.load(atail_p + ps + one) * f
+    tt = tl.arange(0, SPLIT_TILE)
+    for s0 in range(0, S, SPLIT_TILE):
+        ss = s0 + tt
+        live = ss < S
+        ps = (rk * S + ss) * G + g
+        f = _split_scales(msplit, pid, ss, live, S, mm, PER_SPLIT)
+        aval += tl.sum(tl.load(aval_p + ps, mask=live, other=0.0) * f, 0)
+        atail += tl.sum(tl.load(atail_p + ps, mask=live, other=0.0) * f, 0)
 
     # ---- certificate terms
     e_val = tl.sum((((aval / den) * 1.0) * VINF).to(tl.float32), 0) * VOUT
