@@ -338,23 +338,27 @@ def test_llama_shapes_at_128k(preset):
     bench.release_cache(cache)
 
 
-@pytest.mark.parametrize("decode_pass", DECODE_PASSES)
-def test_device_fallback_is_sync_free_and_graph_capturable(decode_pass):
-    from certvllm.config import make_config
+def _sink_rows_call(seed: int, cfg):
+    """A CUDA call over three ``sink_and_recency`` rows (3000, 900 and 77 tokens) at LLaMA-3.1-8B head shapes,
+    with the layer's pooled residency and a page-in engine of its own: ``(call, residency)``."""
     from certvllm.kv.cuda_pagein import CudaPageInEngine
     from certvllm.testing import make_case
 
-    gen = torch.Generator().manual_seed(5)
+    gen = torch.Generator().manual_seed(seed)
     cases = [make_case("sink_and_recency", t, 32, 8, 128, torch.bfloat16, gen) for t in (3000, 900, 77)]
     cache, tables, lens, _ = cuda_batch(cases)
     q = torch.stack([c.q for c in cases]).cuda()
-    cfg = make_config(bound_tol=0.02, decode_pass=decode_pass)  # some heads escalate: the exact re-run runs
     eng = CudaPageInEngine("cuda")
     residency = pooled(cache, cfg)
+    return (lambda: cuda_call(q, cache, tables, lens, cfg, residency, pagein=eng)), residency
 
-    def call():
-        return cuda_call(q, cache, tables, lens, cfg, residency, pagein=eng)
 
+@pytest.mark.parametrize("decode_pass", DECODE_PASSES)
+def test_device_fallback_is_sync_free_and_graph_capturable(decode_pass):
+    from certvllm.config import make_config
+
+    cfg = make_config(bound_tol=0.02, decode_pass=decode_pass)  # some heads escalate: the exact re-run runs
+    call, residency = _sink_rows_call(5, cfg)
     eager = call()
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
@@ -394,23 +398,11 @@ def test_graph_shapes_of_the_call_replay_as_the_eager_call(tuning, preset, overr
     joined before ``prepare``). A replay returns what the eager call returned, with escalated heads (forced to rung 3)
     and without (naive)."""
     from certvllm.config import load_config
-    from certvllm.kv.cuda_pagein import CudaPageInEngine
     from certvllm.kv.graph_capture import conditional_nodes_supported
-    from certvllm.testing import make_case
 
     if "rerun_if_node" in tuning and not conditional_nodes_supported():
         pytest.skip(f"torch {torch.__version__} cannot record CUDA-graph conditional nodes: the option does nothing")
-    gen = torch.Generator().manual_seed(6)
-    cases = [make_case("sink_and_recency", t, 32, 8, 128, torch.bfloat16, gen) for t in (3000, 900, 77)]
-    cache, tables, lens, _ = cuda_batch(cases)
-    q = torch.stack([c.q for c in cases]).cuda()
-    cfg = load_config(preset, kernel_tuning=tuning, **overrides)
-    eng = CudaPageInEngine("cuda")
-    residency = pooled(cache, cfg)
-
-    def call():
-        return cuda_call(q, cache, tables, lens, cfg, residency, pagein=eng)
-
+    call, _ = _sink_rows_call(6, load_config(preset, kernel_tuning=tuning, **overrides))
     eager = call()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
