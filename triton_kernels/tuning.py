@@ -44,10 +44,10 @@ configuration computes the same certified quantities (``tests/triton_kernels/tes
   head escalated) inside a CUDA-graph conditional node when the call is captured, on a flag the epilogue sets when a
   head escalates, so a replay without escalation skips them; 0 launches them in every replay. Needs a torch with
   conditional-node capture (``CUDAGraph.begin_capture_to_if_node``); without it, or eagerly, the launches stay.
-* ``tail_fork``: 1 (the default) forks the gather of the rows' partial blocks (zero-copy reads of the pinned shadow,
-  PCIe-bound) onto the page-in engine's side stream when the call is captured in a CUDA graph too, a parallel branch
-  joined before ``prepare`` that overlaps phase 1, as eager calls already run it; 0 captures it on the call's
-  stream, in series before phase 1.
+* ``tail_fork``: 1 (the default) forks the two-pass call's gather of the rows' partial blocks (zero-copy reads of the
+  pinned shadow, PCIe-bound) onto the page-in engine's side stream when the call is captured in a CUDA graph too, a
+  parallel branch joined before ``prepare`` that overlaps phase 1, as eager calls already run it; 0 captures it on
+  the call's stream, in series before phase 1.
 * ``dialect``: ``"auto"`` runs the Gluon kernels and the CUDA attend kernel where they compile (CUDA, a supported
   shape) and the Triton kernels otherwise (the interpreter included); ``"triton"`` always runs the Triton kernels
   (what tests and benchmarks that compare them pass).

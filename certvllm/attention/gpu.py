@@ -267,10 +267,10 @@ def certified_rows(
     parts, m, sabs, exact_lm, key_paged = _phase2(call, geo, p1, summary, state, bits, pagein, pool, prefetch,
                                                   timings)  # fmt: skip
     escalated = state.escalated if call.glue_kernels and options.tuning.rerun_if_node else None
-    traffic = _traffic(call, state, pagein, bits, key_paged)
+    traffic = _traffic(call, state, pagein, key_paged)
     out, report = _finish(call, p1, summary, state, parts, m, sabs, exact_lm, bits, widened, escalated, traffic)
-    if traffic is not None:  # counted by the epilogue
-        pagein.add_device_count_vector(traffic.counts)  # type: ignore[attr-defined]
+    if traffic is not None and isinstance(pagein, CudaPageInEngine):  # counted by the epilogue
+        pagein.add_device_count_vector(traffic.counts)
     mark(timings, "bounds")
     return out, report, DeviceRerun(call, geo, p1, summary, pool, escalated)
 
@@ -378,8 +378,9 @@ def _page_half(call: _Call) -> int:
     return cache.layout.block_size * cache.layout.head_dim * cache.shadow.element_size()
 
 
-def _traffic(call: _Call, state: CallState, pagein: PageInEngine, bits: torch.Tensor,
-             key_paged: torch.Tensor | None) -> TrafficCount | None:  # fmt: skip
+def _traffic(
+    call: _Call, state: CallState, pagein: PageInEngine, key_paged: torch.Tensor | None
+) -> TrafficCount | None:
     """What the kernels' epilogue counts of the call's promotion traffic for a CUDA page-in engine (its counters,
     zeroed by ``prepare``), or None (the torch glue counted it in ``_phase2``; a host engine counts its own)."""
     if not call.glue_kernels or not isinstance(pagein, CudaPageInEngine) or state.counts is None:

@@ -1,11 +1,11 @@
 """Launch hygiene of the CUDA path's layer call: besides its kernels, a certified call launches only the few torch
 operations listed here, so that a CUDA graph of the call holds no fill, reduction or cast nodes between them.
 
-Each torch launch costs a graph node of about 1–1.5 µs on the device (15.7 µs for the row reduction of phase 1's
-page flags at 8 × 128K, docs/performance.md), a few percent of a batch-1 call. Under Triton's interpreter the call
-runs on the CPU; every aten operation it dispatches outside a kernel launch is recorded with the module that made
-it, and views and allocations without a fill (no device work) are left out. The test fails on any launch not in
-the list, so a new one is a deliberate change to this file.
+Each torch launch is a node of the call's CUDA graph with its own launch latency (docs/performance.md, sixteenth
+session, has the measured costs). Under Triton's interpreter the call runs on the CPU; every aten operation it
+dispatches outside a kernel launch is recorded with the module that made it, and views and allocations without a
+fill (no device work) are left out. The test fails on any launch not in the list, so a new one is a deliberate
+change to this file.
 """
 
 from __future__ import annotations
