@@ -592,11 +592,15 @@ def test_selection_kernel_equals_the_torch_reference(kind, B, preset, window, ge
     _check_selection(kind, B, preset, window, gen)
 
 
-@pytest.mark.parametrize("kind,B,window", [("flat", 100, 16), ("random", 45, 512)])
+@pytest.mark.parametrize(
+    "kind,B,window",
+    [("flat", 100, 16), ("random", 45, 512), ("peak", 130, 8), ("ties", 64, 16), ("huge_delta", 100, 8)],
+)
 def test_selection_in_one_program_per_head_decides_as_the_reference(kind, B, window, gen):
     """``parts=1`` (keys and values in one program per head, what a large batch launches) makes the reference's
-    decisions, on the windowed path (``flat``: rung 1 widens and the value greedy runs past the window) and the
-    whole-table one; the tests above run ``parts=2``, the launcher's choice at their 18 heads."""
+    decisions, on the windowed path (``flat``: rung 1 widens and the value greedy runs past the window; ``peak``,
+    ``ties``, ``huge_delta``: the two orders' windows settle after very different numbers of bisection steps) and
+    the whole-table one; the tests above run ``parts=2``, the launcher's choice at their 18 heads."""
     from certvllm.triton_kernels.select import select_parts
     from certvllm.triton_kernels.tuning import KernelTuning
 
