@@ -235,8 +235,9 @@ def _finalize_kernel(
 def _finalize_head(acc, den_p, aval_p, atail_p, s_tail, tail_v, l_tail, m, msplit, sabs, score_abs1, base_round,
                    v_max, eta_max, bits, l8, exact_lm, delta, nfull, lens, widened, canary, page_flags, out, f_out,
                    i_out, b_out, need_out, escalated, counts, key_paged, f64c, B, S, S2, GS, VOUT, C1, C0, RF,
-                   BOUND_TOL, EPS, FORCE_RUNG, KEY_TOL, V_TOL, THR1, pid, rk, g, r, H: tl.constexpr, HP: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
-                   DP: tl.constexpr, BP: tl.constexpr, DEPTH: tl.constexpr, CERTIFIED: tl.constexpr, RANK: tl.constexpr,
+                   BOUND_TOL, EPS, FORCE_RUNG, KEY_TOL, V_TOL, THR1, pid, rk, g, r, H: tl.constexpr, HP: tl.constexpr,
+                   G: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BP: tl.constexpr, DEPTH: tl.constexpr,
+                   CERTIFIED: tl.constexpr, RANK: tl.constexpr,
                    PER_SPLIT: tl.constexpr, NEED: tl.constexpr, COVERAGE: tl.constexpr,
                    FLAG_ESCALATED: tl.constexpr, COUNT: tl.constexpr, HAS_PAGED: tl.constexpr,
                    PAGED_MASK: tl.constexpr, PAGE_HALF: tl.constexpr, PRECISE: tl.constexpr):  # fmt: skip

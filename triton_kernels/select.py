@@ -267,7 +267,7 @@ def _select_kernel(
     THR1,  # rung-1 tail threshold
     KEY_TOL,
     V_TOL,  # v_tol (float32)
-    MARGIN,  # selection.VALUE_BUDGET_MARGIN (float32)
+    MARGIN,  # bounds.policy.VALUE_BUDGET_MARGIN (float32)
     VKMAX,  # value_k_max, or −1 for no cap
     BUDGET: tl.constexpr,  # key_selection: budget (else coverage)
     H: tl.constexpr,

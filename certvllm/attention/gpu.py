@@ -312,7 +312,8 @@ def _select(
         draw = torch.rand(key_mask.shape, generator=gen, device=dev)
         key_mask = key_mask | ((draw < cfg.exploration_rate) & valid4)
     value_mask = select_values(ph1, key_mask, cfg)
-    bits = ((key_mask.to(torch.int32) << shifts()) | (value_mask.to(torch.int32) << (shifts() + G))).sum(dim=2)
+    sh = shifts()
+    bits = ((key_mask.to(torch.int32) << sh) | (value_mask.to(torch.int32) << (sh + G))).sum(dim=2)
     return bits.to(torch.int32).contiguous(), widened
 
 

@@ -187,14 +187,15 @@ def certified_attention(
             out, report = reference.certified_rows(call)
         if force_exact is not None:
             report.rung.masked_fill_(force_exact.to(dev, torch.bool).view(R, 1), RUNG_LAYER_DENSE)
-        if rerun is not None and exact_rows is None:
+        on_device = rerun is not None and exact_rows is None
+        if on_device:
             rerun.apply(report.rung, out, forced=force_exact is not None)  # on the device, no synchronisation
             gpu.mark(timings, "fallback")
             if rerun.bounds_zeroed and force_exact is None:  # the device epilogue wrote them: no launches
                 return CertifiedOutput(out, report)
-        else:
-            _recompute_rows(out, report.rung >= RUNG_HEAD_DENSE, host_rows)
         exact = report.rung >= RUNG_HEAD_DENSE
+        if not on_device:
+            _recompute_rows(out, exact, host_rows)
         for t in (report.e_key, report.e_val, report.e_round):  # recomputed exactly: no error to bound
             t.masked_fill_(exact, 0.0)
     return CertifiedOutput(out, report)
