@@ -54,6 +54,13 @@ WINDOW = 512
 """Positions of the sorted orders the kernel materialises when the table is wider (see ``_top_window``)."""
 
 
+_COUNT = tl.constexpr(0)  # the rules of ``_search`` (``_search_holds``)
+_KEY_BUDGET = tl.constexpr(1)
+_VALUES = tl.constexpr(2)
+_COVERAGE = tl.constexpr(3)
+_RUNG1 = tl.constexpr(4)
+
+
 def supported(num_blocks: int) -> bool:
     return num_blocks >= 1 and width_class(num_blocks).glue
 
@@ -245,6 +252,121 @@ def _window_values(err, pos, q, B, vbudget, VKMAX, scratch, LO, W: tl.constexpr,
     return vorder, tl.where((count >= 0) & (VKMAX >= 0), tl.minimum(count, VKMAX), count)
 
 
+@triton.jit
+def _tail_combine(c0, s0, m0, c1, s1, m1):
+    return c0 + c1, s0 + s1, tl.maximum(m0, m1)
+
+
+@triton.jit
+def _tail_at(key, x, y, t):
+    """At threshold ``t``: ``(#{key ≥ t}, Σ x over key < t accumulated in float64, max y over key < t)`` in one
+    block-wide reduction (the padding's −1 keys are below every t ≥ 0, with x = y = 0 there)."""
+    above = key >= t
+    below_x = tl.where(above, 0.0, x).to(tl.float64)
+    return tl.reduce((above.to(tl.int32), below_x, tl.where(above, 0.0, y)), 0, _tail_combine)
+
+
+@triton.jit
+def _search_holds(c, s, m, target, delta_all, rr, GS, KMIN, KMAX1, TOL, THR, MODE: tl.constexpr,
+                  PRECISE: tl.constexpr):  # fmt: skip
+    """Whether the rule ``MODE`` holds with the top ``c`` positions taken, the rest summing to ``s`` (float64) with
+    largest ``m``; each rule is monotone in c (α̂ and the Δ suffix maximum only shrink as c grows):
+
+    * ``COUNT``: c ≥ ``target``;
+    * ``KEY_BUDGET``: (E_key estimate ≤ ``TOL`` and c ≥ ``KMIN``) or c ≥ ``KMAX1``: its first c is the budget
+      rule's K* with the K_min clamp and rung 1 up to ``KMAX1``;
+    * ``VALUES``: the ρ̄·η left ≤ ``TOL`` (rung 2's budget) or c ≥ ``target`` (``value_k_max``, −1: no cap);
+    * ``COVERAGE``: α̂ ≤ ``TOL`` (1 − τ_cov);
+    * ``RUNG1``: E_key estimate ≤ ``TOL`` and α̂ ≤ ``THR`` (the coverage rule's rung-1 condition)."""
+    alpha = s.to(tl.float32)
+    if MODE == _COUNT:
+        return c >= target
+    elif MODE == _KEY_BUDGET:
+        est = _key_estimate(alpha, m, delta_all, rr, GS, PRECISE)
+        return ((est <= TOL) & (c >= KMIN)) | (c >= KMAX1)
+    elif MODE == _VALUES:
+        return (alpha <= TOL) | ((target >= 0) & (c >= target))
+    elif MODE == _COVERAGE:
+        return alpha <= TOL
+    else:
+        est = _key_estimate(alpha, m, delta_all, rr, GS, PRECISE)
+        return (est <= TOL) & (alpha <= THR)
+
+
+@triton.jit
+def _search(key, x, y, n, target, delta_all, rr, GS, KMIN, KMAX1, TOL, THR, MODE: tl.constexpr,
+            LOG2BP: tl.constexpr, PRECISE: tl.constexpr):  # fmt: skip
+    """The fewest top positions of the stable descending order of ``key`` (``_order_keys``; ``n`` of them ≥ 0) for
+    which the monotone rule ``MODE`` holds (``_search_holds``), without sorting: ``(t, c)``, c = #{key ≥ t}, so the
+    chosen blocks are those with key ≥ t. ``n`` when the rule holds nowhere (the reference's default).
+
+    Bisection over the key bits from the top (as ``_window_threshold``), keeping the largest t whose count
+    satisfies the rule: one ``_tail_at`` reduction per step. It stops early once [t, hi) holds at most one key,
+    hi being the last candidate rejected: the rule holds at c(t) and fails at c(hi) = c(t) − 1, so c(t) is the
+    answer (spread masses settle within their exponent and a few mantissa bits; ties go on into the low word)."""
+    t = tl.max(key, 0) * 0
+    one = t + 1
+    c_t = n
+    c_hi = n * 0 - 1  # unknown: no candidate rejected yet
+    i = 0
+    while (c_t - c_hi > 1) & (i < 31 + LOG2BP):
+        shift = tl.where(i < 31, 62 - i, 31 + LOG2BP - 1 - i)
+        cand = t | (one << shift.to(tl.int64))
+        c, s, m = _tail_at(key, x, y, cand)
+        ok = _search_holds(c, s, m, target, delta_all, rr, GS, KMIN, KMAX1, TOL, THR, MODE, PRECISE)
+        t = tl.where(ok, cand, t)
+        c_t = tl.where(ok, c, c_t)
+        c_hi = tl.where(ok, c_hi, c)
+        i += 1
+    return t, c_t
+
+
+@triton.jit
+def _keys_by_search(mass, dl, pos, nf, B, g, delta_all, rr, GS, TAU1, KMIN, KMAX, KMAX1, THR1, KEY_TOL,
+                    BUDGET: tl.constexpr, G: tl.constexpr, BP: tl.constexpr, LOG2BP: tl.constexpr,
+                    PRECISE: tl.constexpr):  # fmt: skip
+    """``selection.select_keys``' K* and rung 1 by ``_search`` instead of a sort: ``(take [BP] bool, key_bits,
+    widened)``. Budget rule: one search (its first c is K*, clamped to [K_min, K_max1]; rung 1 used iff
+    K* > K_max). Coverage rule: the first c with α̂ ≤ 1 − τ_cov gives the base (clamped to [K_min, K_max]), the
+    first with the rung-1 condition (estimate and tail within their thresholds) says whether and how far rung 1
+    widens; a count search then finds K*'s threshold unless one of the two already has it."""
+    key = _order_keys(mass, pos, B, BP)
+    kmin = tl.minimum(nf, KMIN)
+    kmax = tl.minimum(nf, KMAX)
+    kmax1 = tl.minimum(nf, KMAX1)
+    if BUDGET:
+        t, k_star = _search(key, mass, dl, B, 0, delta_all, rr, GS, kmin, kmax1, KEY_TOL, 0.0, _KEY_BUDGET, LOG2BP,
+                            PRECISE)  # fmt: skip
+        widened = k_star > kmax
+        key_bits = ((nf * 0 + 1) << G) - 1  # every query head of the KV head reads the union
+    else:
+        t_a, f_a = _search(key, mass, dl, B, 0, delta_all, rr, GS, kmin, kmax1, TAU1, 0.0, _COVERAGE, LOG2BP,
+                           PRECISE)  # fmt: skip
+        t_1, f_1 = _search(key, mass, dl, B, 0, delta_all, rr, GS, kmin, kmax1, KEY_TOL, THR1, _RUNG1, LOG2BP,
+                           PRECISE)  # fmt: skip
+        base = tl.maximum(tl.minimum(f_a, kmax), kmin)
+        widened_to = tl.maximum(tl.minimum(f_1, kmax1), base)
+        k_star = tl.where(base < f_1, widened_to, base)  # rung 1 triggers where the base misses its condition
+        widened = k_star > base
+        t = tl.where(k_star == f_1, t_1, t_a)
+        if (k_star != f_1) & (k_star != f_a):
+            t, k_star = _search(key, mass, dl, B, k_star, delta_all, rr, GS, kmin, kmax1, KEY_TOL, THR1, _COUNT,
+                                LOG2BP, PRECISE)  # fmt: skip
+        key_bits = (nf * 0 + 1) << g
+    take = (key >= t) & (pos < nf)
+    return take, key_bits, widened
+
+
+@triton.jit
+def _values_by_search(err, pos, nf, B, vbudget, VKMAX, BP: tl.constexpr, LOG2BP: tl.constexpr,
+                      PRECISE: tl.constexpr):  # fmt: skip
+    """``selection.select_values``' greedy count (capped by ``VKMAX`` ≥ 0) by ``_search``: the value-promoted
+    blocks ``[BP]`` bool."""
+    key = _order_keys(err, pos, B, BP)
+    t, unused = _search(key, err, err, B, VKMAX, 0.0, 0.0, 1.0, 0, 0, vbudget, 0.0, _VALUES, LOG2BP, PRECISE)
+    return (key >= t) & (pos < nf)
+
+
 @triton.jit(**JIT_OPTIONS)
 def _select_kernel(
     l8,  # [R, H, G, B] float32 block log-mass ℓ⁸_b (−inf past the last full block)
@@ -279,6 +401,7 @@ def _select_kernel(
     USE_ACTIVE: tl.constexpr,
     PRECISE: tl.constexpr,
     PARTS: tl.constexpr,  # 1: each program selects keys and values; 2: grid axis 1 = 0 keys, 1 values
+    SEARCH: tl.constexpr,  # 1: the counts by bisection on the rules themselves (``_search``), no window, no sort
 ):
     pid, rk, g, r = head_program(G, H)
     part = tl.program_id(1)
@@ -296,6 +419,12 @@ def _select_kernel(
         # ---- keys: top-K*, rung 1 (selection.select_keys); positions q of the descending order
         if part != 0:  # PARTS = 2, the values' program
             pass
+        elif SEARCH:
+            take, key_bits, widened_here = _keys_by_search(mass, dl, pos, nf, B, g, delta_all, rr, GS, TAU1, KMIN,
+                                                           KMAX, KMAX1, THR1, KEY_TOL, BUDGET, G, BP, LOG2BP,
+                                                           PRECISE)  # fmt: skip
+            tl.store(widened + pid, widened_here.to(tl.int8))
+            tl.atomic_or(bits_row + pos, key_bits, mask=take)
         elif BP <= W:
             smass, order = _sorted_desc(mass, pos, B, BP)
             alpha = _suffix_sum(smass)
@@ -333,6 +462,9 @@ def _select_kernel(
         # ---- values: rung 2 (selection.select_values)
         if part != PARTS - 1:  # PARTS = 2, the keys' program
             pass
+        elif SEARCH:
+            vtake = _values_by_search(err, pos, nf, B, vbudget, VKMAX, BP, LOG2BP, PRECISE)
+            tl.atomic_or(bits_row + pos, (pos * 0 + 1) << (G + g), mask=vtake)
         elif BP <= W:
             _promote_values_full(err, pos, B, nf, vbudget, VKMAX, bits_row, G + g, BP)
         else:
@@ -411,7 +543,8 @@ def select_blocks(
         raise ValueError(f"select_blocks: bits must be a contiguous zeroed [{R}, {K}, {B}] int32 tensor, got "
                          f"{bits.dtype} {tuple(bits.shape)}: pass prepare's CallState.bits or None")  # fmt: skip
     widened = (torch.empty if active is None else torch.zeros)(R, K, G, dtype=torch.int8, device=l8.device)
-    scratch = torch.empty(R * K * G * 2 * w if consts["BP"] > w else 1, dtype=torch.int64, device=l8.device)
+    windowed = consts["BP"] > w and not consts["SEARCH"]
+    scratch = torch.empty(R * K * G * 2 * w if windowed else 1, dtype=torch.int64, device=l8.device)
     l8, lse, delta, rounding = l8.contiguous(), lse.contiguous(), delta.contiguous(), rounding.contiguous()
     eta, v_max = eta.contiguous(), v_max.contiguous()
     _select_kernel[(R * K * G, parts)](
@@ -445,5 +578,5 @@ def select_launch_constants(num_blocks: int, num_kv_heads: int, group: int, key_
     return dict(
         BUDGET=key_budget, H=num_kv_heads, G=group, BP=cls.bp, W=w,
         WS=tuning.select_first_window if tuning.select_first_window < w else 0, LOG2BP=cls.log2bp,
-        USE_ACTIVE=use_active, PRECISE=precise(), PARTS=parts, num_warps=tuning.select_warps or min(16, max(4, cls.bp // 512)),
+        USE_ACTIVE=use_active, PRECISE=precise(), PARTS=parts, SEARCH=tuning.select_search, num_warps=tuning.select_warps or min(16, max(4, cls.bp // 512)),
     )  # fmt: skip

@@ -28,6 +28,11 @@ configuration computes the same certified quantities (``tests/triton_kernels/tes
 * ``select_parts``: programs per query head of the selection kernel: 1 (keys and values in one), 2 (apart:
   a small batch waits for the longer of the two chains instead of both), 0: 2 where the doubled grid still gives
   each program its own multiprocessor (``select.select_parts``), else 1.
+* ``select_search``: 1 finds the selection's counts (K* with its clamps and rung 1, rung 2's greedy count) by a
+  bisection on each rule itself (``select._search``: one block-wide reduction of the count, the float64 tail sum and
+  the Δ maximum per step, stopping once one key is left between its bounds), then takes every block whose sort key
+  is at or above the threshold found: no window, no compaction, no sort. 0 sorts a window of the order
+  (``select_first_window`` and the window apply). The same decisions either way.
 * ``phase1_blk``, ``phase1_warps``: blocks per loop iteration and warps per program of phase 1 (the Gluon
   phase-1 kernel takes one block per warp, the Triton one ``phase1_blk`` blocks in one batched dot).
 * ``attend_blk``, ``attend_warps``: blocks per loop iteration of the Triton attend kernel, and warps per CUDA
@@ -75,6 +80,7 @@ _RULES = {
     "select_warps": (lambda x: x == 0 or (_pow2(x) and x <= 16), "0 (4, BP/512 up to 16) or a power of two ≤ 16"),
     "select_first_window": (lambda x: x == 0 or (_pow2(x) and 4 <= x <= 1024), "0 or a power of two in [4, 1024]"),
     "select_parts": (lambda x: x in (0, 1, 2), "0 (by the batch), 1 (keys and values in one program) or 2 (apart)"),
+    "select_search": (lambda x: x in (0, 1), "0 (sort a window of the order) or 1 (bisect on the rules)"),
     "phase1_blk": (lambda x: _pow2(x) and x <= 64, "a power of two in [1, 64]"),
     "phase1_warps": (lambda x: _pow2(x) and x <= 32, "a power of two in [1, 32]"),
     "attend_blk": (lambda x: _pow2(x) and x <= 64, "a power of two in [1, 64]"),
@@ -99,6 +105,7 @@ class KernelTuning:
     select_warps: int = 0
     select_first_window: int = 0
     select_parts: int = 0
+    select_search: int = 0
     phase1_blk: int = 4
     phase1_warps: int = 4
     attend_blk: int = 4

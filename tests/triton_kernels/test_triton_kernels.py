@@ -620,6 +620,18 @@ def test_selection_first_window_decides_as_the_reference(kind, preset, first, ge
     _check_selection(kind, 100, preset, 16, gen, KernelTuning(select_first_window=first))
 
 
+@pytest.mark.parametrize("kind,B,preset,window", _selection_cases())
+@pytest.mark.parametrize("parts", [1, _gpu_lane(2)])
+def test_selection_by_search_decides_as_the_reference(kind, B, preset, window, parts, gen):
+    """``KernelTuning.select_search``: the counts found by bisection on the rules themselves (no window, no sort)
+    make the reference's decisions on every shape and kind: the budget rule's K* with its clamps and rung 1, the
+    coverage rule's base and widening (``coverage``, ``paper``), rung 2's count and its cap (``value_k_max`` 2 on
+    even tables), ties broken by block order (``ties``), with both one program per head and keys and values apart."""
+    from certvllm.triton_kernels.tuning import KernelTuning
+
+    _check_selection(kind, B, preset, window, gen, KernelTuning(select_search=1, select_parts=parts))
+
+
 def _check_selection(kind, B, preset, window, gen, tuning=None) -> None:
     """The selection kernel's bits and rung-1 flags against ``select_keys``/``select_values`` on a phase-1 summary
     of ``_phase1_summary``'s ``kind`` (3 rows, 2 KV heads, 3 query heads each; the default ``select_parts`` runs 2
