@@ -266,7 +266,8 @@ def _run_job(spec: dict) -> dict:
         elif spec["kernel"] == "select":
             kernel, pointers = select._select_kernel, SELECT_POINTERS
             consts = select.select_launch_constants(spec["blocks"], hkv, hq // hkv, spec.get("key_budget", True),
-                                                    spec.get("k_max_widened", 512), tuning=tuning)  # fmt: skip
+                                                    spec.get("k_max_widened", 512), tuning=tuning,
+                                                    parts=tuning.select_parts or 1)  # fmt: skip
         elif spec["kernel"] == "call_inputs":
             kernel, pointers = call_inputs._call_inputs_kernel, CALL_INPUTS_POINTERS
             consts = call_inputs.launch_constants(hq, d, 16)

@@ -36,9 +36,14 @@ PROMOTE_CASES = [
 ]
 
 SELECT_CASES = [
-    # hq, hkv, d, table columns, KernelTuning fields: LLaMA-3.1-8B at 32K under the default ladder (k_max 256: a
-    # window of 1,024 sorted positions) with a first window of 64, which compiles both windows' code
-    (32, 8, 128, 2048, {"select_first_window": 64}),
+    # hq, hkv, d, table columns, key budget rule, KernelTuning fields: LLaMA-3.1-8B at 32K under the default ladder
+    # (k_max 256: a window of 1,024 sorted positions) with a first window of 64, which compiles both windows' code
+    (32, 8, 128, 2048, True, {"select_first_window": 64}),
+    # the same table by search (no window): one program per head, and keys and values apart; the coverage rule's
+    # three searches
+    (32, 8, 128, 2048, True, {"select_search": 1, "select_parts": 1}),
+    (32, 8, 128, 2048, True, {"select_search": 1, "select_parts": 2}),
+    (32, 8, 128, 2048, False, {"select_search": 1, "select_parts": 1}),
 ]
 
 CALL_INPUT_CASES = [(32, 8, 128), (14, 2, 64)]  # LLaMA-3.1-8B; Qwen2.5-0.5B (14 query heads: padded to 16)
@@ -51,8 +56,8 @@ def compiled() -> dict:
     jobs += [{"kernel": "resident", "hq": hq, "hkv": hkv, "d": d, "flags": f} for hq, hkv, d, f, _ in RESIDENT_CASES]
     jobs += [{"kernel": "promote", "hq": hq, "hkv": hkv, "d": d} for hq, hkv, d, _ in PROMOTE_CASES]
     jobs += [
-        {"kernel": "select", "hq": hq, "hkv": hkv, "d": d, "blocks": b, "tuning": t}
-        for hq, hkv, d, b, t in SELECT_CASES
+        {"kernel": "select", "hq": hq, "hkv": hkv, "d": d, "blocks": b, "key_budget": kb, "tuning": t}
+        for hq, hkv, d, b, kb, t in SELECT_CASES
     ]
     jobs += [{"kernel": "call_inputs", "hq": hq, "hkv": hkv, "d": d} for hq, hkv, d in CALL_INPUT_CASES]
     results = run_jobs(jobs)
@@ -92,12 +97,13 @@ def test_promotion_pass_compiles_for_sm90_without_spills(hq, hkv, d, max_registe
     assert use["loop_instructions"] > 0
 
 
-@pytest.mark.parametrize("hq,hkv,d,blocks,tuning", SELECT_CASES)
-def test_selection_kernel_compiles_for_sm90(hq, hkv, d, blocks, tuning, compiled):
+@pytest.mark.parametrize("hq,hkv,d,blocks,key_budget,tuning", SELECT_CASES)
+def test_selection_kernel_compiles_for_sm90(hq, hkv, d, blocks, key_budget, tuning, compiled):
     """The selection kernel with its launcher's constants (``select.select_launch_constants``) compiles for sm_90:
     the interpreter that runs it in the CPU tests does not check what the compiler checks (a value's type must be
     the same on both sides of a branch). Within 255 registers, no spills (Triton 3.9 here: 224 registers)."""
-    use = compiled[repr({"kernel": "select", "hq": hq, "hkv": hkv, "d": d, "blocks": blocks, "tuning": tuning})]
+    job = {"kernel": "select", "hq": hq, "hkv": hkv, "d": d, "blocks": blocks, "key_budget": key_budget, "tuning": tuning}
+    use = compiled[repr(job)]
     assert use["stack"] == 0 and use["registers"] <= 255, use
 
 
