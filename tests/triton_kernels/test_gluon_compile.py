@@ -102,7 +102,8 @@ def test_selection_kernel_compiles_for_sm90(hq, hkv, d, blocks, key_budget, tuni
     """The selection kernel with its launcher's constants (``select.select_launch_constants``) compiles for sm_90:
     the interpreter that runs it in the CPU tests does not check what the compiler checks (a value's type must be
     the same on both sides of a branch). Within 255 registers, no spills (Triton 3.9 here: 224 registers)."""
-    job = {"kernel": "select", "hq": hq, "hkv": hkv, "d": d, "blocks": blocks, "key_budget": key_budget, "tuning": tuning}
+    job = {"kernel": "select", "hq": hq, "hkv": hkv, "d": d, "blocks": blocks, "key_budget": key_budget,
+           "tuning": tuning}  # fmt: skip
     use = compiled[repr(job)]
     assert use["stack"] == 0 and use["registers"] <= 255, use
 
