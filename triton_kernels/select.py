@@ -258,12 +258,24 @@ def _tail_combine(c0, s0, m0, c1, s1, m1):
 
 
 @triton.jit
-def _tail_at(key, x, y, t):
+def _count_sum_combine(c0, s0, c1, s1):
+    return c0 + c1, s0 + s1
+
+
+@triton.jit
+def _tail_at(key, x, y, t, MODE: tl.constexpr):
     """At threshold ``t``: ``(#{key ≥ t}, Σ x over key < t accumulated in float64, max y over key < t)`` in one
-    block-wide reduction (the padding's −1 keys are below every t ≥ 0, with x = y = 0 there)."""
+    block-wide reduction of what rule ``MODE`` reads (the others are 0); the padding's −1 keys are below every
+    t ≥ 0, with x = y = 0 there."""
     above = key >= t
-    below_x = tl.where(above, 0.0, x).to(tl.float64)
-    return tl.reduce((above.to(tl.int32), below_x, tl.where(above, 0.0, y)), 0, _tail_combine)
+    if MODE == _COUNT:
+        return tl.sum(above.to(tl.int32), 0), 0.0, 0.0
+    elif (MODE == _VALUES) | (MODE == _COVERAGE):
+        c, s = tl.reduce((above.to(tl.int32), tl.where(above, 0.0, x).to(tl.float64)), 0, _count_sum_combine)
+        return c, s, 0.0
+    else:
+        below_x = tl.where(above, 0.0, x).to(tl.float64)
+        return tl.reduce((above.to(tl.int32), below_x, tl.where(above, 0.0, y)), 0, _tail_combine)
 
 
 @triton.jit
@@ -278,19 +290,18 @@ def _search_holds(c, s, m, target, delta_all, rr, GS, KMIN, KMAX1, TOL, THR, MOD
     * ``VALUES``: the ρ̄·η left ≤ ``TOL`` (rung 2's budget) or c ≥ ``target`` (``value_k_max``, −1: no cap);
     * ``COVERAGE``: α̂ ≤ ``TOL`` (1 − τ_cov);
     * ``RUNG1``: E_key estimate ≤ ``TOL`` and α̂ ≤ ``THR`` (the coverage rule's rung-1 condition)."""
-    alpha = s.to(tl.float32)
     if MODE == _COUNT:
         return c >= target
     elif MODE == _KEY_BUDGET:
-        est = _key_estimate(alpha, m, delta_all, rr, GS, PRECISE)
+        est = _key_estimate(s.to(tl.float32), m, delta_all, rr, GS, PRECISE)
         return ((est <= TOL) & (c >= KMIN)) | (c >= KMAX1)
     elif MODE == _VALUES:
-        return (alpha <= TOL) | ((target >= 0) & (c >= target))
+        return (s.to(tl.float32) <= TOL) | ((target >= 0) & (c >= target))
     elif MODE == _COVERAGE:
-        return alpha <= TOL
+        return s.to(tl.float32) <= TOL
     else:
-        est = _key_estimate(alpha, m, delta_all, rr, GS, PRECISE)
-        return (est <= TOL) & (alpha <= THR)
+        alpha = s.to(tl.float32)
+        return (_key_estimate(alpha, m, delta_all, rr, GS, PRECISE) <= TOL) & (alpha <= THR)
 
 
 @triton.jit
@@ -312,7 +323,7 @@ def _search(key, x, y, n, target, delta_all, rr, GS, KMIN, KMAX1, TOL, THR, MODE
     while (c_t - c_hi > 1) & (i < 31 + LOG2BP):
         shift = tl.where(i < 31, 62 - i, 31 + LOG2BP - 1 - i)
         cand = t | (one << shift.to(tl.int64))
-        c, s, m = _tail_at(key, x, y, cand)
+        c, s, m = _tail_at(key, x, y, cand, MODE)
         ok = _search_holds(c, s, m, target, delta_all, rr, GS, KMIN, KMAX1, TOL, THR, MODE, PRECISE)
         t = tl.where(ok, cand, t)
         c_t = tl.where(ok, c, c_t)
