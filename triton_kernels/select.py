@@ -16,6 +16,11 @@ head) holds the head's ``B`` blocks in registers (``BP`` = next power of two):
    budget rule) and ``1 << (G + g)`` for promoted values (atomic OR: the G programs of a (row, KV head) share
    the words).
 
+With ``KernelTuning.select_search`` the counts of steps 1–3 come from ``_search`` instead of the sorts: each rule
+(K* with its clamps and rung 1, rung 2's greedy count) is monotone in the number of top positions taken, so a
+bisection over the sort keys' bits, one block-wide reduction (count, float64 tail sum, Δ maximum) per step, finds the
+threshold whose count is the rule's first; the blocks with keys at or above it are the promoted ones.
+
 Keys (1–2) and values (3) are independent chains of block-wide reductions and sorts: with few heads in the batch
 (``PARTS`` = 2, where twice the programs still leave each its own multiprocessor) a second program per head
 takes the values, so a small batch waits for the longer chain rather than for both in turn.
