@@ -114,16 +114,23 @@ def _settle(tables, TB_STRIDE, nfull, bits, B, need_mask, num_blocks, P, claim, 
     idx, inb, need, bid, page, s1, s2 = _items(tables, TB_STRIDE, nfull, bits, B, need_mask, num_blocks, P, H, BLK)
     st = tl.load(state + idx, mask=inb, other=-1)
     own = inb & (st >= 0)
-    # Triton's CAS takes no mask: an item without a slot swaps against a value no entry holds, at its own first
-    # slot (one address per page, not one for all: ~all items on entry 0 serialised the whole kernel)
     slot = tl.where(own, st, s1).to(tl.int64)
-    old = tl.atomic_cas(claim + slot, tl.where(own, page + _CLAIM_HIT, _NO_CLAIM), tl.full(page.shape, -1, tl.int64))
-    rest = own & (old != page + _CLAIM_HIT)  # not the hit that claimed this slot
-    old = tl.atomic_cas(claim + slot, tl.where(rest, page, _NO_CLAIM), tl.full(page.shape, -1, tl.int64))
-    won1 = rest & (old == page)
-    rest = rest & ~won1
-    old = tl.atomic_cas(claim2 + slot, tl.where(rest, page, _NO_CLAIM), tl.full(page.shape, -1, tl.int64))
-    fill = won1 | (rest & (old == page))
+    fill = own & (st < -1)  # none yet
+    # Triton's CAS takes no mask: an item without a slot swaps against a value no entry holds, at its own first
+    # slot (one address per page, not one for all: ~all items on entry 0 serialised the whole kernel); a program
+    # whose items hold no slot (no promoted block in its range) issues none
+    if tl.sum(own.to(tl.int32), 0) > 0:
+        free = tl.full(page.shape, -1, tl.int64)
+        old = tl.atomic_cas(claim + slot, tl.where(own, page + _CLAIM_HIT, _NO_CLAIM), free)
+        rest = own & (old != page + _CLAIM_HIT)  # not the hit that claimed this slot
+        old = tl.atomic_cas(claim + slot, tl.where(rest, page, _NO_CLAIM), free)
+        won1 = rest & (old == page)
+        rest = rest & ~won1
+        if tl.sum(rest.to(tl.int32), 0) > 0:
+            old = tl.atomic_cas(claim2 + slot, tl.where(rest, page, _NO_CLAIM), free)
+            fill = won1 | (rest & (old == page))
+        else:
+            fill = won1
     tl.store(tag + slot, page, mask=fill)
     tl.store(tag_gen + slot, tl.load(gen + bid, mask=fill, other=0), mask=fill)
     n = tl.sum(fill.to(tl.int64), axis=0)
