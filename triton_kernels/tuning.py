@@ -21,18 +21,18 @@ configuration computes the same certified quantities (``tests/triton_kernels/tes
   kernel runs. Rungs 3/4's exact re-run always takes the Triton kernel.
 * ``select_warps``: warps per program of the selection kernel (0: 4, more for tables over 2,048 blocks: ``BP/512``
   up to 16). Each program holds its head's whole table in registers; more warps spread it thinner.
-* ``select_first_window``: on the selection's windowed path (tables wider than its window of ``W`` sorted positions,
+* ``select_first_window``: with ``select_search=0``, on the selection's windowed path (tables wider than its window of ``W`` sorted positions,
   ``W`` ≥ ``k_max_widened`` + 1), a first window of this many positions (a power of two, 0: none) is sorted first;
   where K* and rung 2's greedy count fall inside it, the ``W``-position sorts are skipped (the same decisions), else
   they run as before. A concentrated head decides in a few dozen blocks; a spread one pays for both windows.
 * ``select_parts``: programs per query head of the selection kernel: 1 (keys and values in one), 2 (apart:
   a small batch waits for the longer of the two chains instead of both), 0: 2 where the doubled grid still gives
   each program its own multiprocessor (``select.select_parts``), else 1.
-* ``select_search``: 1 finds the selection's counts (K* with its clamps and rung 1, rung 2's greedy count) by a
-  bisection on each rule itself (``select._search``: one block-wide reduction of the count, the float64 tail sum and
-  the Δ maximum per step, stopping once one key is left between its bounds), then takes every block whose sort key
-  is at or above the threshold found: no window, no compaction, no sort. 0 sorts a window of the order
-  (``select_first_window`` and the window apply). The same decisions either way.
+* ``select_search``: 1 (the default) finds the selection's counts (K* with its clamps and rung 1, rung 2's greedy
+  count) by a bisection on each rule itself (``select._search``: one block-wide reduction of the count, the float64
+  tail sum and the Δ maximum per step, stopping once one key is left between its bounds), then takes every block
+  whose sort key is at or above the threshold found: no window, no compaction, no sort. 0 sorts a window of the
+  order instead (``select_first_window`` and the window apply). The same decisions either way.
 * ``phase1_blk``, ``phase1_warps``: blocks per loop iteration and warps per program of phase 1 (the Gluon
   phase-1 kernel takes one block per warp, the Triton one ``phase1_blk`` blocks in one batched dot).
 * ``attend_blk``, ``attend_warps``: blocks per loop iteration of the Triton attend kernel, and warps per CUDA
@@ -105,7 +105,7 @@ class KernelTuning:
     select_warps: int = 0
     select_first_window: int = 0
     select_parts: int = 0
-    select_search: int = 0
+    select_search: int = 1
     phase1_blk: int = 4
     phase1_warps: int = 4
     attend_blk: int = 4

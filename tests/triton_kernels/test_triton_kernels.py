@@ -46,6 +46,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from certvllm.triton_kernels.common import key_scale_sigma  # noqa: E402
 from certvllm.triton_kernels.encode import encode_pages_triton  # noqa: E402
+from certvllm.triton_kernels.tuning import KernelTuning  # noqa: E402
 
 from certvllm.attention import certified_attention, dense_decode  # noqa: E402
 from certvllm.attention.gpu import CudaOptions  # noqa: E402
@@ -479,7 +480,6 @@ def test_phase2_split_plan_of_its_own(gen, monkeypatch):
     is sound (``_check``), its rungs equal the 3/3 plan's and its output agrees within float32 summation
     order, since phase 2 reads phase 1's outputs per block."""
     from certvllm.triton_kernels.common import split_plan
-    from certvllm.triton_kernels.tuning import KernelTuning
 
     from certvllm.attention import gpu
 
@@ -571,6 +571,7 @@ def _phase1_summary(R, K, G, B, nfull, kind, gen) -> tuple[Phase1, torch.Tensor]
 
 
 SELECTION_KINDS = ("random", "ties", "peak", "flat", "huge_delta")
+WINDOW_PATH = KernelTuning(select_search=0)  # the sorted window (``select_search`` is the default's path)
 SELECTION_SHAPES = ((1, "coverage", 512), (7, "strict", 512), (32, "default", 512), (45, "fast", 16),
                     (64, "paper", 16), (100, "default", 8), (130, "strict", 4))  # fmt: skip
 
@@ -585,11 +586,12 @@ def _selection_cases() -> list:
 
 @pytest.mark.parametrize("kind,B,preset,window", _selection_cases())
 def test_selection_kernel_equals_the_torch_reference(kind, B, preset, window, gen):
-    """``triton_kernels.select`` makes the decisions of ``select_keys``/``select_values``: the same key and
-    value masks and the same rung-1 flags, block for block (K_min/K_max clamps, rung 1, value caps). A
-    window smaller than the table runs the windowed path (a threshold by bisection, the keys above it compacted,
-    and the full order when the value greedy runs past the window: ``flat``/``huge_delta``)."""
-    _check_selection(kind, B, preset, window, gen)
+    """``triton_kernels.select``'s sorted-window path (``select_search=0``) makes the decisions of
+    ``select_keys``/``select_values``: the same key and value masks and the same rung-1 flags, block for block
+    (K_min/K_max clamps, rung 1, value caps). A window smaller than the table runs the windowed path (a threshold
+    by bisection, the keys above it compacted, and the full order when the value greedy runs past the window:
+    ``flat``/``huge_delta``)."""
+    _check_selection(kind, B, preset, window, gen, WINDOW_PATH)
 
 
 @pytest.mark.parametrize(
@@ -602,10 +604,9 @@ def test_selection_in_one_program_per_head_decides_as_the_reference(kind, B, win
     ``ties``, ``huge_delta``: the two orders' windows settle after very different numbers of bisection steps) and
     the whole-table one; the tests above run ``parts=2``, the launcher's choice at their 18 heads."""
     from certvllm.triton_kernels.select import select_parts
-    from certvllm.triton_kernels.tuning import KernelTuning
 
     assert select_parts(18) == 2 and select_parts(67) == 1  # 132 multiprocessors under the interpreter
-    _check_selection(kind, B, "default", window, gen, KernelTuning(select_parts=1))
+    _check_selection(kind, B, "default", window, gen, KernelTuning(select_parts=1, select_search=0))
 
 
 @pytest.mark.parametrize("kind", SELECTION_KINDS)
@@ -615,9 +616,8 @@ def test_selection_first_window_decides_as_the_reference(kind, preset, first, ge
     here; 100 blocks) leaves every decision the reference's, both where K* and the value count fall inside it
     (``peak``: one dominant block) and where the wide window has to decide (``flat``: rung 1 widens;
     ``huge_delta``: the estimate never meets key_tol, K* = K_max)."""
-    from certvllm.triton_kernels.tuning import KernelTuning
 
-    _check_selection(kind, 100, preset, 16, gen, KernelTuning(select_first_window=first))
+    _check_selection(kind, 100, preset, 16, gen, KernelTuning(select_first_window=first, select_search=0))
 
 
 @pytest.mark.parametrize("kind,B,preset,window", _selection_cases())
@@ -627,7 +627,6 @@ def test_selection_by_search_decides_as_the_reference(kind, B, preset, window, p
     make the reference's decisions on every shape and kind: the budget rule's K* with its clamps and rung 1, the
     coverage rule's base and widening (``coverage``, ``paper``), rung 2's count and its cap (``value_k_max`` 2 on
     even tables), ties broken by block order (``ties``), with both one program per head and keys and values apart."""
-    from certvllm.triton_kernels.tuning import KernelTuning
 
     _check_selection(kind, B, preset, window, gen, KernelTuning(select_search=1, select_parts=parts))
 
