@@ -16,10 +16,10 @@ head) holds the head's ``B`` blocks in registers (``BP`` = next power of two):
    budget rule) and ``1 << (G + g)`` for promoted values (atomic OR: the G programs of a (row, KV head) share
    the words).
 
-With ``KernelTuning.select_search`` the counts of steps 1–3 come from ``_search`` instead of the sorts: each rule
-(K* with its clamps and rung 1, rung 2's greedy count) is monotone in the number of top positions taken, so a
-bisection over the sort keys' bits, one block-wide reduction (count, float64 tail sum, Δ maximum) per step, finds the
-threshold whose count is the rule's first; the blocks with keys at or above it are the promoted ones.
+By default (``KernelTuning.select_search``) the counts of steps 1–3 come from ``_search`` instead of the sorts:
+each rule (K* with its clamps and rung 1, rung 2's greedy count) is monotone in the number of top positions taken,
+so a bisection over the sort keys' bits, one block-wide reduction (count, float64 tail sum, Δ maximum) per step,
+finds the threshold whose count is the rule's first; the blocks with keys at or above it are the promoted ones.
 
 Keys (1–2) and values (3) are independent chains of block-wide reductions and sorts: with few heads in the batch
 (``PARTS`` = 2, where twice the programs still leave each its own multiprocessor) a second program per head
@@ -529,9 +529,9 @@ def select_blocks(
         v_max: ``[R, K]`` (or ``[R, K, 1]``) float32 V_max; rung 2's budget is ``policy.v_tol``·V_max /
             ``VALUE_BUDGET_MARGIN`` in float32, as ``selection.select_values`` computes it.
         policy: the ladder's parameters (exploration draws are the caller's).
-        window: how much of each sorted order is materialised when the table is wider (raised to the next
-            power of two above ``policy.k_max_widened``); the greedy value promotion falls back to the
-            full order inside the kernel if it needs more.
+        window: with ``tuning.select_search`` 0, how much of each sorted order is materialised when the table is
+            wider (raised to the next power of two above ``policy.k_max_widened``); the greedy value promotion
+            falls back to the full order inside the kernel if it needs more.
         active: ``[R, K]`` int32: the groups to select for (the others get no bits and no rung 1), or None (all).
         tuning: ``select_warps`` (warps per program), ``select_first_window`` (a smaller window tried first on
             the windowed path: where K* and rung 2's count fall inside it, the wide window's sorts are skipped) and
@@ -594,5 +594,6 @@ def select_launch_constants(num_blocks: int, num_kv_heads: int, group: int, key_
     return dict(
         BUDGET=key_budget, H=num_kv_heads, G=group, BP=cls.bp, W=w,
         WS=tuning.select_first_window if tuning.select_first_window < w else 0, LOG2BP=cls.log2bp,
-        USE_ACTIVE=use_active, PRECISE=precise(), PARTS=parts, SEARCH=tuning.select_search, num_warps=tuning.select_warps or min(16, max(4, cls.bp // 512)),
+        USE_ACTIVE=use_active, PRECISE=precise(), PARTS=parts, SEARCH=tuning.select_search,
+        num_warps=tuning.select_warps or min(16, max(4, cls.bp // 512)),
     )  # fmt: skip
