@@ -616,7 +616,6 @@ def test_selection_first_window_decides_as_the_reference(kind, preset, first, ge
     here; 100 blocks) leaves every decision the reference's, both where K* and the value count fall inside it
     (``peak``: one dominant block) and where the wide window has to decide (``flat``: rung 1 widens;
     ``huge_delta``: the estimate never meets key_tol, K* = K_max)."""
-
     _check_selection(kind, 100, preset, 16, gen, KernelTuning(select_first_window=first, select_search=0))
 
 
@@ -627,7 +626,6 @@ def test_selection_by_search_decides_as_the_reference(kind, B, preset, window, p
     make the reference's decisions on every shape and kind: the budget rule's K* with its clamps and rung 1, the
     coverage rule's base and widening (``coverage``, ``paper``), rung 2's count and its cap (``value_k_max`` 2 on
     even tables), ties broken by block order (``ties``), with both one program per head and keys and values apart."""
-
     _check_selection(kind, B, preset, window, gen, KernelTuning(select_search=1, select_parts=parts))
 
 
