@@ -117,6 +117,14 @@ def _at(x, pos, k):
 
 
 @triton.jit
+def _bit_candidate(t, one, i, LOG2BP: tl.constexpr):
+    """Step ``i`` of a bisection over ``_order_keys`` keys from the top: ``t`` with its next bit set (bits 62 … 32,
+    the float's; then LOG2BP − 1 … 0, the block index's; bit 63 and the low word's bits 31 … LOG2BP are always 0)."""
+    shift = tl.where(i < 31, 62 - i, 31 + LOG2BP - 1 - i)
+    return t | (one << shift.to(tl.int64))
+
+
+@triton.jit
 def _window_threshold(key, LO, W, LOG2BP: tl.constexpr):
     """A threshold t with LO ≤ #{key ≥ t} ≤ W for more than W distinct keys ≥ 0 (padding −1); with at most W keys
     the count is at most W and t may be 0 (all of them).
@@ -131,8 +139,7 @@ def _window_threshold(key, LO, W, LOG2BP: tl.constexpr):
     found = t * 0
     i = 0
     while (found == 0) & (i < 31 + LOG2BP):
-        shift = tl.where(i < 31, 62 - i, 31 + LOG2BP - 1 - i)
-        cand = t | (one << shift.to(tl.int64))
+        cand = _bit_candidate(t, one, i, LOG2BP)
         c = tl.sum((key >= cand).to(tl.int32), 0)
         t = tl.where(c >= LO, cand, t)
         found = ((c >= LO) & (c <= W)).to(found.dtype)
@@ -326,8 +333,7 @@ def _search(key, x, y, n, target, delta_all, rr, GS, KMIN, KMAX1, TOL, THR, MODE
     c_hi = n * 0 - 1  # unknown: no candidate rejected yet
     i = 0
     while (c_t - c_hi > 1) & (i < 31 + LOG2BP):
-        shift = tl.where(i < 31, 62 - i, 31 + LOG2BP - 1 - i)
-        cand = t | (one << shift.to(tl.int64))
+        cand = _bit_candidate(t, one, i, LOG2BP)
         c, s, m = _tail_at(key, x, y, cand, MODE)
         ok = _search_holds(c, s, m, target, delta_all, rr, GS, KMIN, KMAX1, TOL, THR, MODE, PRECISE)
         t = tl.where(ok, cand, t)

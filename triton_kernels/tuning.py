@@ -21,10 +21,10 @@ configuration computes the same certified quantities (``tests/triton_kernels/tes
   kernel runs. Rungs 3/4's exact re-run always takes the Triton kernel.
 * ``select_warps``: warps per program of the selection kernel (0: 4, more for tables over 2,048 blocks: ``BP/512``
   up to 16). Each program holds its head's whole table in registers; more warps spread it thinner.
-* ``select_first_window``: with ``select_search=0``, on the selection's windowed path (tables wider than its window of ``W`` sorted positions,
-  ``W`` ≥ ``k_max_widened`` + 1), a first window of this many positions (a power of two, 0: none) is sorted first;
-  where K* and rung 2's greedy count fall inside it, the ``W``-position sorts are skipped (the same decisions), else
-  they run as before. A concentrated head decides in a few dozen blocks; a spread one pays for both windows.
+* ``select_first_window``: with ``select_search=0``, on the selection's windowed path (tables wider than its window
+  of ``W`` sorted positions, ``W`` ≥ ``k_max_widened`` + 1), a first window of this many positions (a power of two,
+  0: none) is sorted first; where K* and rung 2's greedy count fall inside it, the ``W``-position sorts are skipped
+  (the same decisions), else they run as before. A concentrated head decides in a few dozen blocks; a spread one pays for both windows.
 * ``select_parts``: programs per query head of the selection kernel: 1 (keys and values in one), 2 (apart:
   a small batch waits for the longer of the two chains instead of both), 0: 2 where the doubled grid still gives
   each program its own multiprocessor (``select.select_parts``), else 1.
